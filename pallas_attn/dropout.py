@@ -1,0 +1,103 @@
+"""Counter-based attention dropout shared by the kernels and the reference.
+
+The keep decision for attention weight (b, n, i, j) is a pure function of the
+seed and those four indices: a 32-bit integer hash (MurmurHash3's finaliser,
+applied per program, per query row and per element). Nothing depends on tile
+sizes, so the forward kernel, the backward kernels and the reference regenerate
+the same mask, and nothing T x S is ever stored.
+
+Only uint32 multiply, xor and logical shifts are used, so the same code runs in
+jnp, in the Pallas interpreter and in the Triton lowering.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+# Odd 32-bit constants (Weyl-sequence / MurmurHash3 multipliers).
+_ROW_MULTIPLIER = 0x9E3779B1
+_COL_MULTIPLIER = 0x85EBCA77
+_HEAD_MULTIPLIER = 0x27D4EB2F
+_KEEP_BITS = 24  # the keep test compares the top 24 bits of the hash
+
+
+def _u32(x: Any) -> jax.Array:
+    return jnp.asarray(x).astype(jnp.uint32)
+
+
+def _fmix32(h: jax.Array) -> jax.Array:
+    h = h ^ (h >> 16)
+    h = h * jnp.uint32(0x85EBCA6B)
+    h = h ^ (h >> 13)
+    h = h * jnp.uint32(0xC2B2AE35)
+    return h ^ (h >> 16)
+
+
+def seed_from_key(rng: Any) -> jax.Array:
+    """The two uint32 seed words drawn from a jax PRNG key (typed or raw)."""
+    try:
+        return jax.random.bits(rng, (2,), jnp.uint32)
+    except (TypeError, ValueError) as e:
+        raise TypeError(f"dropout_rng must be a jax PRNG key, got {rng!r}: {e}") from None
+
+
+def keep_threshold(rate: float) -> int:
+    """Integer threshold t: an entry is kept iff its 24-bit hash is >= t."""
+    return min(int(round(rate * (1 << _KEEP_BITS))), (1 << _KEEP_BITS) - 1)
+
+
+def program_key(seed: jax.Array, batch_head: Any) -> jax.Array:
+    """Per (batch, head) uint32 key; batch_head = b * N + n (0 when broadcast)."""
+    h = _fmix32(_u32(seed[1]) ^ (_u32(batch_head) * jnp.uint32(_HEAD_MULTIPLIER)))
+    return _fmix32(_u32(seed[0]) ^ h)
+
+
+def row_keys(key: jax.Array, rows: jax.Array) -> jax.Array:
+    """Per query row uint32 keys, rows an int32 vector of query positions."""
+    return _fmix32(key ^ (_u32(rows) * jnp.uint32(_ROW_MULTIPLIER)))
+
+
+def keep(row_key: jax.Array, cols: jax.Array, rate: float) -> jax.Array:
+    """Boolean keep decisions [rows, cols] from row keys [rows] and key positions [cols]."""
+    h = _fmix32(row_key[:, None] ^ (_u32(cols)[None, :] * jnp.uint32(_COL_MULTIPLIER)))
+    return (h >> (32 - _KEEP_BITS)).astype(jnp.int32) >= keep_threshold(rate)
+
+
+def keep_mask_from_seed(
+    seed: jax.Array, *, batch: int, num_heads: int, q_len: int, kv_len: int, rate: float,
+    broadcast_batch_heads: bool = False,
+) -> jax.Array:
+    """The [B, N, T, S] keep mask for a seed (tests and debugging only)."""
+    rows = jnp.arange(q_len, dtype=jnp.int32)
+    cols = jnp.arange(kv_len, dtype=jnp.int32)
+
+    def one(batch_head):
+        bh = 0 if broadcast_batch_heads else batch_head
+        return keep(row_keys(program_key(seed, bh), rows), cols, rate)
+
+    flat = jax.vmap(one)(jnp.arange(batch * num_heads, dtype=jnp.int32))
+    return flat.reshape(batch, num_heads, q_len, kv_len)
+
+
+def dropout_keep_mask(
+    rng: Any, *, batch: int, num_heads: int, q_len: int, kv_len: int, rate: float,
+    broadcast_batch_heads: bool = False,
+) -> jax.Array:
+    """The boolean [B, N, T, S] keep mask that dot_product_attention applies for `rng`.
+
+    For tests and debugging: the kernels never build it. Kept weights are scaled
+    by 1 / (1 - rate). With broadcast_batch_heads=True every (b, n) shares one mask
+    (Flax's broadcast_dropout).
+    """
+    if not 0.0 <= rate < 1.0:
+        raise ValueError(f"rate must lie in [0, 1), got {rate}")
+    for name, value in (("batch", batch), ("num_heads", num_heads), ("q_len", q_len),
+                        ("kv_len", kv_len)):
+        if not isinstance(value, int) or value <= 0:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    return keep_mask_from_seed(seed_from_key(rng), batch=batch, num_heads=num_heads,
+                               q_len=q_len, kv_len=kv_len, rate=rate,
+                               broadcast_batch_heads=broadcast_batch_heads)

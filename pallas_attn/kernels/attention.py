@@ -1,0 +1,151 @@
+"""The Pallas implementation: tile choice, padding and the jax.custom_vjp.
+
+Sequence lengths are padded up to a multiple of every tile and head dims to a
+power of two (Triton tiles are powers of two); the kernels mask the padded keys
+and the padded rows are sliced off, so callers never pad. Padding copies q, k, v
+only when a length is ragged or a head dim is not a power of two: O(T) memory.
+
+Residuals: the (padded) inputs, the output and the log2-domain logsumexp.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.custom_derivatives import SymbolicZero
+
+from pallas_attn import tuning
+from pallas_attn.kernels import triton_bwd, triton_fwd
+from pallas_attn.kernels.common import OPTIONAL_INPUTS, Problem
+from pallas_attn.spec import AttentionSpec, Operands
+from pallas_attn.tuning import BlockSizes, DeviceInfo
+
+_LN2 = math.log(2.0)
+
+
+def _pad_axis(x: jax.Array, axis: int, size: int, value: Any = 0) -> jax.Array:
+    if x.shape[axis] == size:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, size - x.shape[axis])
+    return jnp.pad(x, widths, constant_values=value)
+
+
+def resolve_block_sizes(spec: AttentionSpec, ops: Operands, block_sizes: BlockSizes | None,
+                        interpret: bool) -> BlockSizes:
+    B, T, N, H = ops.query.shape
+    S, Hv = ops.key.shape[1], ops.value.shape[-1]
+    device = DeviceInfo() if interpret else DeviceInfo.current()
+    if block_sizes is None:
+        features = dict(is_causal=spec.is_causal, has_bias=spec.has_bias,
+                        has_dropout=spec.has_dropout, has_window=spec.local_window is not None)
+        return tuning.choose_block_sizes(H, ops.query.dtype, q_len=T, kv_len=S,
+                                         value_head_dim=Hv, device=device, **features)
+    if not interpret:
+        tuning.check_fits(block_sizes, H, Hv, ops.query.dtype, device)
+    return block_sizes
+
+
+def attention(spec: AttentionSpec, ops: Operands, *, block_sizes: BlockSizes | None = None,
+              interpret: bool = False) -> tuple[jax.Array, jax.Array]:
+    """Canonical-layout attention through the kernels: (out [B,T,N,Hv], lse [B,N,T])."""
+    blocks = resolve_block_sizes(spec, ops, block_sizes, interpret)
+    q, k, v = ops.query, ops.key, ops.value
+    B, T, N, H = q.shape
+    S, K, Hv = k.shape[1], k.shape[2], v.shape[-1]
+    q_pad = tuning.ceil_div(T, max(blocks.block_q, blocks.block_q_dkv, blocks.block_q_dq)) * max(
+        blocks.block_q, blocks.block_q_dkv, blocks.block_q_dq)
+    kv_pad = tuning.ceil_div(S, max(blocks.block_k, blocks.block_k_dkv, blocks.block_k_dq)) * max(
+        blocks.block_k, blocks.block_k_dkv, blocks.block_k_dq)
+    hp, hvp = tuning.padded_head_dim(H), tuning.padded_head_dim(Hv)
+
+    optional = {name: getattr(ops, name) for name in OPTIONAL_INPUTS
+                if getattr(ops, name) is not None}
+    if "bias" in optional:
+        bias = optional["bias"]
+        bias = _pad_axis(bias, 2, q_pad) if bias.shape[2] > 1 else bias
+        optional["bias"] = _pad_axis(bias, 3, kv_pad) if bias.shape[3] > 1 else bias
+    if "mask" in optional:
+        mask = optional["mask"]
+        mask = _pad_axis(mask, 2, q_pad, False) if mask.shape[2] > 1 else mask
+        optional["mask"] = _pad_axis(mask, 3, kv_pad, False) if mask.shape[3] > 1 else mask
+    if "q_segment_ids" in optional:
+        optional["q_segment_ids"] = _pad_axis(optional["q_segment_ids"], 1, q_pad)
+        optional["kv_segment_ids"] = _pad_axis(optional["kv_segment_ids"], 1, kv_pad)
+
+    problem = Problem(
+        spec=spec, batch=B, num_heads=N, num_kv_heads=K, q_len=T, kv_len=S, q_pad=q_pad,
+        kv_pad=kv_pad, head_dim=H, value_head_dim=Hv, dtype=jnp.dtype(q.dtype).name,
+        blocks=blocks, present=tuple(optional), interpret=interpret)
+    differentiable = {"bias": optional.pop("bias")} if "bias" in optional else {}
+    qp = _pad_axis(_pad_axis(q, 1, q_pad), 3, hp)
+    kp = _pad_axis(_pad_axis(k, 1, kv_pad), 3, hp)
+    vp = _pad_axis(_pad_axis(v, 1, kv_pad), 3, hvp)
+    out, lse2 = _fused(problem, qp, kp, vp, differentiable, optional)
+    lse = jnp.where(jnp.isinf(lse2), -jnp.inf, lse2 * _LN2)[:, :, :T]
+    return out[:, :T, :, :Hv], lse
+
+
+def _operands(differentiable: dict, optional: dict) -> dict:
+    return {**optional, **differentiable}
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _fused(problem: Problem, q, k, v, differentiable: dict, optional: dict):
+    return triton_fwd.forward(problem, q, k, v, _operands(differentiable, optional))
+
+
+def _value(x):
+    return jax.tree.map(lambda leaf: leaf.value, x,
+                        is_leaf=lambda leaf: hasattr(leaf, "perturbed"))
+
+
+def _perturbed(x) -> bool:
+    return any(leaf.perturbed for leaf in jax.tree.leaves(
+        x, is_leaf=lambda leaf: hasattr(leaf, "perturbed")))
+
+
+def _fused_fwd(problem: Problem, q, k, v, differentiable, optional):
+    if _perturbed(optional.get("alibi_slopes")):
+        raise NotImplementedError(
+            "the Pallas kernels treat alibi_slopes as constants and do not differentiate "
+            "them; wrap them in jax.lax.stop_gradient or use implementation='xla'")
+    bias_grad = _perturbed(differentiable)
+    q, k, v, differentiable, optional = (_value(x) for x in (q, k, v, differentiable, optional))
+    out, lse2 = triton_fwd.forward(problem, q, k, v, _operands(differentiable, optional))
+    # The pytree structure of this marker carries the static "bias needs a gradient".
+    marker = (jnp.zeros((), jnp.int8),) if bias_grad else ()
+    return (out, lse2), (q, k, v, differentiable, optional, out, lse2, marker)
+
+
+def _zeros_like_tangent(x: jax.Array) -> Any:
+    if jnp.issubdtype(x.dtype, jnp.floating):
+        return jnp.zeros_like(x)
+    return jnp.zeros(x.shape, jax.dtypes.float0)
+
+
+def _fused_bwd(problem: Problem, residuals, cotangents):
+    q, k, v, differentiable, optional, out, lse2, marker = residuals
+    d_out, d_lse2 = cotangents
+    if isinstance(d_out, SymbolicZero):
+        d_out = jnp.zeros(out.shape, out.dtype)
+    delta = jnp.einsum("btnh,btnh->bnt", d_out.astype(jnp.float32), out.astype(jnp.float32))
+    if not isinstance(d_lse2, SymbolicZero):
+        # The public lse is lse2 * ln2 and d lse / d logits = P, so an lse cotangent
+        # folds into delta as -d_lse = -d_lse2 / ln2 (rows with lse2 = +inf have P = 0).
+        delta = delta - jnp.where(jnp.isinf(lse2), 0.0, d_lse2 / _LN2)
+    operands = _operands(differentiable, optional)
+    dq, dk, dv, dbias = triton_bwd.backward(problem, q, k, v, operands, out, lse2,
+                                            d_out.astype(q.dtype), delta,
+                                            bias_grad=bool(marker))
+    d_differentiable = {"bias": dbias} if dbias is not None else jax.tree.map(
+        jnp.zeros_like, differentiable)
+    d_optional = jax.tree.map(_zeros_like_tangent, optional)
+    return dq, dk, dv, d_differentiable, d_optional
+
+
+_fused.defvjp(_fused_fwd, _fused_bwd, symbolic_zeros=True)

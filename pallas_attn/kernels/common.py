@@ -1,0 +1,265 @@
+"""Plumbing shared by every Pallas kernel: the static problem, named refs, tile math.
+
+`Problem` is the hashable description of one padded attention call; kernels are
+specialised on it. `TileContext` holds what a kernel program reads once (ALiBi
+slope, sequence lengths, dropout key) and computes a [block_q, block_k] tile of
+scores and score gradients with the shared modifiers of `scores.py`, so the
+forward, dK/dV, dQ and dbias kernels cannot disagree on the semantics.
+
+Scores inside kernels are kept in the log2 domain (x * log2(e)) so the softmax
+uses exp2, as FlashAttention does; lse residuals are stored in that domain too,
+with +inf marking a row that sees no key (so every backward p = exp2(s - lse) is 0).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_attn import dropout as dropout_lib
+from pallas_attn.kernels import scores
+from pallas_attn.spec import AttentionSpec
+from pallas_attn.tuning import BlockSizes
+
+LOG2E = math.log2(math.e)
+
+# Names of the optional operands, in the order kernels receive them.
+OPTIONAL_INPUTS = ("bias", "mask", "alibi_slopes", "q_segment_ids", "kv_segment_ids",
+                   "query_seq_lengths", "key_value_seq_lengths", "dropout_seed")
+
+
+@dataclasses.dataclass(frozen=True)
+class Problem:
+    """Static description of one padded call (hashable, a custom_vjp nondiff arg).
+
+    q_len / kv_len are the caller's lengths; the arrays are padded to
+    q_pad / kv_pad (multiples of every tile) and head dims to powers of two.
+    """
+
+    spec: AttentionSpec
+    batch: int
+    num_heads: int
+    num_kv_heads: int
+    q_len: int
+    kv_len: int
+    q_pad: int
+    kv_pad: int
+    head_dim: int
+    value_head_dim: int
+    dtype: str
+    blocks: BlockSizes
+    present: tuple[str, ...]  # which OPTIONAL_INPUTS are passed
+    interpret: bool = False
+
+    @property
+    def group(self) -> int:
+        return self.num_heads // self.num_kv_heads
+
+    @property
+    def offset(self) -> int:
+        return self.spec.offset(self.q_len, self.kv_len)
+
+    @property
+    def precision(self) -> Any:
+        # NOTE: float32 inputs get exact float32 products (Triton would default to tf32).
+        return lax.Precision.HIGHEST if self.dtype == "float32" else None
+
+    def has(self, name: str) -> bool:
+        return name in self.present
+
+
+def name_refs(names: Sequence[str], refs: Sequence[Any]) -> dict[str, Any]:
+    if len(names) != len(refs):
+        raise AssertionError(f"expected refs {names}, got {len(refs)}")
+    return dict(zip(names, refs, strict=True))
+
+
+def whole_array_specs(arrays: Sequence[jax.Array], grid_rank: int = 3) -> list[pl.BlockSpec]:
+    """Each operand as one block; kernels index it with program ids."""
+    def spec(x):
+        zeros = (0,) * x.ndim
+        return pl.BlockSpec(x.shape, lambda *_: zeros)
+    del grid_rank
+    return [spec(x) for x in arrays]
+
+
+def cdiv(a: Any, b: int) -> Any:
+    """Ceiling division of a non-negative traced int by a static int."""
+    return lax.div(a + (b - 1), b)
+
+
+def tile_span(lo: Any, hi: Any, block: int) -> tuple[Any, Any]:
+    """Tiles [first, stop) covering positions [lo, hi) (empty when hi <= lo)."""
+    lo = jnp.maximum(lo, 0)
+    hi = jnp.maximum(hi, lo)
+    return lax.div(lo, block), cdiv(hi, block)
+
+
+def full_tile_span(lo: Any, hi: Any, block: int, first: Any, stop: Any) -> tuple[Any, Any]:
+    """Tiles lying entirely inside positions [lo, hi), clipped into [first, stop)."""
+    lo = jnp.maximum(lo, 0)
+    hi = jnp.maximum(hi, 0)
+    full_first = jnp.clip(cdiv(lo, block), first, stop)
+    full_stop = jnp.clip(lax.div(hi, block), full_first, stop)
+    return full_first, full_stop
+
+
+def run_tile_loops(first: Any, stop: Any, full_first: Any, full_stop: Any,
+                   body: Callable[[Any, Any, bool], Any], carry: Any) -> Any:
+    """Loops tiles [first, stop): edge tiles with band masking, the middle without."""
+    def loop(lo, hi, masked, c):
+        return lax.fori_loop(lo, hi, lambda t, c: body(t, c, masked), c)
+
+    carry = loop(first, full_first, True, carry)
+    carry = loop(full_first, full_stop, False, carry)
+    return loop(full_stop, stop, True, carry)
+
+
+class TileContext:
+    """Per-program state for computing score tiles of query head n of batch entry b."""
+
+    def __init__(self, problem: Problem, refs: dict[str, Any], b: Any, n: Any):
+        self.p = problem
+        self.refs = refs
+        self.b = b
+        self.n = n
+        spec = problem.spec
+        self.slope = refs["alibi_slopes"][b, n] if problem.has("alibi_slopes") else None
+        self.kv_length = (refs["key_value_seq_lengths"][b]
+                          if problem.has("key_value_seq_lengths") else None)
+        self.q_length = (refs["query_seq_lengths"][b]
+                         if problem.has("query_seq_lengths") else None)
+        self.drop_key = None
+        if spec.has_dropout:
+            seed = (refs["dropout_seed"][0], refs["dropout_seed"][1])
+            batch_head = 0 if spec.broadcast_dropout else b * problem.num_heads + n
+            self.drop_key = dropout_lib.program_key(seed, batch_head)
+
+    # -- ranges -------------------------------------------------------------------
+    def kv_stop(self) -> Any:
+        """Keys at or past this position are invisible to every query."""
+        stop = self.p.kv_len
+        if self.kv_length is not None:
+            stop = jnp.minimum(stop, self.kv_length)
+        return stop
+
+    def key_tiles(self, q0: Any, q_stop: Any, block_k: int) -> tuple[Any, Any, Any, Any]:
+        """(first, stop, full_first, full_stop) key tiles for queries [q0, q_stop)."""
+        spec, off = self.p.spec, self.p.offset
+        kv_stop = self.kv_stop()
+        lo, hi = scores.key_range(q0, q_stop, spec, off, kv_stop)
+        first, stop = tile_span(lo, hi, block_k)
+        # A tile is fully visible (no band mask) if every (i, j) passes causal/window/length.
+        full_lo, full_hi = 0, kv_stop
+        if spec.is_causal:
+            full_hi = jnp.minimum(full_hi, q0 + off + 1)
+        if spec.local_window is not None:
+            left, right = spec.local_window
+            full_lo = jnp.maximum(full_lo, q_stop - 1 + off - left)
+            full_hi = jnp.minimum(full_hi, q0 + off + right + 1)
+        return (first, stop, *full_tile_span(full_lo, full_hi, block_k, first, stop))
+
+    def query_tiles(self, k0: Any, k_stop: Any, block_q: int) -> tuple[Any, Any, Any, Any]:
+        """(first, stop, full_first, full_stop) query tiles for keys [k0, k_stop)."""
+        spec, off = self.p.spec, self.p.offset
+        q_stop = self.p.q_len
+        if self.q_length is not None:
+            q_stop = jnp.minimum(q_stop, self.q_length)
+        lo, hi = scores.query_range(k0, k_stop, spec, off, q_stop)
+        hi = jnp.where(k0 < self.kv_stop(), hi, 0)  # keys all past the length: nothing to do
+        first, stop = tile_span(lo, hi, block_q)
+        full_lo, full_hi = 0, q_stop
+        if spec.is_causal:
+            full_lo = jnp.maximum(full_lo, k_stop - 1 - off)
+        if spec.local_window is not None:
+            left, right = spec.local_window
+            full_lo = jnp.maximum(full_lo, k_stop - 1 - off - right)
+            full_hi = jnp.minimum(full_hi, k0 - off + left + 1)
+        full_hi = jnp.where(k_stop <= self.kv_stop(), full_hi, 0)  # a ragged key tile
+        return (first, stop, *full_tile_span(full_lo, full_hi, block_q, first, stop))
+
+    # -- tiles --------------------------------------------------------------------
+    def _load_broadcast(self, name: str, shape: tuple[int, ...], q0: Any, k0: Any,
+                        block_q: int, block_k: int) -> jax.Array:
+        bb = self.b if shape[0] > 1 else 0
+        nb = self.n if shape[1] > 1 else 0
+        rows = pl.ds(q0, block_q) if shape[2] > 1 else pl.ds(0, 1)
+        cols = pl.ds(k0, block_k) if shape[3] > 1 else pl.ds(0, 1)
+        return self.refs[name][bb, nb, rows, cols]
+
+    def scores(self, q: jax.Array, k: jax.Array, q0: Any, k0: Any, masked: bool
+               ) -> tuple[jax.Array, jax.Array | None, jax.Array | None]:
+        """Log2-domain scores [bq, bk] with invisible entries at MASKED_LOGIT.
+
+        Returns (scores, visible or None, soft-capped natural logits or None).
+        masked=False skips the band masks (causal, window, lengths), for tiles the
+        caller proved fully inside the band.
+        """
+        p, spec = self.p, self.p.spec
+        block_q, block_k = q.shape[0], k.shape[0]
+        s = plgpu.dot(q, k, trans_b=True, precision=p.precision)
+        rows = (q0 + lax.broadcasted_iota(jnp.int32, (block_q, 1), 0))
+        cols = (k0 + lax.broadcasted_iota(jnp.int32, (1, block_k), 1))
+        capped = None
+        if p.has("bias") or p.has("alibi_slopes") or spec.logits_soft_cap is not None:
+            bias = (self._load_broadcast("bias", spec.bias_shape, q0, k0, block_q, block_k)
+                    if p.has("bias") else None)
+            logits = scores.modify_logits(s * spec.scale, rows, cols, spec, p.offset,
+                                          bias=bias, alibi_slope=self.slope)
+            if spec.logits_soft_cap is not None:
+                capped = logits
+            s = logits * LOG2E
+        else:
+            s = s * (spec.scale * LOG2E)
+        mask = (self._load_broadcast("mask", spec.mask_shape, q0, k0, block_q, block_k)
+                if p.has("mask") else None)
+        q_seg = kv_seg = None
+        if p.has("q_segment_ids"):
+            q_seg = self.refs["q_segment_ids"][self.b, pl.ds(q0, block_q)][:, None]
+            kv_seg = self.refs["kv_segment_ids"][self.b, pl.ds(k0, block_k)][None, :]
+        band_spec = spec if masked else dataclasses.replace(spec, is_causal=False,
+                                                            local_window=None)
+        visible = scores.visibility(
+            rows, cols, band_spec, p.offset, mask=mask, q_segments=q_seg, kv_segments=kv_seg,
+            kv_length=self.kv_length if masked else None,
+            kv_bound=p.kv_len if masked and p.kv_pad != p.kv_len else None)
+        if visible is not None:
+            s = jnp.where(visible, s, scores.MASKED_LOGIT)
+        return s, visible, capped
+
+    def keep(self, q0: Any, k0: Any, block_q: int, block_k: int) -> jax.Array:
+        """Dropout keep decisions for the tile (same hash as the reference)."""
+        rows = q0 + lax.iota(jnp.int32, block_q)
+        cols = k0 + lax.iota(jnp.int32, block_k)
+        return dropout_lib.keep(dropout_lib.row_keys(self.drop_key, rows), cols,
+                                self.p.spec.dropout_rate)
+
+    def score_gradient(self, q, k, v, do, lse2, delta, q0, k0, masked
+                       ) -> tuple[jax.Array, jax.Array]:
+        """(dropped probabilities P~, score gradient dS) of one tile, float32.
+
+        P = exp2(s - lse); dP~ = dO V^T; dP = dP~ * keep / (1 - rate);
+        dS = P * (dP - delta) times the soft-cap derivative.
+        """
+        spec = self.p.spec
+        s, _, capped = self.scores(q, k, q0, k0, masked)
+        prob = jnp.exp2(s - lse2[:, None])
+        dp = plgpu.dot(do, v, trans_b=True, precision=self.p.precision)
+        dropped = prob
+        if spec.has_dropout:
+            keep = self.keep(q0, k0, q.shape[0], k.shape[0])
+            inv = 1.0 / (1.0 - spec.dropout_rate)
+            dropped = jnp.where(keep, prob * inv, 0.0)
+            dp = jnp.where(keep, dp * inv, 0.0)
+        ds = prob * (dp - delta[:, None])
+        if capped is not None:
+            ds = ds * scores.soft_cap_derivative(capped, spec.logits_soft_cap)
+        return dropped, ds

@@ -1,0 +1,122 @@
+"""Score modifiers and visibility, written once on index arrays.
+
+Every function takes query positions `rows` and key positions `cols` already
+shaped to broadcast against each other (rows [..., Tq, 1], cols [..., 1, Tk]),
+so the same code serves a [block_q, block_k] tile inside a Pallas kernel and the
+full [B, N, T, S] matrix of the reference. Pure jnp: no Pallas imports here.
+
+Semantics (shared/DESIGN.md, restated in README.md):
+
+    logits = scale * q.k + bias - slope * |i + off - j|     then cap * tanh(logits / cap)
+    visible = mask & causal & window & same segment & inside both sequence lengths
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from pallas_attn.spec import AttentionSpec
+
+# NOTE: a finite stand-in for -inf keeps exp2(x - max) free of inf - inf = NaN when a
+# whole tile is masked; rows with no visible key are detected by their zero sum.
+MASKED_LOGIT = -1e30
+
+
+def alibi_bias(slope: Any, rows: Any, cols: Any, offset: int) -> jax.Array:
+    """The ALiBi term -slope * |i + offset - j| (float32)."""
+    distance = jnp.abs(rows + offset - cols).astype(jnp.float32)
+    return -slope * distance
+
+
+def soft_cap(logits: jax.Array, cap: float) -> jax.Array:
+    return cap * jnp.tanh(logits * (1.0 / cap))
+
+
+def soft_cap_derivative(capped: jax.Array, cap: float) -> jax.Array:
+    """d(cap * tanh(x / cap)) / dx expressed through the capped value."""
+    t = capped * (1.0 / cap)
+    return 1.0 - t * t
+
+
+def modify_logits(
+    logits: jax.Array, rows: Any, cols: Any, spec: AttentionSpec, offset: int, *,
+    bias: jax.Array | None = None, alibi_slope: Any = None,
+) -> jax.Array:
+    """Adds bias and ALiBi to scaled logits (float32), then applies the soft cap."""
+    if bias is not None:
+        logits = logits + bias.astype(jnp.float32)
+    if alibi_slope is not None:
+        logits = logits + alibi_bias(alibi_slope, rows, cols, offset)
+    if spec.logits_soft_cap is not None:
+        logits = soft_cap(logits, spec.logits_soft_cap)
+    return logits
+
+
+def _and(a: jax.Array | None, b: jax.Array) -> jax.Array:
+    return b if a is None else jnp.logical_and(a, b)
+
+
+def visibility(
+    rows: Any, cols: Any, spec: AttentionSpec, offset: int, *,
+    q_bound: int | None = None, kv_bound: int | None = None,
+    mask: jax.Array | None = None,
+    q_segments: jax.Array | None = None, kv_segments: jax.Array | None = None,
+    q_length: Any = None, kv_length: Any = None,
+) -> jax.Array | None:
+    """Boolean visibility of key j to query i, or None when everything is visible.
+
+    q_bound / kv_bound: true sequence lengths when the caller padded the tiles.
+    q_segments [..., Tq, 1] and kv_segments [..., 1, Tk]; q_length / kv_length
+    broadcast against rows / cols.
+    """
+    visible = None
+    if mask is not None:
+        visible = mask
+    if spec.is_causal:
+        visible = _and(visible, cols <= rows + offset)
+    if spec.local_window is not None:
+        left, right = spec.local_window
+        visible = _and(visible, (cols >= rows + offset - left) & (cols <= rows + offset + right))
+    if q_segments is not None:
+        visible = _and(visible, q_segments == kv_segments)
+    if q_length is not None:
+        visible = _and(visible, rows < q_length)
+    if kv_length is not None:
+        visible = _and(visible, cols < kv_length)
+    if q_bound is not None:
+        visible = _and(visible, rows < q_bound)
+    if kv_bound is not None:
+        visible = _and(visible, cols < kv_bound)
+    return visible
+
+
+def key_range(q_start: Any, q_stop: Any, spec: AttentionSpec, offset: int,
+              kv_len: int) -> tuple[Any, Any]:
+    """Keys [lo, hi) that queries [q_start, q_stop) can see through causal/window.
+
+    Used by kernels to skip key tiles that are entirely masked (not just mask them).
+    """
+    lo, hi = 0, kv_len
+    if spec.is_causal:
+        hi = jnp.minimum(hi, q_stop + offset)  # last visible key is (q_stop - 1) + offset
+    if spec.local_window is not None:
+        left, right = spec.local_window
+        lo = jnp.maximum(lo, q_start + offset - left)
+        hi = jnp.minimum(hi, q_stop + offset + right)
+    return lo, hi
+
+
+def query_range(k_start: Any, k_stop: Any, spec: AttentionSpec, offset: int,
+                q_len: int) -> tuple[Any, Any]:
+    """Queries [lo, hi) that can see some key in [k_start, k_stop) (causal/window)."""
+    lo, hi = 0, q_len
+    if spec.is_causal:
+        lo = jnp.maximum(lo, k_start - offset)  # query i sees key j iff i >= j - offset
+    if spec.local_window is not None:
+        left, right = spec.local_window
+        lo = jnp.maximum(lo, k_start - offset - right)
+        hi = jnp.minimum(hi, k_stop - offset + left)
+    return lo, hi

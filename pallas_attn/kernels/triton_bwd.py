@@ -1,0 +1,197 @@
+"""Backward kernels (Pallas, Triton backend): FlashAttention-2's backward pass.
+
+1. Preprocess (in jnp, fused by XLA): delta = rowsum(dO * O) per query row, minus
+   the logsumexp cotangent when the caller differentiates through it.
+2. dK/dV kernel, grid (key tile, batch, kv head): keeps its K, V tiles resident and
+   loops over the query heads of its group and their query tiles, so GQA/MQA
+   gradients are summed in registers, never through repeated K/V in memory.
+3. dQ kernel, grid (query tile, batch, head): loops over key tiles.
+4. dbias kernel (only when the bias needs a gradient), grid over the bias's own
+   tiles: recomputes dS and sums it over the axes the bias broadcasts along.
+
+Every output element is written by exactly one program, with a fixed loop order:
+gradients are bitwise deterministic.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_attn.kernels.common import (
+    OPTIONAL_INPUTS,
+    Problem,
+    TileContext,
+    name_refs,
+    run_tile_loops,
+    whole_array_specs,
+)
+
+
+def dkdv_kernel(*refs, problem: Problem, names: tuple[str, ...]):
+    r = name_refs(names, refs)
+    blocks = problem.blocks
+    block_q, block_k = blocks.block_q_dkv, blocks.block_k_dkv
+    j, b, kh = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    k0 = j * block_k
+    k = r["k"][b, pl.ds(k0, block_k), kh, :]
+    v = r["v"][b, pl.ds(k0, block_k), kh, :]
+
+    def head_body(h, carry):
+        n = kh * problem.group + h
+        ctx = TileContext(problem, r, b, n)
+
+        def body(t, carry, masked):
+            dk, dv = carry
+            q0 = t * block_q
+            q = r["q"][b, pl.ds(q0, block_q), n, :]
+            do = r["do"][b, pl.ds(q0, block_q), n, :]
+            lse2 = r["lse"][b, n, pl.ds(q0, block_q)]
+            delta = r["delta"][b, n, pl.ds(q0, block_q)]
+            dropped, ds = ctx.score_gradient(q, k, v, do, lse2, delta, q0, k0, masked)
+            dv = dv + plgpu.dot(dropped.astype(do.dtype), do, trans_a=True,
+                             precision=problem.precision)
+            dk = dk + plgpu.dot(ds.astype(q.dtype), q, trans_a=True, precision=problem.precision)
+            return dk, dv
+
+        return run_tile_loops(*ctx.query_tiles(k0, k0 + block_k, block_q), body, carry)
+
+    init = (jnp.zeros((block_k, k.shape[-1]), jnp.float32),
+            jnp.zeros((block_k, v.shape[-1]), jnp.float32))
+    dk, dv = lax.fori_loop(0, problem.group, head_body, init)
+    r["dk"][b, pl.ds(k0, block_k), kh, :] = (dk * problem.spec.scale).astype(r["dk"].dtype)
+    r["dv"][b, pl.ds(k0, block_k), kh, :] = dv.astype(r["dv"].dtype)
+
+
+def dq_kernel(*refs, problem: Problem, names: tuple[str, ...]):
+    r = name_refs(names, refs)
+    blocks = problem.blocks
+    block_q, block_k = blocks.block_q_dq, blocks.block_k_dq
+    i, b, n = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    kh = n // problem.group
+    q0 = i * block_q
+    ctx = TileContext(problem, r, b, n)
+    q = r["q"][b, pl.ds(q0, block_q), n, :]
+    do = r["do"][b, pl.ds(q0, block_q), n, :]
+    lse2 = r["lse"][b, n, pl.ds(q0, block_q)]
+    delta = r["delta"][b, n, pl.ds(q0, block_q)]
+
+    def body(t, dq, masked):
+        k0 = t * block_k
+        k = r["k"][b, pl.ds(k0, block_k), kh, :]
+        v = r["v"][b, pl.ds(k0, block_k), kh, :]
+        _, ds = ctx.score_gradient(q, k, v, do, lse2, delta, q0, k0, masked)
+        return dq + plgpu.dot(ds.astype(k.dtype), k, precision=problem.precision)
+
+    dq = run_tile_loops(*ctx.key_tiles(q0, q0 + block_q, block_k), body,
+                        jnp.zeros((block_q, q.shape[-1]), jnp.float32))
+    r["dq"][b, pl.ds(q0, block_q), n, :] = (dq * problem.spec.scale).astype(r["dq"].dtype)
+
+
+def dbias_kernel(*refs, problem: Problem, names: tuple[str, ...]):
+    """dbias for one tile of the bias's own shape, summed over its broadcast axes."""
+    r = name_refs(names, refs)
+    Bb, Nb, Tb, Sb = problem.spec.bias_shape
+    blocks = problem.blocks
+    block_q, block_k = blocks.block_q_dq, blocks.block_k_dq
+    qt, kt, bn = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    bb, nb = bn // Nb, bn % Nb
+    # Members: the (b, n) pairs this bias entry is broadcast to; tiles: the query
+    # tiles (if Tb == 1) and key tiles (if Sb == 1) it is broadcast along.
+    heads_per = problem.num_heads // Nb
+    members = (problem.batch // Bb) * heads_per
+    q_tiles = problem.q_pad // block_q if Tb == 1 else 1
+    k_tiles = problem.kv_pad // block_k if Sb == 1 else 1
+    out_q = block_q if Tb > 1 else 1
+    out_k = block_k if Sb > 1 else 1
+
+    def member_body(m, acc):
+        b = bb if Bb > 1 else m // heads_per
+        n = nb if Nb > 1 else m % heads_per
+        ctx = TileContext(problem, r, b, n)
+        kh = n // problem.group
+
+        def tile_body(step, acc):
+            ti = qt if Tb > 1 else step // k_tiles
+            tj = kt if Sb > 1 else step % k_tiles
+            q0, k0 = ti * block_q, tj * block_k
+            q = r["q"][b, pl.ds(q0, block_q), n, :]
+            do = r["do"][b, pl.ds(q0, block_q), n, :]
+            lse2 = r["lse"][b, n, pl.ds(q0, block_q)]
+            delta = r["delta"][b, n, pl.ds(q0, block_q)]
+            k = r["k"][b, pl.ds(k0, block_k), kh, :]
+            v = r["v"][b, pl.ds(k0, block_k), kh, :]
+            _, ds = ctx.score_gradient(q, k, v, do, lse2, delta, q0, k0, True)
+            if Tb == 1:
+                ds = jnp.sum(ds, axis=0, keepdims=True)
+            if Sb == 1:
+                ds = jnp.sum(ds, axis=1, keepdims=True)
+            return acc + ds
+
+        return lax.fori_loop(0, q_tiles * k_tiles, tile_body, acc)
+
+    acc = lax.fori_loop(0, members, member_body, jnp.zeros((out_q, out_k), jnp.float32))
+    rows = pl.ds(qt * block_q, out_q)
+    cols = pl.ds(kt * block_k, out_k)
+    r["dbias"][bb, nb, rows, cols] = acc.astype(r["dbias"].dtype)
+
+
+def backward(problem: Problem, q, k, v, optional, out, lse2, do, delta, bias_grad: bool):
+    """(dq, dk, dv, dbias or None) for padded inputs; delta [B, N, Tp] float32."""
+    blocks = problem.blocks
+    B, Tp, N, _ = q.shape
+    K = k.shape[2]
+    present = [x for x in OPTIONAL_INPUTS if x in optional]
+    names_in = ("q", "k", "v", "do", "lse", "delta", *present)
+    inputs = [q, k, v, do, lse2, delta, *(optional[x] for x in present)]
+    params = functools.partial(plgpu.CompilerParams, num_warps=blocks.num_warps_bwd,
+                               num_stages=blocks.num_stages_bwd)
+    del out
+
+    dk_dv_shapes = [jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)]
+    dk, dv = pl.pallas_call(
+        functools.partial(dkdv_kernel, problem=problem, names=(*names_in, "dk", "dv")),
+        grid=(problem.kv_pad // blocks.block_k_dkv, B, K),
+        in_specs=whole_array_specs(inputs),
+        out_specs=whole_array_specs(dk_dv_shapes),
+        out_shape=dk_dv_shapes,
+        compiler_params=params(),
+        interpret=problem.interpret,
+        name="pallas_attn_dkdv",
+    )(*inputs)
+
+    dq_shape = jax.ShapeDtypeStruct(q.shape, q.dtype)
+    dq = pl.pallas_call(
+        functools.partial(dq_kernel, problem=problem, names=(*names_in, "dq")),
+        grid=(Tp // blocks.block_q_dq, B, N),
+        in_specs=whole_array_specs(inputs),
+        out_specs=whole_array_specs([dq_shape])[0],
+        out_shape=dq_shape,
+        compiler_params=params(),
+        interpret=problem.interpret,
+        name="pallas_attn_dq",
+    )(*inputs)
+
+    dbias = None
+    if bias_grad:
+        bias = optional["bias"]
+        Bb, Nb, Tb, Sb = bias.shape
+        dbias_shape = jax.ShapeDtypeStruct(bias.shape, jnp.float32)
+        grid = (Tb // blocks.block_q_dq if Tb > 1 else 1,
+                Sb // blocks.block_k_dq if Sb > 1 else 1, Bb * Nb)
+        dbias = pl.pallas_call(
+            functools.partial(dbias_kernel, problem=problem, names=(*names_in, "dbias")),
+            grid=grid,
+            in_specs=whole_array_specs(inputs),
+            out_specs=whole_array_specs([dbias_shape])[0],
+            out_shape=dbias_shape,
+            compiler_params=params(),
+            interpret=problem.interpret,
+            name="pallas_attn_dbias",
+        )(*inputs).astype(bias.dtype)
+    return dq, dk, dv, dbias

@@ -1,0 +1,96 @@
+"""Forward kernel (Pallas, Triton backend): FlashAttention-2 algorithm 1.
+
+Grid (query tile, batch, head). Each program keeps its query tile resident and
+loops over key/value tiles with an online softmax in float32: running row max m,
+running sum l, unnormalised accumulator acc. Key tiles outside the causal/window
+band or past the key length are skipped; tiles crossing the band edge are masked.
+Writes the output and the per-row logsumexp (log2 domain, +inf for empty rows).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_attn.kernels import scores
+from pallas_attn.kernels.common import (
+    OPTIONAL_INPUTS,
+    Problem,
+    TileContext,
+    name_refs,
+    run_tile_loops,
+    whole_array_specs,
+)
+
+
+def forward_kernel(*refs, problem: Problem, names: tuple[str, ...]):
+    r = name_refs(names, refs)
+    spec, blocks = problem.spec, problem.blocks
+    block_q, block_k = blocks.block_q, blocks.block_k
+    i, b, n = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    kh = n // problem.group
+    q0 = i * block_q
+    ctx = TileContext(problem, r, b, n)
+    q = r["q"][b, pl.ds(q0, block_q), n, :]
+
+    def body(t, carry, masked):
+        acc, m_prev, l_prev = carry
+        k0 = t * block_k
+        k = r["k"][b, pl.ds(k0, block_k), kh, :]
+        s, visible, _ = ctx.scores(q, k, q0, k0, masked)
+        m_next = jnp.maximum(m_prev, jnp.max(s, axis=1))
+        alpha = jnp.exp2(m_prev - m_next)
+        prob = jnp.exp2(s - m_next[:, None])
+        if visible is not None:
+            # NOTE: a fully masked row so far has m = MASKED_LOGIT and exp2(0) = 1 on its
+            # masked entries; zero them explicitly.
+            prob = jnp.where(visible, prob, 0.0)
+        l_next = l_prev * alpha + jnp.sum(prob, axis=1)
+        if spec.has_dropout:
+            prob = jnp.where(ctx.keep(q0, k0, block_q, block_k), prob, 0.0)
+        v = r["v"][b, pl.ds(k0, block_k), kh, :]
+        acc = acc * alpha[:, None] + plgpu.dot(prob.astype(v.dtype), v, precision=problem.precision)
+        return acc, m_next, l_next
+
+    init = (
+        jnp.zeros((block_q, r["v"].shape[-1]), jnp.float32),
+        jnp.full((block_q,), scores.MASKED_LOGIT, jnp.float32),
+        jnp.zeros((block_q,), jnp.float32),
+    )
+    acc, m, l_sum = run_tile_loops(*ctx.key_tiles(q0, q0 + block_q, block_k), body, init)
+
+    rows = q0 + jax.lax.iota(jnp.int32, block_q)
+    valid = (l_sum > 0.0) & (rows < problem.q_len)
+    if ctx.q_length is not None:
+        valid = valid & (rows < ctx.q_length)
+    scale = 1.0 / (1.0 - spec.dropout_rate) if spec.has_dropout else 1.0
+    out = jnp.where(valid[:, None], acc * (scale / jnp.where(valid, l_sum, 1.0))[:, None], 0.0)
+    r["out"][b, pl.ds(q0, block_q), n, :] = out.astype(r["out"].dtype)
+    lse2 = jnp.where(valid, m + jnp.log2(jnp.where(valid, l_sum, 1.0)), jnp.inf)
+    r["lse"][b, n, pl.ds(q0, block_q)] = lse2
+
+
+def forward(problem: Problem, q: jax.Array, k: jax.Array, v: jax.Array,
+            optional: dict[str, jax.Array]) -> tuple[jax.Array, jax.Array]:
+    """out [B, Tp, N, Hvp] and log2-domain lse [B, N, Tp] for padded inputs."""
+    names = ("q", "k", "v", *(x for x in OPTIONAL_INPUTS if x in optional), "out", "lse")
+    inputs = [q, k, v, *(optional[x] for x in OPTIONAL_INPUTS if x in optional)]
+    B, Tp, N, _ = q.shape
+    out_shape = [jax.ShapeDtypeStruct((B, Tp, N, v.shape[-1]), q.dtype),
+                 jax.ShapeDtypeStruct((B, N, Tp), jnp.float32)]
+    blocks = problem.blocks
+    return pl.pallas_call(
+        functools.partial(forward_kernel, problem=problem, names=names),
+        grid=(Tp // blocks.block_q, B, N),
+        in_specs=whole_array_specs(inputs),
+        out_specs=whole_array_specs(out_shape),
+        out_shape=out_shape,
+        compiler_params=plgpu.CompilerParams(num_warps=blocks.num_warps,
+                                             num_stages=blocks.num_stages),
+        interpret=problem.interpret,
+        name="pallas_attn_forward",
+    )(*inputs)

@@ -1,0 +1,134 @@
+"""The reference implementation: pure jnp, every feature, float32 accumulation.
+
+This is the single source of truth for the semantics (README.md, "Semantics").
+It is `implementation="xla"`, the CPU fallback for short sequences, and the
+oracle every kernel is tested against. It builds the full [B, N, T, S] logits,
+so it is meant for modest sizes; `implementation="xla_chunked"` is the
+memory-efficient CPU path.
+
+Differentiable by ordinary jax autodiff, including the bias. A query row with no
+visible key gives output 0, logsumexp -inf and zero gradients, never NaN.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from pallas_attn import dropout as dropout_lib
+from pallas_attn.kernels import scores
+from pallas_attn.spec import AttentionSpec, Operands, normalize
+
+
+def logits_and_visibility(spec: AttentionSpec, ops: Operands) -> tuple[jax.Array, Any]:
+    """Full float32 logits [B, N, T, S] (after bias, ALiBi, soft cap) and visibility."""
+    q, k = ops.query, ops.key
+    B, T, N, H = q.shape
+    S, K = k.shape[1], k.shape[2]
+    group = N // K
+    qg = q.astype(jnp.float32).reshape(B, T, K, group, H)
+    s = jnp.einsum("btkgh,bskh->bkgts", qg, k.astype(jnp.float32),
+                   precision=jax.lax.Precision.HIGHEST).reshape(B, N, T, S)
+    s = s * spec.scale
+    offset = spec.offset(T, S)
+    rows = jnp.arange(T, dtype=jnp.int32)[:, None]
+    cols = jnp.arange(S, dtype=jnp.int32)[None, :]
+    slope = None if ops.alibi_slopes is None else ops.alibi_slopes[:, :, None, None]
+    logits = scores.modify_logits(s, rows, cols, spec, offset, bias=ops.bias, alibi_slope=slope)
+    visible = scores.visibility(
+        rows, cols, spec, offset,
+        mask=ops.mask,
+        q_segments=None if ops.q_segment_ids is None else ops.q_segment_ids[:, None, :, None],
+        kv_segments=None if ops.kv_segment_ids is None else ops.kv_segment_ids[:, None, None, :],
+        q_length=None if ops.query_seq_lengths is None
+        else ops.query_seq_lengths[:, None, None, None],
+        kv_length=None if ops.key_value_seq_lengths is None
+        else ops.key_value_seq_lengths[:, None, None, None],
+    )
+    if visible is not None:
+        visible = jnp.broadcast_to(visible, logits.shape)
+    return logits, visible
+
+
+def attention(spec: AttentionSpec, ops: Operands) -> tuple[jax.Array, jax.Array]:
+    """Canonical-layout attention: (out [B, T, N, Hv] in query dtype, lse [B, N, T] float32)."""
+    logits, visible = logits_and_visibility(spec, ops)
+    B, N, T, S = logits.shape
+    if visible is None:
+        visible = jnp.ones(logits.shape, bool)
+    # NOTE: the row maximum and the masked entries are handled so that neither the
+    # value nor the gradient ever sees inf - inf: masked entries become exp(-inf) = 0
+    # through a where on (logits - max), and a row with nothing visible uses max 0.
+    row_max = jnp.max(jnp.where(visible, logits, -jnp.inf), axis=-1, keepdims=True)
+    row_max = jax.lax.stop_gradient(jnp.where(jnp.isfinite(row_max), row_max, 0.0))
+    e = jnp.exp(jnp.where(visible, logits - row_max, -jnp.inf))
+    total = jnp.sum(e, axis=-1, keepdims=True)
+    p = e / jnp.where(total > 0, total, 1.0)
+    lse = jnp.where(total > 0, row_max + jnp.log(jnp.where(total > 0, total, 1.0)), -jnp.inf)
+    if spec.has_dropout:
+        keep = dropout_lib.keep_mask_from_seed(
+            ops.dropout_seed, batch=B, num_heads=N, q_len=T, kv_len=S,
+            rate=spec.dropout_rate, broadcast_batch_heads=spec.broadcast_dropout)
+        p = jnp.where(keep, p * (1.0 / (1.0 - spec.dropout_rate)), 0.0)
+    v = ops.value
+    K = v.shape[2]
+    pg = p.reshape(B, K, N // K, T, S)
+    out = jnp.einsum("bkgts,bskh->btkgh", pg, v.astype(jnp.float32),
+                     precision=jax.lax.Precision.HIGHEST)
+    out = out.reshape(B, T, N, v.shape[3]).astype(ops.query.dtype)
+    return out, lse[..., 0]
+
+
+def dot_product_attention(
+    query: Any,
+    key: Any,
+    value: Any,
+    bias: Any = None,
+    mask: Any = None,
+    *,
+    scale: float | None = None,
+    is_causal: bool = False,
+    query_seq_lengths: Any = None,
+    key_value_seq_lengths: Any = None,
+    local_window_size: int | tuple[int, int] | None = None,
+    implementation: str | None = None,
+    return_residual: bool = False,
+    causal_alignment: str = "top_left",
+    alibi_slopes: Any = None,
+    logits_soft_cap: float | None = None,
+    q_segment_ids: Any = None,
+    kv_segment_ids: Any = None,
+    dropout_rate: float = 0.0,
+    dropout_rng: Any = None,
+    broadcast_dropout: bool = False,
+    block_sizes: Any = None,
+    interpret: bool = False,
+) -> jax.Array | tuple[jax.Array, jax.Array]:
+    """The reference with the public signature (see pallas_attn.dot_product_attention).
+
+    implementation, block_sizes and interpret are accepted for signature parity
+    and must be None / "xla" / False.
+    """
+    if implementation not in (None, "xla"):
+        raise ValueError(f"the reference is implementation='xla', got {implementation!r}")
+    if block_sizes is not None or interpret:
+        raise ValueError("block_sizes and interpret do not apply to the reference")
+    spec, ops, batched = normalize(
+        query, key, value, bias, mask, scale=scale, is_causal=is_causal,
+        query_seq_lengths=query_seq_lengths, key_value_seq_lengths=key_value_seq_lengths,
+        local_window_size=local_window_size, causal_alignment=causal_alignment,
+        alibi_slopes=alibi_slopes, logits_soft_cap=logits_soft_cap,
+        q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
+        dropout_rate=dropout_rate, dropout_rng=dropout_rng, broadcast_dropout=broadcast_dropout)
+    out, lse = attention(spec, ops)
+    return finish(out, lse, batched, return_residual)
+
+
+def finish(out: jax.Array, lse: jax.Array, batched: bool, return_residual: bool):
+    """Public layout: drop the batch axis added for [T, N, H] inputs; lse to [B, T, N]."""
+    lse = jnp.swapaxes(lse, 1, 2)
+    if not batched:
+        out, lse = out[0], lse[0]
+    return (out, lse) if return_residual else out

@@ -1,0 +1,261 @@
+"""Tile choice: the device's resources, block sizes, and the heuristic that picks them.
+
+The one place for tile decisions. Kernels receive a validated `BlockSizes` and
+never consult the architecture themselves.
+
+* `DeviceInfo`: compute capability, SM count and opt-in shared memory per block,
+  read once from the CUDA driver (a table by compute capability as fallback).
+* `BlockSizes`: frozen, hashable, validated tiles and launch parameters.
+* `shared_memory_estimate()`: bytes each kernel allocates, from the same tile shapes
+  the kernels use.
+* `choose_block_sizes()`: a pure function of (head dims, dtype, lengths, device):
+  a ladder of candidates per head-dim bucket, the first that fits wins.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import functools
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+# Opt-in shared memory per block by compute capability, used when the driver
+# cannot be asked (CUDA programming guide, "Technical Specifications").
+_SHARED_MEMORY_BY_CAPABILITY = {
+    (7, 0): 98304, (7, 5): 65536, (8, 0): 166912, (8, 6): 101376, (8, 7): 166912,
+    (8, 9): 101376, (9, 0): 232448, (10, 0): 232448, (12, 0): 101376,
+}
+_CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT = 16
+_CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN = 97
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceInfo:
+    """What tile choice needs to know about a GPU.
+
+    Construct it by hand to plan for a device you are not on, e.g.
+    DeviceInfo(compute_capability=(8, 6), num_multiprocessors=84,
+    max_shared_memory_per_block=101376).
+    """
+
+    compute_capability: tuple[int, int] = (9, 0)
+    num_multiprocessors: int = 132
+    max_shared_memory_per_block: int = 232448
+
+    def __post_init__(self):
+        cc = self.compute_capability
+        if not (isinstance(cc, tuple) and len(cc) == 2 and all(isinstance(c, int) for c in cc)):
+            raise ValueError(f"compute_capability must be a (major, minor) pair, got {cc!r}")
+        for name in ("num_multiprocessors", "max_shared_memory_per_block"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+
+    @staticmethod
+    def for_capability(compute_capability: tuple[int, int],
+                       num_multiprocessors: int = 108) -> DeviceInfo:
+        """A device described by the table of opt-in shared memory per capability."""
+        smem = _SHARED_MEMORY_BY_CAPABILITY.get(tuple(compute_capability), 101376)
+        return DeviceInfo(tuple(compute_capability), num_multiprocessors, smem)
+
+    @staticmethod
+    def current() -> DeviceInfo:
+        """The first local device, read once and cached (H100 defaults off-GPU)."""
+        return _current_device_info()
+
+
+def _driver_attribute(device_ordinal: int, attribute: int) -> int | None:
+    try:
+        cuda = ctypes.CDLL("libcuda.so.1")
+        if cuda.cuInit(0) != 0:
+            return None
+        device = ctypes.c_int()
+        if cuda.cuDeviceGet(ctypes.byref(device), device_ordinal) != 0:
+            return None
+        value = ctypes.c_int()
+        if cuda.cuDeviceGetAttribute(ctypes.byref(value), attribute, device) != 0:
+            return None
+        return value.value
+    except (OSError, AttributeError):
+        return None
+
+
+@functools.cache
+def _current_device_info() -> DeviceInfo:
+    device = jax.devices()[0]
+    if device.platform != "gpu":
+        return DeviceInfo()
+    cc_text = str(getattr(device, "compute_capability", "9.0"))
+    major, minor = (int(part) for part in cc_text.split(".")[:2])
+    fallback = DeviceInfo.for_capability((major, minor))
+    ordinal = int(getattr(device, "local_hardware_id", 0) or 0)
+    smem = _driver_attribute(ordinal, _CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
+    sms = getattr(device, "core_count", None) or _driver_attribute(
+        ordinal, _CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+    return DeviceInfo((major, minor), int(sms or fallback.num_multiprocessors),
+                      int(smem or fallback.max_shared_memory_per_block))
+
+
+def _is_tile(x: Any) -> bool:
+    return isinstance(x, int) and x >= 16 and x & (x - 1) == 0
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockSizes:
+    """Tiles and launch parameters of the three kernels (forward, dK/dV, dQ).
+
+    Every tile is a power of two and at least 16 (Triton needs power-of-two blocks;
+    16 is the smallest tensor-core operand). Results do not depend on the tiles.
+    """
+
+    block_q: int = 128
+    block_k: int = 64
+    block_q_dkv: int = 64
+    block_k_dkv: int = 128
+    block_q_dq: int = 128
+    block_k_dq: int = 64
+    num_warps: int = 4
+    num_stages: int = 3
+    num_warps_bwd: int = 8
+    num_stages_bwd: int = 2
+
+    def __post_init__(self):
+        for field in ("block_q", "block_k", "block_q_dkv", "block_k_dkv", "block_q_dq",
+                      "block_k_dq"):
+            value = getattr(self, field)
+            if not _is_tile(value):
+                raise ValueError(f"BlockSizes.{field} must be a power of two >= 16, got {value!r}")
+        for field in ("num_warps", "num_warps_bwd"):
+            value = getattr(self, field)
+            if value not in (1, 2, 4, 8, 16):
+                raise ValueError(f"BlockSizes.{field} must be 1, 2, 4, 8 or 16, got {value!r}")
+        for field in ("num_stages", "num_stages_bwd"):
+            value = getattr(self, field)
+            if not isinstance(value, int) or not 1 <= value <= 8:
+                raise ValueError(f"BlockSizes.{field} must be an int in [1, 8], got {value!r}")
+
+    def clamp(self, q_len: int, kv_len: int) -> BlockSizes:
+        """Shrinks tiles that are longer than the (power-of-two rounded) sequences."""
+        q_cap = max(16, _next_power_of_2(q_len))
+        k_cap = max(16, _next_power_of_2(kv_len))
+        return dataclasses.replace(
+            self,
+            block_q=min(self.block_q, q_cap), block_k=min(self.block_k, k_cap),
+            block_q_dkv=min(self.block_q_dkv, q_cap), block_k_dkv=min(self.block_k_dkv, k_cap),
+            block_q_dq=min(self.block_q_dq, q_cap), block_k_dq=min(self.block_k_dq, k_cap))
+
+
+def _next_power_of_2(x: int) -> int:
+    return 1 << max(0, (int(x) - 1).bit_length())
+
+
+def padded_head_dim(head_dim: int) -> int:
+    """Head dims are padded to a power of two (at least 16) for the kernels."""
+    return max(16, _next_power_of_2(head_dim))
+
+
+def shared_memory_estimate(block_sizes: BlockSizes, head_dim: int, value_head_dim: int | None,
+                           dtype: Any) -> dict[str, int]:
+    """Bytes of shared memory each kernel needs, from the tiles the kernels allocate.
+
+    Counts the operands Triton stages through shared memory for the tensor cores:
+    tiles loaded inside a loop are multi-buffered num_stages deep, tiles loaded
+    once stay resident, and the probabilities/score gradients that feed a second
+    matrix product are staged once.
+    """
+    b = block_sizes
+    hd = padded_head_dim(head_dim)
+    hv = padded_head_dim(value_head_dim or head_dim)
+    size = np.dtype(jnp.dtype(dtype)).itemsize
+    forward = (b.block_q * hd + b.num_stages * b.block_k * (hd + hv)) * size
+    dkdv = (b.block_k_dkv * (hd + hv)
+            + b.num_stages_bwd * b.block_q_dkv * (hd + hv)
+            + 2 * b.block_q_dkv * b.block_k_dkv) * size
+    dq = (b.block_q_dq * (hd + hv)
+          + b.num_stages_bwd * b.block_k_dq * (hd + hv)
+          + b.block_q_dq * b.block_k_dq) * size
+    return {"forward": forward, "dkdv": dkdv, "dq": dq}
+
+
+def check_fits(block_sizes: BlockSizes, head_dim: int, value_head_dim: int, dtype: Any,
+               device: DeviceInfo) -> None:
+    """ValueError naming the kernel, its estimate and the budget if a tile set cannot fit."""
+    budget = device.max_shared_memory_per_block
+    for kernel, need in shared_memory_estimate(block_sizes, head_dim, value_head_dim,
+                                               dtype).items():
+        if need > budget:
+            raise ValueError(
+                f"block_sizes {block_sizes} need about {need} bytes of shared memory in the "
+                f"{kernel} kernel (head dims {head_dim}/{value_head_dim}, {jnp.dtype(dtype)}), "
+                f"over the device's {budget} bytes per block; choose smaller tiles or fewer stages")
+
+
+# Candidate ladders, best first, per padded head dim. Each entry:
+# (block_q, block_k, warps, stages, block_q_dkv, block_k_dkv, block_q_dq, block_k_dq,
+#  warps_bwd, stages_bwd).
+_LADDERS: dict[int, tuple[tuple[int, ...], ...]] = {
+    16: ((128, 128, 4, 3, 64, 128, 128, 64, 4, 2), (64, 64, 4, 2, 32, 64, 64, 32, 4, 2)),
+    32: ((128, 128, 4, 3, 64, 128, 128, 64, 4, 2), (64, 64, 4, 2, 32, 64, 64, 32, 4, 2)),
+    64: ((128, 128, 8, 3, 64, 128, 128, 64, 8, 2), (128, 64, 4, 3, 64, 128, 128, 64, 8, 2),
+         (64, 64, 4, 2, 32, 64, 64, 32, 4, 2)),
+    128: ((128, 128, 8, 3, 64, 128, 128, 64, 8, 2), (128, 64, 8, 3, 64, 128, 128, 64, 8, 2),
+          (128, 64, 8, 2, 32, 128, 128, 32, 8, 2), (64, 64, 4, 2, 32, 64, 64, 32, 4, 2),
+          (64, 32, 4, 2, 32, 32, 32, 32, 4, 1)),
+    256: ((128, 64, 8, 2, 64, 64, 64, 64, 8, 2), (64, 64, 8, 2, 32, 64, 64, 32, 8, 2),
+          (64, 32, 4, 2, 32, 32, 32, 32, 4, 1), (32, 32, 4, 1, 16, 32, 32, 16, 4, 1),
+          (16, 16, 4, 1, 16, 16, 16, 16, 4, 1)),
+}
+
+
+def candidates(head_dim: int, value_head_dim: int | None = None) -> tuple[BlockSizes, ...]:
+    """The ladder for a head dim, largest tiles first (also what `tune` times)."""
+    width = padded_head_dim(max(head_dim, value_head_dim or head_dim))
+    ladder = _LADDERS[min(max(width, 16), 256)]
+    return tuple(BlockSizes(*entry) for entry in ladder)
+
+
+def choose_block_sizes(head_dim: int, dtype: Any = jnp.bfloat16, *, q_len: int, kv_len: int,
+                       value_head_dim: int | None = None, device: DeviceInfo | None = None,
+                       **features: Any) -> BlockSizes:
+    """Tiles for one problem: the first ladder entry whose shared memory fits.
+
+    Pure function of its arguments (device=None means the current device).
+    features (is_causal, has_bias, has_dropout, ...) select autotuned entries
+    when a matching cache entry exists; the heuristic ignores them.
+    """
+    if not isinstance(head_dim, int) or not 1 <= head_dim <= 256:
+        raise ValueError(f"head_dim must be an int in [1, 256], got {head_dim!r}")
+    if value_head_dim is not None and not (isinstance(value_head_dim, int)
+                                           and 1 <= value_head_dim <= 256):
+        raise ValueError(f"value_head_dim must be an int in [1, 256], got {value_head_dim!r}")
+    for name, value in (("q_len", q_len), ("kv_len", kv_len)):
+        if not isinstance(value, int) or value <= 0:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    device = DeviceInfo.current() if device is None else device
+    value_head_dim = value_head_dim or head_dim
+    from pallas_attn import autotune
+
+    tuned = autotune.lookup(device, dtype, head_dim, value_head_dim, q_len, kv_len, features)
+    if tuned is not None:
+        return tuned.clamp(q_len, kv_len)
+    budget = device.max_shared_memory_per_block
+    ladder = candidates(head_dim, value_head_dim)
+    for candidate in ladder:
+        candidate = candidate.clamp(q_len, kv_len)
+        if max(shared_memory_estimate(candidate, head_dim, value_head_dim,
+                                      dtype).values()) <= budget:
+            return candidate
+    return ladder[-1].clamp(q_len, kv_len)
+
+
+def ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+__all__ = ["BlockSizes", "DeviceInfo", "candidates", "check_fits", "choose_block_sizes",
+           "padded_head_dim", "shared_memory_estimate", "ceil_div", "math"]
