@@ -17,7 +17,6 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import functools
-import math
 from typing import Any
 
 import jax
@@ -216,7 +215,12 @@ def candidates(head_dim: int, value_head_dim: int | None = None) -> tuple[BlockS
     """The ladder for a head dim, largest tiles first (also what `tune` times)."""
     width = padded_head_dim(max(head_dim, value_head_dim or head_dim))
     ladder = _LADDERS[min(max(width, 16), 256)]
-    return tuple(BlockSizes(*entry) for entry in ladder)
+    return tuple(
+        BlockSizes(block_q=bq, block_k=bk, num_warps=warps, num_stages=stages,
+                   block_q_dkv=bq_dkv, block_k_dkv=bk_dkv, block_q_dq=bq_dq, block_k_dq=bk_dq,
+                   num_warps_bwd=warps_bwd, num_stages_bwd=stages_bwd)
+        for (bq, bk, warps, stages, bq_dkv, bk_dkv, bq_dq, bk_dq, warps_bwd, stages_bwd)
+        in ladder)
 
 
 def choose_block_sizes(head_dim: int, dtype: Any = jnp.bfloat16, *, q_len: int, kv_len: int,
@@ -257,5 +261,3 @@ def ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
-__all__ = ["BlockSizes", "DeviceInfo", "candidates", "check_fits", "choose_block_sizes",
-           "padded_head_dim", "shared_memory_estimate", "ceil_div", "math"]

@@ -1,0 +1,316 @@
+"""Numerics check and speed benchmark (`python -m pallas_attn check|bench`).
+
+On an NVIDIA GPU: `check` runs the kernels against the reference at realistic
+sizes; `bench` times forward and forward+backward next to jax.nn's cudnn and xla
+implementations, in one process on the same inputs, and prints TFLOP/s counted
+as FlashAttention does (forward 4*B*N*T*S*H, halved for causal; backward 2.5x
+forward). On a CPU both run the kernels in the Pallas interpreter at small sizes
+against the reference, clearly labelled as such.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import math
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import pallas_attn
+
+
+def on_gpu() -> bool:
+    return jax.devices()[0].platform == "gpu"
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    batch: int
+    q_len: int
+    kv_len: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    causal: bool = False
+    features: tuple[tuple[str, Any], ...] = ()
+    dtype: str = "bfloat16"
+
+    @property
+    def label(self) -> str:
+        extra = "".join(f" {k}" for k, _ in self.features)
+        gqa = f"/{self.kv_heads}" if self.kv_heads != self.heads else ""
+        return (f"B{self.batch} T{self.q_len} S{self.kv_len} N{self.heads}{gqa} "
+                f"H{self.head_dim}{' causal' if self.causal else ''}{extra}")
+
+    def forward_flops(self) -> float:
+        flops = 4.0 * self.batch * self.heads * self.q_len * self.kv_len * self.head_dim
+        return flops / 2 if self.causal else flops
+
+
+def make_inputs(shape: Shape, seed: int = 0) -> dict[str, Any]:
+    keys = jax.random.split(jax.random.key(seed), 8)
+    dtype = jnp.dtype(shape.dtype)
+    B, T, S, N, K, H = (shape.batch, shape.q_len, shape.kv_len, shape.heads, shape.kv_heads,
+                        shape.head_dim)
+    args = dict(
+        query=jax.random.normal(keys[0], (B, T, N, H), dtype),
+        key=jax.random.normal(keys[1], (B, S, K, H), dtype),
+        value=jax.random.normal(keys[2], (B, S, K, H), dtype),
+        cotangent=jax.random.normal(keys[3], (B, T, N, H), dtype),
+        kwargs=dict(is_causal=shape.causal),
+    )
+    for name, value in shape.features:
+        if name == "bias":
+            args["kwargs"]["bias"] = jax.random.normal(keys[4], (1, N, T, S), dtype)
+        elif name == "window":
+            args["kwargs"]["local_window_size"] = (value, 0 if shape.causal else value)
+        elif name == "alibi":
+            args["kwargs"]["alibi_slopes"] = 2.0 ** (-8.0 * jnp.arange(1, N + 1) / N)
+        elif name == "softcap":
+            args["kwargs"]["logits_soft_cap"] = float(value)
+        elif name == "dropout":
+            args["kwargs"]["dropout_rate"] = float(value)
+            args["kwargs"]["dropout_rng"] = keys[5]
+        elif name == "mask":
+            args["kwargs"]["mask"] = jax.random.bernoulli(keys[6], 0.9, (B, 1, T, S))
+        elif name == "segments":
+            ids = jnp.cumsum(jax.random.bernoulli(keys[7], 4.0 / T, (B, T)), axis=1)
+            args["kwargs"]["q_segment_ids"] = ids.astype(jnp.int32)
+        else:
+            raise ValueError(f"unknown benchmark feature {name!r}")
+    return args
+
+
+def _loss_and_grad(fn: Callable[..., jax.Array], args: dict[str, Any]):
+    ct = args["cotangent"]
+    has_bias = "bias" in args["kwargs"]
+
+    def loss(q, k, v, bias):
+        kwargs = dict(args["kwargs"], bias=bias) if has_bias else args["kwargs"]
+        out = fn(q, k, v, **kwargs)
+        return jnp.sum(out.astype(jnp.float32) * ct.astype(jnp.float32))
+
+    argnums = (0, 1, 2, 3) if has_bias else (0, 1, 2)
+    return jax.jit(jax.grad(loss, argnums=argnums))
+
+
+def time_fn(fn: Callable[[], Any], *, min_seconds: float = 0.3, warmup: int = 2) -> float:
+    """Median seconds per call (device-synchronised), at least 5 calls."""
+    for _ in range(warmup):
+        jax.block_until_ready(fn())
+    start = time.perf_counter()
+    jax.block_until_ready(fn())
+    single = max(time.perf_counter() - start, 1e-6)
+    repeats = max(5, min(50, int(min_seconds / single)))
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(fn())
+        samples.append(time.perf_counter() - start)
+    return float(np.median(samples))
+
+
+def implementations(interpret: bool) -> dict[str, Callable[..., jax.Array]]:
+    impls: dict[str, Callable[..., jax.Array]] = {
+        "pallas_attn": lambda q, k, v, **kw: pallas_attn.dot_product_attention(
+            q, k, v, implementation="pallas", interpret=interpret, **kw)}
+    if on_gpu():
+        impls["jax.nn cudnn"] = lambda q, k, v, **kw: jax.nn.dot_product_attention(
+            q, k, v, implementation="cudnn", **kw)
+        impls["jax.nn xla"] = lambda q, k, v, **kw: jax.nn.dot_product_attention(
+            q, k, v, implementation="xla", **kw)
+    return impls
+
+
+def benchmark(shapes: Sequence[Shape], *, interpret: bool = False,
+              log: Callable[[str], None] = print) -> list[dict[str, Any]]:
+    rows = []
+    for shape in shapes:
+        args = make_inputs(shape)
+        q, k, v = args["query"], args["key"], args["value"]
+        for name, fn in implementations(interpret).items():
+            row: dict[str, Any] = {"shape": shape.label, "impl": name}
+            kwargs = args["kwargs"]
+            try:
+                fwd = jax.jit(functools.partial(fn, **kwargs))
+                t_fwd = time_fn(functools.partial(fwd, q, k, v))
+                row["fwd_ms"] = t_fwd * 1e3
+                row["fwd_tflops"] = shape.forward_flops() / t_fwd / 1e12
+                grad = _loss_and_grad(fn, args)
+                t_both = time_fn(functools.partial(grad, q, k, v, kwargs.get("bias")))
+                row["fwdbwd_ms"] = t_both * 1e3
+                row["fwdbwd_tflops"] = 3.5 * shape.forward_flops() / t_both / 1e12
+            except Exception as e:  # noqa: BLE001 - peers may not support a shape
+                row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
+            rows.append(row)
+            log(json.dumps(row))
+    return rows
+
+
+def format_table(rows: list[dict[str, Any]]) -> str:
+    lines = ["| shape | implementation | fwd ms | fwd TFLOP/s | fwd+bwd ms | fwd+bwd TFLOP/s |",
+             "|---|---|---|---|---|---|"]
+    for row in rows:
+        if "error" in row:
+            lines.append(f"| {row['shape']} | {row['impl']} | fails: {row['error']} | | | |")
+            continue
+        lines.append(
+            f"| {row['shape']} | {row['impl']} | {row['fwd_ms']:.3f} | {row['fwd_tflops']:.0f} | "
+            f"{row['fwdbwd_ms']:.3f} | {row['fwdbwd_tflops']:.0f} |")
+    return "\n".join(lines)
+
+
+def relative_error(x: jax.Array, ref: jax.Array) -> float:
+    x = np.asarray(x, np.float64)
+    ref = np.asarray(ref, np.float64)
+    finite = np.isfinite(ref)
+    if not np.array_equal(finite, np.isfinite(x)):
+        return math.inf
+    x, ref = np.where(finite, x, 0.0), np.where(finite, ref, 0.0)
+    return float(np.linalg.norm(x - ref) / max(np.linalg.norm(ref), 1e-30))
+
+
+def _outputs_and_grads(fn: Callable[..., Any], q, k, v, ct, kwargs: dict[str, Any]):
+    """[out, lse, dq, dk, dv(, dbias)] of sum(out * ct) for one implementation."""
+    bias = kwargs.get("bias")
+    rest = {x: y for x, y in kwargs.items() if x != "bias"}
+
+    def loss(q, k, v, bias):
+        out, lse = fn(q, k, v, bias=bias, return_residual=True, **rest)
+        return jnp.sum(out.astype(jnp.float32) * ct), (out, lse)
+
+    argnums = (0, 1, 2, 3) if bias is not None else (0, 1, 2)
+    grads, (out, lse) = jax.jit(jax.grad(loss, argnums=argnums, has_aux=True))(q, k, v, bias)
+    return [out, lse, *grads]
+
+
+def check(shapes: Sequence[Shape], *, interpret: bool = False,
+          log: Callable[[str], None] = print) -> list[dict[str, Any]]:
+    """Kernel vs float32-upcast reference, next to the same-dtype reference's error.
+
+    Passes when the kernel's error is at most 2x the same-dtype reference's error
+    plus a floor (FlashAttention's rule), for the output, lse and every gradient.
+    """
+    def kernel(*a, **kw):
+        return pallas_attn.dot_product_attention(*a, implementation="pallas",
+                                                 interpret=interpret, **kw)
+
+    def ref(*a, **kw):
+        return pallas_attn.dot_product_attention(*a, implementation="xla", **kw)
+
+    results = []
+    for shape in shapes:
+        args = make_inputs(shape, seed=1)
+        q, k, v, kw = args["query"], args["key"], args["value"], args["kwargs"]
+        ct = args["cotangent"].astype(jnp.float32)
+        up = lambda x: x.astype(jnp.float32)
+        up_kw = {x: (up(y) if x == "bias" else y) for x, y in kw.items()}
+        names = ["out", "lse", "dq", "dk", "dv"] + (["dbias"] if "bias" in kw else [])
+        row: dict[str, Any] = {"shape": shape.label, "dtype": shape.dtype, "ok": True}
+        try:
+            got = _outputs_and_grads(kernel, q, k, v, ct, kw)
+            exact = _outputs_and_grads(ref, up(q), up(k), up(v), ct, up_kw)
+            same = _outputs_and_grads(ref, q, k, v, ct, kw)
+        except Exception as e:  # noqa: BLE001 - report every shape, failing ones included
+            row.update(ok=False, error=f"{type(e).__name__}: {str(e)[:2000]}")
+            results.append(row)
+            log(f"FAIL {shape.label} {shape.dtype}: {row['error']}")
+            continue
+        floor = 1e-5 if shape.dtype == "float32" else 1e-3
+        for name, x, e, s in zip(names, got, exact, same, strict=True):
+            err, base = relative_error(x, e), relative_error(s, e)
+            row[name] = (err, base)
+            row["ok"] &= bool(np.isfinite(err) and err <= 2 * base + floor)
+        results.append(row)
+        log(" ".join([f"{'PASS' if row['ok'] else 'FAIL'} {shape.label} {shape.dtype}:"] +
+                     [f"{n} {row[n][0]:.1e} (ref {row[n][1]:.1e})" for n in names]))
+    return results
+
+
+def standard_shapes(quick: bool = False) -> list[Shape]:
+    """PEERS.md's shapes: 16k tokens (T = S = 4096) at head dims 64, 128, 256."""
+    shapes = []
+    for head_dim, batch, heads in ((64, 8, 16), (128, 4, 16), (256, 4, 8)):
+        if quick and head_dim != 128:
+            continue
+        for causal in (False, True):
+            shapes.append(Shape(batch, 4096, 4096, heads, heads, head_dim, causal))
+    return shapes
+
+
+def feature_shapes() -> list[Shape]:
+    base = dict(batch=4, q_len=4096, kv_len=4096, heads=16, kv_heads=16, head_dim=128)
+    return [
+        Shape(**base, features=(("bias", None),)),
+        Shape(**base, features=(("alibi", None),)),
+        Shape(**base, features=(("softcap", 30.0),)),
+        Shape(**base, features=(("dropout", 0.1),)),
+        Shape(**base, features=(("segments", None),)),
+        Shape(**dict(base, batch=2, q_len=8192, kv_len=8192)),
+        Shape(**dict(base, batch=2, q_len=8192, kv_len=8192), features=(("window", 512),)),
+        Shape(**dict(base, kv_heads=2)),
+    ]
+
+
+def check_shapes(on_device: bool) -> list[Shape]:
+    if not on_device:
+        return [Shape(2, 40, 56, 4, 2, 32, False, dtype="float32"),
+                Shape(1, 33, 33, 2, 2, 64, True, dtype="float32"),
+                Shape(1, 48, 40, 2, 1, 40, False, (("bias", None), ("softcap", 5.0)),
+                      dtype="float32")]
+    shapes = []
+    for dtype in ("bfloat16", "float16", "float32"):
+        for head_dim in (64, 128, 256):
+            shapes.append(Shape(2, 1024, 1024, 4, 4, head_dim, head_dim == 128, dtype=dtype))
+    shapes += [
+        Shape(2, 1000, 1500, 8, 2, 80, True, dtype="bfloat16"),
+        Shape(1, 777, 333, 4, 1, 192, False, dtype="bfloat16"),
+        Shape(2, 1024, 1024, 4, 4, 128, True, (("bias", None), ("alibi", None),
+                                                ("softcap", 20.0)), dtype="bfloat16"),
+        Shape(2, 1024, 1024, 4, 4, 64, False, (("dropout", 0.2), ("mask", None)),
+              dtype="bfloat16"),
+        Shape(2, 2048, 2048, 4, 4, 128, True, (("window", 256), ("segments", None)),
+              dtype="bfloat16"),
+    ]
+    return shapes
+
+
+def describe_device() -> str:
+    device = jax.devices()[0]
+    return f"device: {device.device_kind}, jax {jax.__version__}, {time.strftime('%Y-%m-%d')}"
+
+
+def write_json(path: str, rows: list[dict[str, Any]]) -> None:
+    with open(path, "w") as f:
+        json.dump({"device": describe_device(), "rows": rows}, f, indent=1, default=str)
+
+
+def plot(rows: list[dict[str, Any]], path: str) -> None:
+    """Grouped bar chart of forward and forward+backward TFLOP/s per shape."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    shapes = list(dict.fromkeys(r["shape"] for r in rows))
+    impls = list(dict.fromkeys(r["impl"] for r in rows))
+    fig, axes = plt.subplots(2, 1, figsize=(max(8, 1.6 * len(shapes)), 8), sharex=True)
+    width = 0.8 / max(1, len(impls))
+    for ax, metric in zip(axes, ("fwd_tflops", "fwdbwd_tflops"), strict=True):
+        for i, impl in enumerate(impls):
+            values = [next((r.get(metric, 0.0) for r in rows
+                            if r["shape"] == s and r["impl"] == impl), 0.0) for s in shapes]
+            ax.bar(np.arange(len(shapes)) + i * width, values, width, label=impl)
+        ax.set_ylabel(metric.replace("_tflops", "").replace("fwdbwd", "fwd+bwd") + " TFLOP/s")
+        ax.legend()
+    axes[-1].set_xticks(np.arange(len(shapes)) + 0.4 - width / 2, shapes, rotation=30,
+                        ha="right", fontsize=7)
+    fig.suptitle(describe_device())
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
