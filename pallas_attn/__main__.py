@@ -16,7 +16,18 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--plot", help="write a TFLOP/s bar chart (PNG) to this file")
     check = sub.add_parser("check", help="kernel numerics vs the reference")
     check.add_argument("--json", help="write the results to this file")
+    tune = sub.add_parser("tune", help="time tile candidates on the GPU and cache the best")
+    tune.add_argument("--head-dim", type=int, nargs="+", default=[64, 128, 256])
+    tune.add_argument("--seq-len", type=int, default=4096)
+    tune.add_argument("--batch", type=int, default=4)
+    tune.add_argument("--heads", type=int, default=16)
+    tune.add_argument("--kv-heads", type=int, default=None)
+    tune.add_argument("--dtype", default="bfloat16")
+    tune.add_argument("--causal", choices=["no", "yes", "both"], default="both")
+    tune.add_argument("--json", help="write every timing to this file")
     args = parser.parse_args(argv)
+    if args.command == "tune":
+        return _tune(args)
 
     from pallas_attn import bench as bench_lib
 
@@ -41,6 +52,33 @@ def main(argv: list[str] | None = None) -> int:
         bench_lib.write_json(args.json, rows)
     if args.plot:
         bench_lib.plot(rows, args.plot)
+    return 0
+
+
+def _tune(args: argparse.Namespace) -> int:
+    import json
+
+    from pallas_attn import autotune, bench
+
+    if not bench.on_gpu():
+        print("tune times kernels on an NVIDIA GPU; none found", file=sys.stderr)
+        return 2
+    report = []
+    causal = {"no": (False,), "yes": (True,), "both": (False, True)}[args.causal]
+    for head_dim in args.head_dim:
+        for is_causal in causal:
+            print(f"== head dim {head_dim}, causal {is_causal}, T=S={args.seq_len}")
+            result = autotune.tune_problem(
+                batch=args.batch, q_len=args.seq_len, kv_len=args.seq_len, heads=args.heads,
+                kv_heads=args.kv_heads or args.heads, head_dim=head_dim, dtype=args.dtype,
+                is_causal=is_causal)
+            report.append({"head_dim": head_dim, "causal": is_causal,
+                           "best": str(result["best"]), "heuristic": str(result["heuristic"]),
+                           "results": {k: [(list(e), t) for e, t, _ in rows]
+                                       for k, rows in result["results"].items()}})
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1)
     return 0
 
 

@@ -140,3 +140,114 @@ def tune(make_step: Callable[[Any], Callable[[], Any]], candidates: Iterable[Any
                            "; ".join(r[2] for r in results))
     best = min(timed, key=lambda r: r[1])[0]
     return best, results
+
+
+# Candidate grids timed by `python -m pallas_attn tune`, per kernel:
+# (block_q, block_k) pairs x warps x stages, filtered by the shared-memory estimate.
+SWEEP = {
+    "forward": (((128, 64), (128, 128), (64, 64), (64, 128)), (4, 8), (2, 3, 4)),
+    "dkdv": (((32, 128), (64, 128), (64, 64), (128, 128), (32, 64)), (4, 8), (1, 2, 3)),
+    "dq": (((128, 64), (128, 32), (64, 64), (128, 128), (64, 128)), (4, 8), (1, 2, 3)),
+}
+
+
+def sweep_entries(kernel: str, head_dim: int, value_head_dim: int, dtype: Any, budget: int,
+                  q_len: int, kv_len: int) -> list[tuple[int, int, int, int]]:
+    from pallas_attn import tuning
+
+    pairs, warps, stages = SWEEP[kernel]
+    entries = []
+    for (bq, bk) in pairs:
+        if bq > max(16, q_len) or bk > max(16, kv_len):
+            continue
+        for w in warps:
+            for st in stages:
+                candidate = tuning.with_kernel(tuning.BlockSizes(), kernel, (bq, bk, w, st))
+                if tuning.shared_memory_estimate(candidate, head_dim, value_head_dim,
+                                                 dtype)[kernel] <= budget:
+                    entries.append((bq, bk, w, st))
+    return entries
+
+
+def tune_problem(*, batch: int, q_len: int, kv_len: int, heads: int, kv_heads: int,
+                 head_dim: int, dtype: Any = jnp.bfloat16, is_causal: bool = False,
+                 kernels: tuple[str, ...] = ("forward", "dkdv", "dq"), save: bool = True,
+                 log: Callable[[str], None] = print, workers: int = 8) -> dict[str, Any]:
+    """Times every sweep candidate of each kernel alone on the current GPU.
+
+    Returns {"best": BlockSizes, "heuristic": BlockSizes, "results": {kernel: [...]}}
+    and (save=True) stores the winner in the cache for this problem's key.
+    """
+    from concurrent.futures import ThreadPoolExecutor
+
+    from pallas_attn import tuning
+    from pallas_attn.kernels import attention as kernel_attention
+    from pallas_attn.kernels import triton_bwd, triton_fwd
+    from pallas_attn.spec import normalize
+
+    try:
+        from tqdm import tqdm as progress
+    except ImportError:  # pragma: no cover - tqdm is in the example/test extras
+        def progress(x, **_):
+            return x
+
+    device = tuning.DeviceInfo.current()
+    keys = jax.random.split(jax.random.key(0), 5)
+    q = jax.random.normal(keys[0], (batch, q_len, heads, head_dim), dtype)
+    k = jax.random.normal(keys[1], (batch, kv_len, kv_heads, head_dim), dtype)
+    v = jax.random.normal(keys[2], (batch, kv_len, kv_heads, head_dim), dtype)
+    spec, ops, _ = normalize(q, k, v, is_causal=is_causal)
+    features = {"is_causal": is_causal}
+    heuristic = tuning.choose_block_sizes(head_dim, dtype, q_len=q_len, kv_len=kv_len,
+                                          device=device, **features)
+    problem, qp, kp, vp, _, optional = kernel_attention.prepare(
+        spec, ops, tuning.BlockSizes(*(128,) * 6), interpret=False)
+    if problem.q_pad != q_len or problem.kv_pad != kv_len:
+        raise ValueError(f"tune needs lengths that are multiples of 128, got {q_len}/{kv_len}")
+    out, lse2 = jax.jit(lambda q, k, v: triton_fwd.forward(
+        dataclasses.replace(problem, blocks=heuristic), q, k, v, optional))(qp, kp, vp)
+    do = jax.random.normal(keys[3], out.shape, dtype)
+    delta = jnp.einsum("btnh,btnh->bnt", do.astype(jnp.float32), out.astype(jnp.float32))
+    names, bwd_inputs = triton_bwd.backward_inputs(qp, kp, vp, optional, lse2, do, delta)
+
+    def runner(kernel: str, blocks: Any):
+        p = dataclasses.replace(problem, blocks=blocks)
+        if kernel == "forward":
+            fn, args = (lambda q, k, v: triton_fwd.forward(p, q, k, v, optional)), (qp, kp, vp)
+        elif kernel == "dkdv":
+            fn, args = (lambda *a: triton_bwd.dkdv(p, names, list(a))), bwd_inputs
+        else:
+            fn, args = (lambda *a: triton_bwd.dq(p, names, list(a))), bwd_inputs
+        compiled = jax.jit(fn).lower(*args).compile()
+        return lambda: compiled(*args)
+
+    best = heuristic
+    results: dict[str, list] = {}
+    for kernel in kernels:
+        entries = sweep_entries(kernel, head_dim, head_dim, dtype,
+                                device.max_shared_memory_per_block, q_len, kv_len)
+        current = tuple(getattr(heuristic, f) for f in tuning.kernel_fields(kernel))
+        if current not in entries:
+            entries.insert(0, current)
+        # Compile in parallel threads (compilation is CPU work), then time one by one.
+        with ThreadPoolExecutor(workers) as pool:
+            futures = {e: pool.submit(runner, kernel, tuning.with_kernel(heuristic, kernel, e))
+                       for e in entries}
+        rows = []
+        for entry in progress(entries, desc=f"timing {kernel}"):
+            try:
+                seconds = time_call(futures[entry].result())
+                rows.append((entry, seconds, ""))
+            except Exception as e:  # noqa: BLE001 - a failing candidate is skipped
+                rows.append((entry, None, f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"))
+        results[kernel] = rows
+        timed = [r for r in rows if r[1] is not None]
+        winner = min(timed, key=lambda r: r[1])
+        base = next((r[1] for r in rows if r[0] == current), None)
+        best = tuning.with_kernel(best, kernel, winner[0])
+        log(f"{kernel}: heuristic {current} {base * 1e3 if base else float('nan'):.3f} ms, "
+            f"best {winner[0]} {winner[1] * 1e3:.3f} ms")
+    if save:
+        key = entry_key(dtype, head_dim, head_dim, q_len, kv_len, features)
+        log(f"cached as {key} in {store(device, key, best)}")
+    return {"best": best, "heuristic": heuristic, "results": results}

@@ -104,12 +104,16 @@ def _is_tile(x: Any) -> bool:
     return isinstance(x, int) and x >= 16 and x & (x - 1) == 0
 
 
+_KERNELS = ("forward", "dkdv", "dq")
+
+
 @dataclasses.dataclass(frozen=True)
 class BlockSizes:
     """Tiles and launch parameters of the three kernels (forward, dK/dV, dQ).
 
     Every tile is a power of two and at least 16 (Triton needs power-of-two blocks;
     16 is the smallest tensor-core operand). Results do not depend on the tiles.
+    The dbias kernel, when used, runs with the dQ kernel's tiles and parameters.
     """
 
     block_q: int = 128
@@ -120,8 +124,10 @@ class BlockSizes:
     block_k_dq: int = 64
     num_warps: int = 4
     num_stages: int = 3
-    num_warps_bwd: int = 8
-    num_stages_bwd: int = 2
+    num_warps_dkv: int = 8
+    num_stages_dkv: int = 2
+    num_warps_dq: int = 8
+    num_stages_dq: int = 2
 
     def __post_init__(self):
         for field in ("block_q", "block_k", "block_q_dkv", "block_k_dkv", "block_q_dq",
@@ -129,13 +135,13 @@ class BlockSizes:
             value = getattr(self, field)
             if not _is_tile(value):
                 raise ValueError(f"BlockSizes.{field} must be a power of two >= 16, got {value!r}")
-        for field in ("num_warps", "num_warps_bwd"):
+        for field in ("num_warps", "num_warps_dkv", "num_warps_dq"):
             value = getattr(self, field)
             if value not in (1, 2, 4, 8, 16):
                 raise ValueError(f"BlockSizes.{field} must be 1, 2, 4, 8 or 16, got {value!r}")
-        for field in ("num_stages", "num_stages_bwd"):
+        for field in ("num_stages", "num_stages_dkv", "num_stages_dq"):
             value = getattr(self, field)
-            if not isinstance(value, int) or not 1 <= value <= 8:
+            if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= 8:
                 raise ValueError(f"BlockSizes.{field} must be an int in [1, 8], got {value!r}")
 
     def clamp(self, q_len: int, kv_len: int) -> BlockSizes:
@@ -159,34 +165,43 @@ def padded_head_dim(head_dim: int) -> int:
 
 
 def shared_memory_estimate(block_sizes: BlockSizes, head_dim: int, value_head_dim: int | None,
-                           dtype: Any) -> dict[str, int]:
+                           dtype: Any, *, bias_dtype: Any = None,
+                           has_mask: bool = False) -> dict[str, int]:
     """Bytes of shared memory each kernel needs, from the tiles the kernels allocate.
 
-    Counts the operands Triton stages through shared memory for the tensor cores:
-    tiles loaded inside a loop are multi-buffered num_stages deep, tiles loaded
-    once stay resident, and the probabilities/score gradients that feed a second
-    matrix product are staged once.
+    Counts what Triton stages through shared memory: tiles loaded inside the loop
+    are multi-buffered num_stages deep (K, V in the forward and dQ kernels; Q, dO
+    and the bias/mask tiles in the dK/dV kernel), tiles loaded once stay resident,
+    and the [block_q, block_k] operand of a second matrix product (P or dS) is
+    staged once.
     """
     b = block_sizes
     hd = padded_head_dim(head_dim)
     hv = padded_head_dim(value_head_dim or head_dim)
     size = np.dtype(jnp.dtype(dtype)).itemsize
-    forward = (b.block_q * hd + b.num_stages * b.block_k * (hd + hv)) * size
-    dkdv = (b.block_k_dkv * (hd + hv)
-            + b.num_stages_bwd * b.block_q_dkv * (hd + hv)
-            + 2 * b.block_q_dkv * b.block_k_dkv) * size
-    dq = (b.block_q_dq * (hd + hv)
-          + b.num_stages_bwd * b.block_k_dq * (hd + hv)
-          + b.block_q_dq * b.block_k_dq) * size
+    extra = (np.dtype(jnp.dtype(bias_dtype)).itemsize if bias_dtype is not None else 0) + (
+        1 if has_mask else 0)
+
+    def tile_inputs(block_q: int, block_k: int, stages: int) -> int:
+        return stages * block_q * block_k * extra
+
+    forward = (b.block_q * hd * size + b.num_stages * b.block_k * (hd + hv) * size
+               + tile_inputs(b.block_q, b.block_k, b.num_stages))
+    dkdv = (b.block_k_dkv * (hd + hv) * size + b.num_stages_dkv * b.block_q_dkv * (hd + hv) * size
+            + 2 * b.block_q_dkv * b.block_k_dkv * size
+            + tile_inputs(b.block_q_dkv, b.block_k_dkv, b.num_stages_dkv))
+    dq = (b.block_q_dq * (hd + hv) * size + b.num_stages_dq * b.block_k_dq * (hd + hv) * size
+          + b.block_q_dq * b.block_k_dq * size
+          + tile_inputs(b.block_q_dq, b.block_k_dq, b.num_stages_dq))
     return {"forward": forward, "dkdv": dkdv, "dq": dq}
 
 
 def check_fits(block_sizes: BlockSizes, head_dim: int, value_head_dim: int, dtype: Any,
-               device: DeviceInfo) -> None:
+               device: DeviceInfo, **features: Any) -> None:
     """ValueError naming the kernel, its estimate and the budget if a tile set cannot fit."""
     budget = device.max_shared_memory_per_block
     for kernel, need in shared_memory_estimate(block_sizes, head_dim, value_head_dim,
-                                               dtype).items():
+                                               dtype, **features).items():
         if need > budget:
             raise ValueError(
                 f"block_sizes {block_sizes} need about {need} bytes of shared memory in the "
@@ -194,33 +209,67 @@ def check_fits(block_sizes: BlockSizes, head_dim: int, value_head_dim: int, dtyp
                 f"over the device's {budget} bytes per block; choose smaller tiles or fewer stages")
 
 
-# Candidate ladders, best first, per padded head dim. Each entry:
-# (block_q, block_k, warps, stages, block_q_dkv, block_k_dkv, block_q_dq, block_k_dq,
-#  warps_bwd, stages_bwd).
-_LADDERS: dict[int, tuple[tuple[int, ...], ...]] = {
-    16: ((128, 128, 4, 3, 64, 128, 128, 64, 4, 2), (64, 64, 4, 2, 32, 64, 64, 32, 4, 2)),
-    32: ((128, 128, 4, 3, 64, 128, 128, 64, 4, 2), (64, 64, 4, 2, 32, 64, 64, 32, 4, 2)),
-    64: ((128, 128, 8, 3, 64, 128, 128, 64, 8, 2), (128, 64, 4, 3, 64, 128, 128, 64, 8, 2),
-         (64, 64, 4, 2, 32, 64, 64, 32, 4, 2)),
-    128: ((128, 128, 8, 3, 64, 128, 128, 64, 8, 2), (128, 64, 8, 3, 64, 128, 128, 64, 8, 2),
-          (128, 64, 8, 2, 32, 128, 128, 32, 8, 2), (64, 64, 4, 2, 32, 64, 64, 32, 4, 2),
-          (64, 32, 4, 2, 32, 32, 32, 32, 4, 1)),
-    256: ((128, 64, 8, 2, 64, 64, 64, 64, 8, 2), (64, 64, 8, 2, 32, 64, 64, 32, 8, 2),
-          (64, 32, 4, 2, 32, 32, 32, 32, 4, 1), (32, 32, 4, 1, 16, 32, 32, 16, 4, 1),
-          (16, 16, 4, 1, 16, 16, 16, 16, 4, 1)),
+def _fits(candidate: BlockSizes, kernel: str, head_dim: int, value_head_dim: int, dtype: Any,
+          budget: int, **features: Any) -> bool:
+    return shared_memory_estimate(candidate, head_dim, value_head_dim, dtype,
+                                  **features)[kernel] <= budget
+
+
+# Per-kernel candidate ladders, best first, per padded head dim (the widest of H, Hv).
+# forward: (block_q, block_k, warps, stages); dkdv: (block_q_dkv, block_k_dkv, warps,
+# stages); dq: (block_q_dq, block_k_dq, warps, stages). The first entry of each that
+# fits the device's shared memory wins, independently per kernel.
+_LADDERS: dict[int, dict[str, tuple[tuple[int, int, int, int], ...]]] = {
+    16: {"forward": ((128, 64, 4, 3), (64, 64, 4, 2)),
+         "dkdv": ((64, 128, 4, 2), (32, 64, 4, 2)),
+         "dq": ((128, 64, 4, 2), (64, 32, 4, 2))},
+    32: {"forward": ((128, 64, 4, 3), (64, 64, 4, 2)),
+         "dkdv": ((64, 128, 4, 2), (32, 64, 4, 2)),
+         "dq": ((128, 64, 4, 2), (64, 32, 4, 2))},
+    64: {"forward": ((128, 64, 4, 3), (128, 64, 4, 2), (64, 64, 4, 2)),
+         "dkdv": ((64, 128, 8, 2), (32, 64, 4, 2)),
+         "dq": ((128, 64, 8, 2), (64, 32, 4, 2))},
+    128: {"forward": ((128, 128, 8, 3), (128, 64, 8, 3), (128, 64, 8, 2), (64, 64, 4, 2),
+                      (64, 32, 4, 2)),
+          "dkdv": ((64, 128, 8, 2), (32, 128, 8, 2), (32, 64, 4, 2), (32, 32, 4, 1)),
+          "dq": ((128, 64, 8, 2), (64, 64, 8, 2), (64, 32, 4, 2), (32, 32, 4, 1))},
+    256: {"forward": ((128, 64, 8, 2), (64, 64, 8, 2), (64, 32, 4, 2), (32, 32, 4, 1),
+                      (16, 16, 4, 1)),
+          "dkdv": ((64, 64, 8, 2), (32, 64, 8, 2), (32, 32, 4, 1), (16, 16, 4, 1)),
+          "dq": ((64, 64, 8, 2), (64, 32, 8, 2), (32, 32, 4, 1), (16, 16, 4, 1))},
 }
+_FIELDS = {"forward": ("block_q", "block_k", "num_warps", "num_stages"),
+           "dkdv": ("block_q_dkv", "block_k_dkv", "num_warps_dkv", "num_stages_dkv"),
+           "dq": ("block_q_dq", "block_k_dq", "num_warps_dq", "num_stages_dq")}
+
+
+def kernel_fields(kernel: str) -> tuple[str, ...]:
+    """The BlockSizes fields of one kernel: (block_q, block_k, warps, stages) names."""
+    return _FIELDS[kernel]
+
+
+def ladder(kernel: str, head_dim: int, value_head_dim: int | None = None
+           ) -> tuple[tuple[int, int, int, int], ...]:
+    width = padded_head_dim(max(head_dim, value_head_dim or head_dim))
+    return _LADDERS[min(max(width, 16), 256)][kernel]
+
+
+def with_kernel(base: BlockSizes, kernel: str, entry: tuple[int, ...]) -> BlockSizes:
+    """base with one kernel's (block_q, block_k, warps, stages) replaced."""
+    return dataclasses.replace(base, **dict(zip(_FIELDS[kernel], entry, strict=True)))
 
 
 def candidates(head_dim: int, value_head_dim: int | None = None) -> tuple[BlockSizes, ...]:
-    """The ladder for a head dim, largest tiles first (also what `tune` times)."""
-    width = padded_head_dim(max(head_dim, value_head_dim or head_dim))
-    ladder = _LADDERS[min(max(width, 16), 256)]
-    return tuple(
-        BlockSizes(block_q=bq, block_k=bk, num_warps=warps, num_stages=stages,
-                   block_q_dkv=bq_dkv, block_k_dkv=bk_dkv, block_q_dq=bq_dq, block_k_dq=bk_dq,
-                   num_warps_bwd=warps_bwd, num_stages_bwd=stages_bwd)
-        for (bq, bk, warps, stages, bq_dkv, bk_dkv, bq_dq, bk_dq, warps_bwd, stages_bwd)
-        in ladder)
+    """Whole BlockSizes along the ladders, largest tiles first (rung i of every kernel)."""
+    rungs = max(len(ladder(k, head_dim, value_head_dim)) for k in _KERNELS)
+    out = []
+    for i in range(rungs):
+        b = BlockSizes()
+        for kernel in _KERNELS:
+            entries = ladder(kernel, head_dim, value_head_dim)
+            b = with_kernel(b, kernel, entries[min(i, len(entries) - 1)])
+        out.append(b)
+    return tuple(out)
 
 
 def choose_block_sizes(head_dim: int, dtype: Any = jnp.bfloat16, *, q_len: int, kv_len: int,
@@ -248,13 +297,20 @@ def choose_block_sizes(head_dim: int, dtype: Any = jnp.bfloat16, *, q_len: int, 
     if tuned is not None:
         return tuned.clamp(q_len, kv_len)
     budget = device.max_shared_memory_per_block
-    ladder = candidates(head_dim, value_head_dim)
-    for candidate in ladder:
-        candidate = candidate.clamp(q_len, kv_len)
-        if max(shared_memory_estimate(candidate, head_dim, value_head_dim,
-                                      dtype).values()) <= budget:
-            return candidate
-    return ladder[-1].clamp(q_len, kv_len)
+    smem_features = {"bias_dtype": features.get("bias_dtype"),
+                     "has_mask": bool(features.get("has_mask"))}
+    chosen = BlockSizes()
+    for kernel in _KERNELS:
+        entries = ladder(kernel, head_dim, value_head_dim)
+        for entry in entries:
+            candidate = with_kernel(chosen, kernel, entry).clamp(q_len, kv_len)
+            if _fits(candidate, kernel, head_dim, value_head_dim, dtype, budget,
+                     **smem_features):
+                chosen = with_kernel(chosen, kernel, entry)
+                break
+        else:
+            chosen = with_kernel(chosen, kernel, entries[-1])
+    return chosen.clamp(q_len, kv_len)
 
 
 def ceil_div(a: int, b: int) -> int:

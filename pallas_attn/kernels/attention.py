@@ -40,39 +40,36 @@ def resolve_block_sizes(spec: AttentionSpec, ops: Operands, block_sizes: BlockSi
     B, T, N, H = ops.query.shape
     S, Hv = ops.key.shape[1], ops.value.shape[-1]
     device = DeviceInfo() if interpret else DeviceInfo.current()
+    smem = dict(bias_dtype=None if ops.bias is None else ops.bias.dtype,
+                has_mask=ops.mask is not None)
     if block_sizes is None:
-        features = dict(is_causal=spec.is_causal, has_bias=spec.has_bias,
+        features = dict(smem, is_causal=spec.is_causal, has_bias=spec.has_bias,
                         has_dropout=spec.has_dropout, has_window=spec.local_window is not None)
         return tuning.choose_block_sizes(H, ops.query.dtype, q_len=T, kv_len=S,
                                          value_head_dim=Hv, device=device, **features)
     if not interpret:
-        tuning.check_fits(block_sizes, H, Hv, ops.query.dtype, device)
+        tuning.check_fits(block_sizes, H, Hv, ops.query.dtype, device, **smem)
     return block_sizes
 
 
-def attention(spec: AttentionSpec, ops: Operands, *, block_sizes: BlockSizes | None = None,
-              interpret: bool = False) -> tuple[jax.Array, jax.Array]:
-    """Canonical-layout attention through the kernels: (out [B,T,N,Hv], lse [B,N,T])."""
-    blocks = resolve_block_sizes(spec, ops, block_sizes, interpret)
+def prepare(spec: AttentionSpec, ops: Operands, blocks: BlockSizes, interpret: bool):
+    """(problem, q, k, v, differentiable, optional): padded operands and their Problem."""
     q, k, v = ops.query, ops.key, ops.value
     B, T, N, H = q.shape
     S, K, Hv = k.shape[1], k.shape[2], v.shape[-1]
-    q_pad = tuning.ceil_div(T, max(blocks.block_q, blocks.block_q_dkv, blocks.block_q_dq)) * max(
-        blocks.block_q, blocks.block_q_dkv, blocks.block_q_dq)
-    kv_pad = tuning.ceil_div(S, max(blocks.block_k, blocks.block_k_dkv, blocks.block_k_dq)) * max(
-        blocks.block_k, blocks.block_k_dkv, blocks.block_k_dq)
+    q_tile = max(blocks.block_q, blocks.block_q_dkv, blocks.block_q_dq)
+    kv_tile = max(blocks.block_k, blocks.block_k_dkv, blocks.block_k_dq)
+    q_pad = tuning.ceil_div(T, q_tile) * q_tile
+    kv_pad = tuning.ceil_div(S, kv_tile) * kv_tile
     hp, hvp = tuning.padded_head_dim(H), tuning.padded_head_dim(Hv)
 
     optional = {name: getattr(ops, name) for name in OPTIONAL_INPUTS
                 if getattr(ops, name) is not None}
-    if "bias" in optional:
-        bias = optional["bias"]
-        bias = _pad_axis(bias, 2, q_pad) if bias.shape[2] > 1 else bias
-        optional["bias"] = _pad_axis(bias, 3, kv_pad) if bias.shape[3] > 1 else bias
-    if "mask" in optional:
-        mask = optional["mask"]
-        mask = _pad_axis(mask, 2, q_pad, False) if mask.shape[2] > 1 else mask
-        optional["mask"] = _pad_axis(mask, 3, kv_pad, False) if mask.shape[3] > 1 else mask
+    for name, fill in (("bias", 0), ("mask", False)):
+        if name in optional:
+            x = optional[name]
+            x = _pad_axis(x, 2, q_pad, fill) if x.shape[2] > 1 else x
+            optional[name] = _pad_axis(x, 3, kv_pad, fill) if x.shape[3] > 1 else x
     if "q_segment_ids" in optional:
         optional["q_segment_ids"] = _pad_axis(optional["q_segment_ids"], 1, q_pad)
         optional["kv_segment_ids"] = _pad_axis(optional["kv_segment_ids"], 1, kv_pad)
@@ -85,7 +82,16 @@ def attention(spec: AttentionSpec, ops: Operands, *, block_sizes: BlockSizes | N
     qp = _pad_axis(_pad_axis(q, 1, q_pad), 3, hp)
     kp = _pad_axis(_pad_axis(k, 1, kv_pad), 3, hp)
     vp = _pad_axis(_pad_axis(v, 1, kv_pad), 3, hvp)
+    return problem, qp, kp, vp, differentiable, optional
+
+
+def attention(spec: AttentionSpec, ops: Operands, *, block_sizes: BlockSizes | None = None,
+              interpret: bool = False) -> tuple[jax.Array, jax.Array]:
+    """Canonical-layout attention through the kernels: (out [B,T,N,Hv], lse [B,N,T])."""
+    blocks = resolve_block_sizes(spec, ops, block_sizes, interpret)
+    problem, qp, kp, vp, differentiable, optional = prepare(spec, ops, blocks, interpret)
     out, lse2 = _fused(problem, qp, kp, vp, differentiable, optional)
+    T, Hv = ops.query.shape[1], ops.value.shape[-1]
     lse = jnp.where(jnp.isinf(lse2), -jnp.inf, lse2 * _LN2)[:, :, :T]
     return out[:, :T, :, :Hv], lse
 
@@ -139,7 +145,7 @@ def _fused_bwd(problem: Problem, residuals, cotangents):
         # folds into delta as -d_lse = -d_lse2 / ln2 (rows with lse2 = +inf have P = 0).
         delta = delta - jnp.where(jnp.isinf(lse2), 0.0, d_lse2 / _LN2)
     operands = _operands(differentiable, optional)
-    dq, dk, dv, dbias = triton_bwd.backward(problem, q, k, v, operands, out, lse2,
+    dq, dk, dv, dbias = triton_bwd.backward(problem, q, k, v, operands, lse2,
                                             d_out.astype(q.dtype), delta,
                                             bias_grad=bool(marker))
     d_differentiable = {"bias": dbias} if dbias is not None else jax.tree.map(

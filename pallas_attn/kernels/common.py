@@ -112,6 +112,15 @@ def full_tile_span(lo: Any, hi: Any, block: int, first: Any, stop: Any) -> tuple
     return full_first, full_stop
 
 
+def _zero_unless(condition: Any, value: Any) -> Any:
+    """value where condition holds, else 0, for scalar ints.
+
+    NOTE: not jnp.where: the Triton lowering types Python-int branches of a scalar
+    select like its boolean predicate (i1), which breaks the arithmetic after it.
+    """
+    return value * condition.astype(jnp.int32)
+
+
 def run_tile_loops(first: Any, stop: Any, full_first: Any, full_stop: Any,
                    body: Callable[[Any, Any, bool], Any], carry: Any) -> Any:
     """Loops tiles [first, stop): edge tiles with band masking, the middle without."""
@@ -174,7 +183,7 @@ class TileContext:
         if self.q_length is not None:
             q_stop = jnp.minimum(q_stop, self.q_length)
         lo, hi = scores.query_range(k0, k_stop, spec, off, q_stop)
-        hi = jnp.where(k0 < self.kv_stop(), hi, 0)  # keys all past the length: nothing to do
+        hi = _zero_unless(k0 < self.kv_stop(), hi)  # keys all past the length: nothing to do
         first, stop = tile_span(lo, hi, block_q)
         full_lo, full_hi = 0, q_stop
         if spec.is_causal:
@@ -183,7 +192,7 @@ class TileContext:
             left, right = spec.local_window
             full_lo = jnp.maximum(full_lo, k_stop - 1 - off - right)
             full_hi = jnp.minimum(full_hi, k0 - off + left + 1)
-        full_hi = jnp.where(k_stop <= self.kv_stop(), full_hi, 0)  # a ragged key tile
+        full_hi = _zero_unless(k_stop <= self.kv_stop(), full_hi)  # a ragged key tile
         return (first, stop, *full_tile_span(full_lo, full_hi, block_q, first, stop))
 
     # -- tiles --------------------------------------------------------------------

@@ -73,7 +73,7 @@ def dq_kernel(*refs, problem: Problem, names: tuple[str, ...]):
     blocks = problem.blocks
     block_q, block_k = blocks.block_q_dq, blocks.block_k_dq
     i, b, n = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    kh = n // problem.group
+    kh = lax.div(n, problem.group)
     q0 = i * block_q
     ctx = TileContext(problem, r, b, n)
     q = r["q"][b, pl.ds(q0, block_q), n, :]
@@ -100,7 +100,7 @@ def dbias_kernel(*refs, problem: Problem, names: tuple[str, ...]):
     blocks = problem.blocks
     block_q, block_k = blocks.block_q_dq, blocks.block_k_dq
     qt, kt, bn = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    bb, nb = bn // Nb, bn % Nb
+    bb, nb = lax.div(bn, Nb), lax.rem(bn, Nb)
     # Members: the (b, n) pairs this bias entry is broadcast to; tiles: the query
     # tiles (if Tb == 1) and key tiles (if Sb == 1) it is broadcast along.
     heads_per = problem.num_heads // Nb
@@ -111,14 +111,14 @@ def dbias_kernel(*refs, problem: Problem, names: tuple[str, ...]):
     out_k = block_k if Sb > 1 else 1
 
     def member_body(m, acc):
-        b = bb if Bb > 1 else m // heads_per
-        n = nb if Nb > 1 else m % heads_per
+        b = bb if Bb > 1 else lax.div(m, heads_per)
+        n = nb if Nb > 1 else lax.rem(m, heads_per)
         ctx = TileContext(problem, r, b, n)
-        kh = n // problem.group
+        kh = lax.div(n, problem.group)
 
         def tile_body(step, acc):
-            ti = qt if Tb > 1 else step // k_tiles
-            tj = kt if Sb > 1 else step % k_tiles
+            ti = qt if Tb > 1 else lax.div(step, k_tiles)
+            tj = kt if Sb > 1 else lax.rem(step, k_tiles)
             q0, k0 = ti * block_q, tj * block_k
             q = r["q"][b, pl.ds(q0, block_q), n, :]
             do = r["do"][b, pl.ds(q0, block_q), n, :]
@@ -141,57 +141,60 @@ def dbias_kernel(*refs, problem: Problem, names: tuple[str, ...]):
     r["dbias"][bb, nb, rows, cols] = acc.astype(r["dbias"].dtype)
 
 
-def backward(problem: Problem, q, k, v, optional, out, lse2, do, delta, bias_grad: bool):
-    """(dq, dk, dv, dbias or None) for padded inputs; delta [B, N, Tp] float32."""
-    blocks = problem.blocks
-    B, Tp, N, _ = q.shape
-    K = k.shape[2]
+def _launch(kernel, problem: Problem, names_in: tuple[str, ...], inputs: list[jax.Array],
+            outputs: list[jax.ShapeDtypeStruct], grid: tuple[int, ...], warps: int,
+            stages: int, name: str):
+    out_names = {"pallas_attn_dkdv": ("dk", "dv"), "pallas_attn_dq": ("dq",),
+                 "pallas_attn_dbias": ("dbias",)}[name]
+    return pl.pallas_call(
+        functools.partial(kernel, problem=problem, names=(*names_in, *out_names)),
+        grid=grid,
+        in_specs=whole_array_specs(inputs),
+        out_specs=whole_array_specs(outputs),
+        out_shape=outputs,
+        compiler_params=plgpu.CompilerParams(num_warps=warps, num_stages=stages),
+        interpret=problem.interpret,
+        name=name,
+    )(*inputs)
+
+
+def backward_inputs(q, k, v, optional, lse2, do, delta) -> tuple[tuple[str, ...], list]:
     present = [x for x in OPTIONAL_INPUTS if x in optional]
-    names_in = ("q", "k", "v", "do", "lse", "delta", *present)
-    inputs = [q, k, v, do, lse2, delta, *(optional[x] for x in present)]
-    params = functools.partial(plgpu.CompilerParams, num_warps=blocks.num_warps_bwd,
-                               num_stages=blocks.num_stages_bwd)
-    del out
+    names = ("q", "k", "v", "do", "lse", "delta", *present)
+    return names, [q, k, v, do, lse2, delta, *(optional[x] for x in present)]
 
-    dk_dv_shapes = [jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)]
-    dk, dv = pl.pallas_call(
-        functools.partial(dkdv_kernel, problem=problem, names=(*names_in, "dk", "dv")),
-        grid=(problem.kv_pad // blocks.block_k_dkv, B, K),
-        in_specs=whole_array_specs(inputs),
-        out_specs=whole_array_specs(dk_dv_shapes),
-        out_shape=dk_dv_shapes,
-        compiler_params=params(),
-        interpret=problem.interpret,
-        name="pallas_attn_dkdv",
-    )(*inputs)
 
-    dq_shape = jax.ShapeDtypeStruct(q.shape, q.dtype)
-    dq = pl.pallas_call(
-        functools.partial(dq_kernel, problem=problem, names=(*names_in, "dq")),
-        grid=(Tp // blocks.block_q_dq, B, N),
-        in_specs=whole_array_specs(inputs),
-        out_specs=whole_array_specs([dq_shape])[0],
-        out_shape=dq_shape,
-        compiler_params=params(),
-        interpret=problem.interpret,
-        name="pallas_attn_dq",
-    )(*inputs)
+def dkdv(problem: Problem, names: tuple[str, ...], inputs: list) -> tuple[jax.Array, jax.Array]:
+    b = problem.blocks
+    k, v = inputs[1], inputs[2]
+    shapes = [jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)]
+    grid = (problem.kv_pad // b.block_k_dkv, problem.batch, problem.num_kv_heads)
+    return tuple(_launch(dkdv_kernel, problem, names, inputs, shapes, grid, b.num_warps_dkv,
+                         b.num_stages_dkv, "pallas_attn_dkdv"))
 
-    dbias = None
-    if bias_grad:
-        bias = optional["bias"]
-        Bb, Nb, Tb, Sb = bias.shape
-        dbias_shape = jax.ShapeDtypeStruct(bias.shape, jnp.float32)
-        grid = (Tb // blocks.block_q_dq if Tb > 1 else 1,
-                Sb // blocks.block_k_dq if Sb > 1 else 1, Bb * Nb)
-        dbias = pl.pallas_call(
-            functools.partial(dbias_kernel, problem=problem, names=(*names_in, "dbias")),
-            grid=grid,
-            in_specs=whole_array_specs(inputs),
-            out_specs=whole_array_specs([dbias_shape])[0],
-            out_shape=dbias_shape,
-            compiler_params=params(),
-            interpret=problem.interpret,
-            name="pallas_attn_dbias",
-        )(*inputs).astype(bias.dtype)
-    return dq, dk, dv, dbias
+
+def dq(problem: Problem, names: tuple[str, ...], inputs: list) -> jax.Array:
+    b = problem.blocks
+    q = inputs[0]
+    grid = (problem.q_pad // b.block_q_dq, problem.batch, problem.num_heads)
+    return _launch(dq_kernel, problem, names, inputs, [jax.ShapeDtypeStruct(q.shape, q.dtype)],
+                   grid, b.num_warps_dq, b.num_stages_dq, "pallas_attn_dq")[0]
+
+
+def dbias(problem: Problem, names: tuple[str, ...], inputs: list, bias: jax.Array) -> jax.Array:
+    b = problem.blocks
+    Bb, Nb, Tb, Sb = bias.shape
+    grid = (Tb // b.block_q_dq if Tb > 1 else 1, Sb // b.block_k_dq if Sb > 1 else 1, Bb * Nb)
+    out = _launch(dbias_kernel, problem, names, inputs,
+                  [jax.ShapeDtypeStruct(bias.shape, jnp.float32)], grid, b.num_warps_dq,
+                  b.num_stages_dq, "pallas_attn_dbias")[0]
+    return out.astype(bias.dtype)
+
+
+def backward(problem: Problem, q, k, v, optional, lse2, do, delta, bias_grad: bool):
+    """(dq, dk, dv, dbias or None) for padded inputs; delta [B, N, Tp] float32."""
+    names, inputs = backward_inputs(q, k, v, optional, lse2, do, delta)
+    dk, dv = dkdv(problem, names, inputs)
+    dq_ = dq(problem, names, inputs)
+    dbias_ = dbias(problem, names, inputs, optional["bias"]) if bias_grad else None
+    return dq_, dk, dv, dbias_

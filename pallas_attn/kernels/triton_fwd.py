@@ -13,6 +13,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
@@ -32,7 +33,7 @@ def forward_kernel(*refs, problem: Problem, names: tuple[str, ...]):
     spec, blocks = problem.spec, problem.blocks
     block_q, block_k = blocks.block_q, blocks.block_k
     i, b, n = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    kh = n // problem.group
+    kh = lax.div(n, problem.group)
     q0 = i * block_q
     ctx = TileContext(problem, r, b, n)
     q = r["q"][b, pl.ds(q0, block_q), n, :]
