@@ -72,7 +72,8 @@ def dq_kernel(*refs, problem: Problem, names: tuple[str, ...]):
     r = name_refs(names, refs)
     blocks = problem.blocks
     block_q, block_k = blocks.block_q_dq, blocks.block_k_dq
-    i, b, n = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    i = pl.num_programs(0) - 1 - pl.program_id(0)  # heavy (late) query tiles first
+    b, n = pl.program_id(1), pl.program_id(2)
     kh = lax.div(n, problem.group)
     q0 = i * block_q
     ctx = TileContext(problem, r, b, n)
