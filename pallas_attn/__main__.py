@@ -11,7 +11,8 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     bench = sub.add_parser("bench", help="speed table vs jax.nn (GPU); interpreter check (CPU)")
     bench.add_argument("--quick", action="store_true", help="head dim 128 only")
-    bench.add_argument("--features", action="store_true", help="also time bias, ALiBi, ...")
+    bench.add_argument("--set", choices=["standard", "features", "all"], default="standard",
+                       help="standard shapes (head dims 64/128/256), feature costs, or both")
     bench.add_argument("--json", help="write the rows to this file")
     bench.add_argument("--plot", help="write a TFLOP/s bar chart (PNG) to this file")
     check = sub.add_parser("check", help="kernel numerics vs the reference")
@@ -42,8 +43,8 @@ def main(argv: list[str] | None = None) -> int:
         if getattr(args, "json", None):
             bench_lib.write_json(args.json, results)
         return 0 if ok else 1
-    shapes = bench_lib.standard_shapes(args.quick)
-    if args.features:
+    shapes = [] if args.set == "features" else bench_lib.standard_shapes(args.quick)
+    if args.set != "standard":
         shapes += bench_lib.feature_shapes()
     rows = bench_lib.benchmark(shapes)
     print(bench_lib.describe_device())

@@ -249,8 +249,10 @@ def standard_shapes(quick: bool = False) -> list[Shape]:
 
 
 def feature_shapes() -> list[Shape]:
+    """Issue targets: each feature's cost next to the plain d128 problem."""
     base = dict(batch=4, q_len=4096, kv_len=4096, heads=16, kv_heads=16, head_dim=128)
     return [
+        Shape(**base),
         Shape(**base, features=(("bias", None),)),
         Shape(**base, features=(("alibi", None),)),
         Shape(**base, features=(("softcap", 30.0),)),
