@@ -25,6 +25,7 @@ def main(argv: list[str] | None = None) -> int:
     tune.add_argument("--kv-heads", type=int, default=None)
     tune.add_argument("--dtype", default="bfloat16")
     tune.add_argument("--causal", choices=["no", "yes", "both"], default="both")
+    tune.add_argument("--bias", action="store_true", help="with a [1, N, T, S] bias (+ dbias)")
     tune.add_argument("--json", help="write every timing to this file")
     args = parser.parse_args(argv)
     if args.command == "tune":
@@ -72,10 +73,12 @@ def _tune(args: argparse.Namespace) -> int:
             result = autotune.tune_problem(
                 batch=args.batch, q_len=args.seq_len, kv_len=args.seq_len, heads=args.heads,
                 kv_heads=args.kv_heads or args.heads, head_dim=head_dim, dtype=args.dtype,
-                is_causal=is_causal)
-            report.append({"head_dim": head_dim, "causal": is_causal,
+                is_causal=is_causal, bias=args.bias,
+                kernels=("forward", "dkdv", "dq", "dbias") if args.bias else
+                ("forward", "dkdv", "dq"))
+            report.append({"head_dim": head_dim, "causal": is_causal, "bias": args.bias,
                            "best": str(result["best"]), "heuristic": str(result["heuristic"]),
-                           "results": {k: [(list(e), t) for e, t, _ in rows]
+                           "results": {k: [(list(e), t, err) for e, t, err in rows]
                                        for k, rows in result["results"].items()}})
     if args.json:
         with open(args.json, "w") as f:

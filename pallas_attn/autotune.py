@@ -149,6 +149,7 @@ SWEEP = {
     "dkdv": (((32, 128), (64, 128), (64, 64), (128, 128), (32, 64)), (4, 8), (1, 2, 3)),
     "dq": (((128, 64), (128, 32), (64, 64), (128, 128), (64, 128)), (4, 8), (1, 2, 3)),
 }
+SWEEP["dbias"] = SWEEP["dq"]  # the dbias kernel runs with the dQ kernel's tiles
 
 
 def sweep_entries(kernel: str, head_dim: int, value_head_dim: int, dtype: Any, budget: int,
@@ -156,21 +157,23 @@ def sweep_entries(kernel: str, head_dim: int, value_head_dim: int, dtype: Any, b
     from pallas_attn import tuning
 
     pairs, warps, stages = SWEEP[kernel]
+    fields_of = "dq" if kernel == "dbias" else kernel
     entries = []
     for (bq, bk) in pairs:
         if bq > max(16, q_len) or bk > max(16, kv_len):
             continue
         for w in warps:
             for st in stages:
-                candidate = tuning.with_kernel(tuning.BlockSizes(), kernel, (bq, bk, w, st))
+                candidate = tuning.with_kernel(tuning.BlockSizes(), fields_of, (bq, bk, w, st))
                 if tuning.shared_memory_estimate(candidate, head_dim, value_head_dim,
-                                                 dtype)[kernel] <= budget:
+                                                 dtype)[fields_of] <= budget:
                     entries.append((bq, bk, w, st))
     return entries
 
 
 def tune_problem(*, batch: int, q_len: int, kv_len: int, heads: int, kv_heads: int,
                  head_dim: int, dtype: Any = jnp.bfloat16, is_causal: bool = False,
+                 bias: bool = False,
                  kernels: tuple[str, ...] = ("forward", "dkdv", "dq"), save: bool = True,
                  log: Callable[[str], None] = print, workers: int = 8) -> dict[str, Any]:
     """Times every sweep candidate of each kernel alone on the current GPU.
@@ -196,12 +199,16 @@ def tune_problem(*, batch: int, q_len: int, kv_len: int, heads: int, kv_heads: i
     q = jax.random.normal(keys[0], (batch, q_len, heads, head_dim), dtype)
     k = jax.random.normal(keys[1], (batch, kv_len, kv_heads, head_dim), dtype)
     v = jax.random.normal(keys[2], (batch, kv_len, kv_heads, head_dim), dtype)
-    spec, ops, _ = normalize(q, k, v, is_causal=is_causal)
-    features = {"is_causal": is_causal}
+    bias_array = (jax.random.normal(keys[4], (1, heads, q_len, kv_len), dtype) if bias
+                  else None)
+    spec, ops, _ = normalize(q, k, v, bias_array, is_causal=is_causal)
+    features = {"is_causal": is_causal, "has_bias": bias,
+                "bias_dtype": None if bias_array is None else bias_array.dtype}
     heuristic = tuning.choose_block_sizes(head_dim, dtype, q_len=q_len, kv_len=kv_len,
                                           device=device, **features)
-    problem, qp, kp, vp, _, optional = kernel_attention.prepare(
+    problem, qp, kp, vp, differentiable, optional = kernel_attention.prepare(
         spec, ops, tuning.BlockSizes(*(128,) * 6), interpret=False)
+    optional = {**optional, **differentiable}
     if problem.q_pad != q_len or problem.kv_pad != kv_len:
         raise ValueError(f"tune needs lengths that are multiples of 128, got {q_len}/{kv_len}")
     out, lse2 = jax.jit(lambda q, k, v: triton_fwd.forward(
@@ -216,8 +223,11 @@ def tune_problem(*, batch: int, q_len: int, kv_len: int, heads: int, kv_heads: i
             fn, args = (lambda q, k, v: triton_fwd.forward(p, q, k, v, optional)), (qp, kp, vp)
         elif kernel == "dkdv":
             fn, args = (lambda *a: triton_bwd.dkdv(p, names, list(a))), bwd_inputs
-        else:
+        elif kernel == "dq":
             fn, args = (lambda *a: triton_bwd.dq(p, names, list(a))), bwd_inputs
+        else:
+            fn, args = (lambda *a: triton_bwd.dbias(p, names, list(a), optional["bias"])), \
+                bwd_inputs
         compiled = jax.jit(fn).lower(*args).compile()
         return lambda: compiled(*args)
 
@@ -226,12 +236,14 @@ def tune_problem(*, batch: int, q_len: int, kv_len: int, heads: int, kv_heads: i
     for kernel in kernels:
         entries = sweep_entries(kernel, head_dim, head_dim, dtype,
                                 device.max_shared_memory_per_block, q_len, kv_len)
-        current = tuple(getattr(heuristic, f) for f in tuning.kernel_fields(kernel))
+        fields_of = "dq" if kernel == "dbias" else kernel
+        current = tuple(getattr(heuristic, f) for f in tuning.kernel_fields(fields_of))
         if current not in entries:
             entries.insert(0, current)
         # Compile in parallel threads (compilation is CPU work), then time one by one.
         with ThreadPoolExecutor(workers) as pool:
-            futures = {e: pool.submit(runner, kernel, tuning.with_kernel(heuristic, kernel, e))
+            futures = {e: pool.submit(runner, kernel,
+                                      tuning.with_kernel(heuristic, fields_of, e))
                        for e in entries}
         rows = []
         for entry in progress(entries, desc=f"timing {kernel}"):
@@ -241,10 +253,16 @@ def tune_problem(*, batch: int, q_len: int, kv_len: int, heads: int, kv_heads: i
             except Exception as e:  # noqa: BLE001 - a failing candidate is skipped
                 rows.append((entry, None, f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"))
         results[kernel] = rows
+        for entry, _, error in rows:
+            if error:
+                log(f"  {kernel} {entry}: {error}")
         timed = [r for r in rows if r[1] is not None]
+        if not timed:
+            continue
         winner = min(timed, key=lambda r: r[1])
         base = next((r[1] for r in rows if r[0] == current), None)
-        best = tuning.with_kernel(best, kernel, winner[0])
+        if kernel != "dbias":
+            best = tuning.with_kernel(best, kernel, winner[0])
         log(f"{kernel}: heuristic {current} {base * 1e3 if base else float('nan'):.3f} ms, "
             f"best {winner[0]} {winner[1] * 1e3:.3f} ms")
     if save:

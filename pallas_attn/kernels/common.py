@@ -72,6 +72,15 @@ class Problem:
         # NOTE: float32 inputs get exact float32 products (Triton would default to tf32).
         return lax.Precision.HIGHEST if self.dtype == "float32" else None
 
+    @property
+    def tanh(self) -> Any:
+        # NOTE: 16-bit inputs on the GPU use the hardware tanh.approx.f32 (relative error
+        # about 2^-11, below bfloat16/float16 rounding) for the soft cap; float32 inputs
+        # and the interpreter use the exact tanh.
+        if self.interpret or self.dtype == "float32":
+            return jnp.tanh
+        return plgpu.approx_tanh
+
     def has(self, name: str) -> bool:
         return name in self.present
 
@@ -222,7 +231,7 @@ class TileContext:
             bias = (self._load_broadcast("bias", spec.bias_shape, q0, k0, block_q, block_k)
                     if p.has("bias") else None)
             logits = scores.modify_logits(s * spec.scale, rows, cols, spec, p.offset,
-                                          bias=bias, alibi_slope=self.slope)
+                                          bias=bias, alibi_slope=self.slope, tanh=p.tanh)
             if spec.logits_soft_cap is not None:
                 capped = logits
             s = logits * LOG2E

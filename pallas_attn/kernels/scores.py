@@ -13,6 +13,7 @@ Semantics (shared/DESIGN.md, restated in README.md):
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -31,8 +32,9 @@ def alibi_bias(slope: Any, rows: Any, cols: Any, offset: int) -> jax.Array:
     return -slope * distance
 
 
-def soft_cap(logits: jax.Array, cap: float) -> jax.Array:
-    return cap * jnp.tanh(logits * (1.0 / cap))
+def soft_cap(logits: jax.Array, cap: float, tanh: Callable[[jax.Array], jax.Array] = jnp.tanh
+             ) -> jax.Array:
+    return cap * tanh(logits * (1.0 / cap))
 
 
 def soft_cap_derivative(capped: jax.Array, cap: float) -> jax.Array:
@@ -44,14 +46,18 @@ def soft_cap_derivative(capped: jax.Array, cap: float) -> jax.Array:
 def modify_logits(
     logits: jax.Array, rows: Any, cols: Any, spec: AttentionSpec, offset: int, *,
     bias: jax.Array | None = None, alibi_slope: Any = None,
+    tanh: Callable[[jax.Array], jax.Array] = jnp.tanh,
 ) -> jax.Array:
-    """Adds bias and ALiBi to scaled logits (float32), then applies the soft cap."""
+    """Adds bias and ALiBi to scaled logits (float32), then applies the soft cap.
+
+    tanh: kernels may pass a faster approximation for 16-bit inputs.
+    """
     if bias is not None:
         logits = logits + bias.astype(jnp.float32)
     if alibi_slope is not None:
         logits = logits + alibi_bias(alibi_slope, rows, cols, offset)
     if spec.logits_soft_cap is not None:
-        logits = soft_cap(logits, spec.logits_soft_cap)
+        logits = soft_cap(logits, spec.logits_soft_cap, tanh)
     return logits
 
 
