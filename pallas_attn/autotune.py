@@ -158,16 +158,16 @@ def sweep_entries(kernel: str, head_dim: int, value_head_dim: int, dtype: Any, b
 
     pairs, warps, stages = SWEEP[kernel]
     fields_of = "dq" if kernel == "dbias" else kernel
+    grid = [((bq, bk, w, st)) for (bq, bk) in pairs for w in warps for st in stages]
     entries = []
-    for (bq, bk) in pairs:
-        if bq > max(16, q_len) or bk > max(16, kv_len):
+    for entry in (*grid, *tuning.ladder(fields_of, head_dim, value_head_dim)):
+        bq, bk = entry[:2]
+        if entry in entries or bq > max(16, q_len) or bk > max(16, kv_len):
             continue
-        for w in warps:
-            for st in stages:
-                candidate = tuning.with_kernel(tuning.BlockSizes(), fields_of, (bq, bk, w, st))
-                if tuning.shared_memory_estimate(candidate, head_dim, value_head_dim,
-                                                 dtype)[fields_of] <= budget:
-                    entries.append((bq, bk, w, st))
+        candidate = tuning.with_kernel(tuning.BlockSizes(), fields_of, entry)
+        if tuning.shared_memory_estimate(candidate, head_dim, value_head_dim,
+                                         dtype)[fields_of] <= budget:
+            entries.append(entry)
     return entries
 
 

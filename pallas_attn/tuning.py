@@ -262,10 +262,15 @@ def kernel_fields(kernel: str) -> tuple[str, ...]:
     return _FIELDS[kernel]
 
 
+# Every ladder ends with these rungs, which fit any supported device and head dim.
+_SMALLEST = ((32, 32, 4, 1), (16, 16, 4, 1))
+
+
 def ladder(kernel: str, head_dim: int, value_head_dim: int | None = None
            ) -> tuple[tuple[int, int, int, int], ...]:
     width = padded_head_dim(max(head_dim, value_head_dim or head_dim))
-    return _LADDERS[min(max(width, 16), 256)][kernel]
+    entries = _LADDERS[min(max(width, 16), 256)][kernel]
+    return entries + tuple(e for e in _SMALLEST if e not in entries)
 
 
 def with_kernel(base: BlockSizes, kernel: str, entry: tuple[int, ...]) -> BlockSizes:
@@ -323,7 +328,9 @@ def choose_block_sizes(head_dim: int, dtype: Any = jnp.bfloat16, *, q_len: int, 
                 chosen = with_kernel(chosen, kernel, entry)
                 break
         else:
-            chosen = with_kernel(chosen, kernel, entries[-1])
+            raise ValueError(
+                f"no tile size of the {kernel} kernel fits {budget} bytes of shared memory "
+                f"(head dims {head_dim}/{value_head_dim}, {jnp.dtype(dtype)}); pass block_sizes")
     return chosen.clamp(q_len, kv_len)
 
 

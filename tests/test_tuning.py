@@ -1,0 +1,199 @@
+"""Tile choice: DeviceInfo, BlockSizes validation, shared-memory fit, the autotune cache."""
+
+import dataclasses
+import json
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import pallas_attn
+from pallas_attn import autotune, tuning
+from pallas_attn.tuning import BlockSizes, DeviceInfo
+
+# Opt-in shared memory per block: sm86/sm89 (99 KB), sm80 (163 KB), sm90 (227 KB).
+DEVICES = {
+    "sm86": DeviceInfo((8, 6), 84, 101376),
+    "sm89": DeviceInfo((8, 9), 128, 101376),
+    "sm80": DeviceInfo((8, 0), 108, 166912),
+    "sm90": DeviceInfo((9, 0), 132, 232448),
+}
+HEAD_DIMS = (32, 40, 64, 80, 96, 128, 160, 192, 256)
+DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
+FEATURES = ({}, {"bias_dtype": jnp.bfloat16, "has_bias": True}, {"has_mask": True},
+            {"bias_dtype": jnp.float32, "has_mask": True, "has_bias": True})
+
+
+def _area(b: BlockSizes) -> tuple[int, ...]:
+    return (b.block_q * b.block_k, b.block_q_dkv * b.block_k_dkv, b.block_q_dq * b.block_k_dq)
+
+
+@pytest.fixture(autouse=True)
+def _empty_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("PALLAS_ATTN_CACHE_DIR", str(tmp_path / "cache"))
+
+
+def test_device_info_by_hand_and_table():
+    d = DeviceInfo(compute_capability=(9, 0), num_multiprocessors=132,
+                   max_shared_memory_per_block=232448)
+    assert d == DEVICES["sm90"] and hash(d) == hash(DEVICES["sm90"])
+    assert DeviceInfo.for_capability((8, 0)).max_shared_memory_per_block == 166912
+    assert DeviceInfo.for_capability((8, 6)).max_shared_memory_per_block == 101376
+    assert isinstance(DeviceInfo.current(), DeviceInfo)  # CPU: the default description
+    assert DeviceInfo.current() is DeviceInfo.current()  # read once, cached
+
+
+@pytest.mark.parametrize("bad", [dict(compute_capability="9.0"),
+                                 dict(num_multiprocessors=0),
+                                 dict(max_shared_memory_per_block=-1)])
+def test_device_info_rejects_bad_values(bad):
+    with pytest.raises(ValueError, match=next(iter(bad))):
+        DeviceInfo(**bad)
+
+
+@pytest.mark.parametrize("field,value", [("block_q", 24), ("block_k", 8), ("block_q_dq", 0),
+                                         ("num_warps", 3), ("num_stages", 0),
+                                         ("num_stages_dq", 9), ("num_warps_dkv", 32)])
+def test_block_sizes_validation_names_the_field(field, value):
+    with pytest.raises(ValueError, match=f"BlockSizes.{field}"):
+        BlockSizes(**{field: value})
+
+
+def test_block_sizes_hashable_and_frozen():
+    b = BlockSizes()
+    assert hash(b) == hash(BlockSizes())
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        b.block_q = 64
+
+
+@pytest.mark.parametrize("device", DEVICES, ids=str)
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
+def test_chosen_tiles_fit_every_device(device, dtype):
+    info = DEVICES[device]
+    for head_dim in HEAD_DIMS:
+        for features in FEATURES:
+            b = pallas_attn.choose_block_sizes(head_dim, dtype, q_len=4096, kv_len=4096,
+                                               device=info, **features)
+            smem = {k: v for k, v in features.items() if k in ("bias_dtype", "has_mask")}
+            est = tuning.shared_memory_estimate(b, head_dim, head_dim, dtype, **smem)
+            assert max(est.values()) <= info.max_shared_memory_per_block, (head_dim, est)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
+def test_more_shared_memory_never_gives_smaller_tiles(dtype):
+    order = ["sm86", "sm80", "sm90"]
+    for head_dim in HEAD_DIMS:
+        for features in FEATURES:
+            areas = [_area(pallas_attn.choose_block_sizes(
+                head_dim, dtype, q_len=4096, kv_len=4096, device=DEVICES[d], **features))
+                for d in order]
+            for small, large in zip(areas, areas[1:], strict=False):
+                assert all(s <= l_ for s, l_ in zip(small, large, strict=True)), (
+                    head_dim, features, areas)
+
+
+def test_tiles_are_clamped_to_short_sequences():
+    b = pallas_attn.choose_block_sizes(64, jnp.bfloat16, q_len=5, kv_len=20,
+                                       device=DEVICES["sm90"])
+    assert max(b.block_q, b.block_q_dkv, b.block_q_dq) == 16
+    assert max(b.block_k, b.block_k_dkv, b.block_k_dq) <= 32
+
+
+def test_choose_block_sizes_is_pure_and_validates():
+    a = pallas_attn.choose_block_sizes(128, jnp.bfloat16, q_len=1000, kv_len=3000,
+                                       device=DEVICES["sm80"])
+    b = pallas_attn.choose_block_sizes(128, jnp.bfloat16, q_len=1000, kv_len=3000,
+                                       device=DEVICES["sm80"])
+    assert a == b
+    with pytest.raises(ValueError, match="head_dim"):
+        pallas_attn.choose_block_sizes(300, q_len=16, kv_len=16)
+    with pytest.raises(ValueError, match="q_len"):
+        pallas_attn.choose_block_sizes(64, q_len=0, kv_len=16)
+
+
+def test_oversized_override_is_rejected_before_compiling():
+    huge = BlockSizes(block_q=256, block_k=256, num_stages=8)
+    with pytest.raises(ValueError, match=r"forward kernel.*232448"):
+        tuning.check_fits(huge, 256, 256, jnp.bfloat16, DEVICES["sm90"])
+
+
+def test_explicit_override_is_honoured(monkeypatch):
+    seen = {}
+    from pallas_attn.kernels import attention as kernel_attention
+
+    real = kernel_attention.prepare
+
+    def spy(spec, ops, blocks, interpret):
+        seen["blocks"] = blocks
+        return real(spec, ops, blocks, interpret)
+
+    monkeypatch.setattr(kernel_attention, "prepare", spy)
+    q = jax.random.normal(jax.random.key(0), (1, 20, 2, 16))
+    override = BlockSizes(16, 32, 32, 16, 16, 32, num_warps=2, num_stages=1)
+    pallas_attn.dot_product_attention(q, q, q, implementation="pallas", interpret=True,
+                                      block_sizes=override)
+    assert seen["blocks"] == override
+
+
+def test_cache_round_trip_and_lookup():
+    device = DEVICES["sm90"]
+    tuned = BlockSizes(64, 32, 32, 64, 64, 32, num_warps=8, num_stages=2)
+    features = {"is_causal": True}
+    key = autotune.entry_key(jnp.bfloat16, 128, 128, 4096, 4096, features)
+    path = autotune.store(device, key, tuned)
+    assert json.loads(path.read_text())["entries"][key]["block_q"] == 64
+    got = pallas_attn.choose_block_sizes(128, jnp.bfloat16, q_len=4000, kv_len=4096,
+                                         device=device, is_causal=True)
+    assert got == tuned  # 4000 falls in the 4096 bucket
+    other = pallas_attn.choose_block_sizes(128, jnp.bfloat16, q_len=4096, kv_len=4096,
+                                           device=device, is_causal=False)
+    assert other != tuned  # a different feature set does not use the entry
+
+
+def test_corrupt_or_stale_cache_is_ignored_with_a_warning():
+    device = DEVICES["sm80"]
+    path = autotune.cache_path(device)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("{not json")
+    with pytest.warns(UserWarning, match="ignoring pallas_attn tile cache"):
+        b = pallas_attn.choose_block_sizes(64, q_len=512, kv_len=512, device=device)
+    assert isinstance(b, BlockSizes)
+    path.write_text(json.dumps({"version": autotune.CACHE_VERSION, "jax": "0.0.1",
+                                "entries": {}}))
+    with pytest.warns(UserWarning, match="tuned with jax 0.0.1"):
+        pallas_attn.choose_block_sizes(64, q_len=512, kv_len=512, device=device)
+    key = autotune.entry_key(jnp.bfloat16, 64, 64, 512, 512, {})
+    path.write_text(json.dumps({"version": autotune.CACHE_VERSION, "jax": jax.__version__,
+                                "entries": {key: {"block_q": 24}}}))
+    with pytest.warns(UserWarning, match="stale"):
+        b = pallas_attn.choose_block_sizes(64, q_len=512, kv_len=512, device=device)
+    assert b.block_q != 24
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        path.unlink()
+        pallas_attn.choose_block_sizes(64, q_len=512, kv_len=512, device=device)
+
+
+def test_sweep_entries_respect_the_budget():
+    entries = autotune.sweep_entries("dkdv", 256, 256, jnp.bfloat16, 101376, 4096, 4096)
+    assert entries
+    for entry in entries:
+        b = tuning.with_kernel(BlockSizes(), "dkdv", entry)
+        assert tuning.shared_memory_estimate(b, 256, 256, jnp.bfloat16)["dkdv"] <= 101376
+
+
+def test_tune_picks_the_fastest_and_reports_failures():
+    calls = []
+
+    def make_step(candidate):
+        calls.append(candidate)
+        if candidate == "broken":
+            raise RuntimeError("Shared memory size limit exceeded")
+        return lambda: np.sin(np.arange(1000 * candidate))
+
+    best, results = autotune.tune(make_step, [3, "broken", 1, 2])
+    assert best == 1
+    assert any(err for _, _, err in results if err.startswith("RuntimeError"))
+    assert calls == [3, "broken", 1, 2]
