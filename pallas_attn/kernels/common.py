@@ -91,12 +91,11 @@ def name_refs(names: Sequence[str], refs: Sequence[Any]) -> dict[str, Any]:
     return dict(zip(names, refs, strict=True))
 
 
-def whole_array_specs(arrays: Sequence[jax.Array], grid_rank: int = 3) -> list[pl.BlockSpec]:
-    """Each operand as one block; kernels index it with program ids."""
+def whole_array_specs(arrays: Sequence[Any]) -> list[pl.BlockSpec]:
+    """Each operand as one block; kernels index it explicitly with program ids."""
     def spec(x):
         zeros = (0,) * x.ndim
         return pl.BlockSpec(x.shape, lambda *_: zeros)
-    del grid_rank
     return [spec(x) for x in arrays]
 
 
