@@ -7,7 +7,7 @@ from typing import Any
 import jax
 
 from pallas_attn import reference
-from pallas_attn.spec import IMPLEMENTATIONS, MAX_KERNEL_HEAD_DIM, normalize
+from pallas_attn.spec import IMPLEMENTATIONS, MAX_KERNEL_HEAD_DIM, check_bool, normalize
 
 
 def default_implementation(interpret: bool = False) -> str:
@@ -64,8 +64,9 @@ def dot_product_attention(
       query_seq_lengths: int [B]; queries at i >= length see nothing (output 0).
       key_value_seq_lengths: int [B]; keys at j >= length are invisible.
       local_window_size: int w or (left, right): keys i + off - left <= j <= i + off + right.
-      implementation: None (Pallas kernels on an NVIDIA GPU, the reference elsewhere),
-        "pallas", "xla" (the reference), or "xla_chunked" (blockwise jnp, O(T) memory).
+      implementation: None (Pallas kernels on an NVIDIA GPU; elsewhere the reference, or
+        the blockwise path once T * S >= 2**22), "pallas", "xla" (the reference), or
+        "xla_chunked" (blockwise jnp, O(T) memory).
       return_residual: also return the logsumexp, shaped [B, T, N] (float32).
       causal_alignment: "top_left" (offset 0, jax.nn's convention) or "bottom_right"
         (offset S - T, FlashAttention's convention); applies to causal, window, ALiBi.
@@ -84,13 +85,14 @@ def dot_product_attention(
       the logsumexp [B, T, N] (or [T, N]). A query row with no visible key gives
       output 0 and logsumexp -inf (jax.nn returns the mean of value there).
     """
-    if implementation is None:
+    return_residual = check_bool("return_residual", return_residual)
+    interpret = check_bool("interpret", interpret)
+    automatic = implementation is None
+    if automatic:
         implementation = default_implementation(interpret)
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"implementation must be None or one of {IMPLEMENTATIONS}, "
                          f"got {implementation!r}")
-    if not isinstance(return_residual, bool):
-        raise TypeError(f"return_residual must be a bool, got {return_residual!r}")
     spec, ops, batched = normalize(
         query, key, value, bias, mask, scale=scale, is_causal=is_causal,
         query_seq_lengths=query_seq_lengths, key_value_seq_lengths=key_value_seq_lengths,
@@ -98,6 +100,11 @@ def dot_product_attention(
         alibi_slopes=alibi_slopes, logits_soft_cap=logits_soft_cap,
         q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
         dropout_rate=dropout_rate, dropout_rng=dropout_rng, broadcast_dropout=broadcast_dropout)
+    if automatic and implementation == "xla":
+        from pallas_attn import chunked
+
+        if chunked.prefer_chunked(ops.query.shape[1], ops.key.shape[1]):
+            implementation = "xla_chunked"  # the reference would build T x S matrices
     if implementation != "pallas" and (block_sizes is not None or interpret):
         raise ValueError(
             f"block_sizes and interpret apply to implementation='pallas', got {implementation!r}")
@@ -121,5 +128,5 @@ def dot_product_attention(
             raise TypeError(f"block_sizes must be a pallas_attn.BlockSizes, got "
                             f"{type(block_sizes).__name__}")
         out, lse = kernel_attention.attention(spec, ops, block_sizes=block_sizes,
-                                              interpret=bool(interpret))
+                                              interpret=interpret)
     return reference.finish(out, lse, batched, return_residual)

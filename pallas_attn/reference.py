@@ -19,7 +19,7 @@ import jax.numpy as jnp
 
 from pallas_attn import dropout as dropout_lib
 from pallas_attn.kernels import scores
-from pallas_attn.spec import AttentionSpec, Operands, normalize
+from pallas_attn.spec import AttentionSpec, Operands, check_bool, normalize
 
 
 def logits_and_visibility(spec: AttentionSpec, ops: Operands) -> tuple[jax.Array, Any]:
@@ -111,6 +111,7 @@ def dot_product_attention(
     implementation, block_sizes and interpret are accepted for signature parity
     and must be None / "xla" / False.
     """
+    return_residual = check_bool("return_residual", return_residual)
     if implementation not in (None, "xla"):
         raise ValueError(f"the reference is implementation='xla', got {implementation!r}")
     if block_sizes is not None or interpret:

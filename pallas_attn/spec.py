@@ -105,8 +105,18 @@ def _dtype(x: Any) -> np.dtype:
     return jnp.result_type(x)
 
 
+def check_bool(name: str, value: Any) -> bool:
+    """A Python or NumPy bool, else TypeError naming the argument."""
+    if not isinstance(value, bool | np.bool_):
+        raise TypeError(f"{name} must be a bool, got {value!r}")
+    return bool(value)
+
+
 def _as_array(name: str, x: Any) -> jax.Array:
-    if isinstance(x, jax.Array | np.ndarray | np.generic | jax.ShapeDtypeStruct):
+    if isinstance(x, jax.ShapeDtypeStruct):
+        raise TypeError(f"{name} must be an array, got a jax.ShapeDtypeStruct (use "
+                        "jax.eval_shape to trace shapes)")
+    if isinstance(x, jax.Array | np.ndarray | np.generic):
         return x
     if isinstance(x, bool | int | float | list | tuple):
         try:
@@ -235,8 +245,8 @@ def normalize(
     if not math.isfinite(scale):
         raise ValueError(f"scale must be finite, got {scale}")
 
-    if not isinstance(is_causal, bool | np.bool_):
-        raise TypeError(f"is_causal must be a bool, got {is_causal!r}")
+    is_causal = check_bool("is_causal", is_causal)
+    broadcast_dropout = check_bool("broadcast_dropout", broadcast_dropout)
     if causal_alignment not in ALIGNMENTS:
         raise ValueError(f"causal_alignment must be one of {ALIGNMENTS}, got {causal_alignment!r}")
 
@@ -260,6 +270,9 @@ def normalize(
             )
         if min(window) < 0:
             raise ValueError(f"local_window_size must be non-negative, got {local_window_size!r}")
+        # Any window wider than T + S sees the same keys; clamping keeps the int32
+        # position arithmetic of the band from overflowing.
+        window = (min(window[0], T + S), min(window[1], T + S))
 
     if logits_soft_cap is not None:
         if not isinstance(logits_soft_cap, int | float | np.floating) or isinstance(

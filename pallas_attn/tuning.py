@@ -137,7 +137,8 @@ class BlockSizes:
                 raise ValueError(f"BlockSizes.{field} must be a power of two >= 16, got {value!r}")
         for field in ("num_warps", "num_warps_dkv", "num_warps_dq"):
             value = getattr(self, field)
-            if value not in (1, 2, 4, 8, 16):
+            if not isinstance(value, int) or isinstance(value, bool) or value not in (
+                    1, 2, 4, 8, 16):
                 raise ValueError(f"BlockSizes.{field} must be 1, 2, 4, 8 or 16, got {value!r}")
         for field in ("num_stages", "num_stages_dkv", "num_stages_dq"):
             value = getattr(self, field)
