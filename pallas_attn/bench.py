@@ -49,6 +49,11 @@ class Shape:
                 f"H{self.head_dim}{' causal' if self.causal else ''}{extra}")
 
     def forward_flops(self) -> float:
+        """4*B*N*T*S*H, halved for causal; a window counts only the keys in its band."""
+        window = dict(self.features).get("window")
+        if window is not None:
+            keys = min(self.kv_len, window + 1 + (0 if self.causal else window))
+            return 4.0 * self.batch * self.heads * self.q_len * keys * self.head_dim
         flops = 4.0 * self.batch * self.heads * self.q_len * self.kv_len * self.head_dim
         return flops / 2 if self.causal else flops
 

@@ -7,13 +7,23 @@ ever built: the forward walks query tiles x key tiles with an online softmax in
 float32 and saves only the output and the logsumexp; the backward (a
 `jax.custom_vjp`) recomputes each tile's probabilities from the logsumexp.
 
-Layout: query heads are grouped as [K, G] (G = N // K query heads per key/value
-head), so GQA/MQA read each key/value tile once and never repeat K or V in memory.
-Every tile holds all batch entries and heads: [B, K, G, block_q, block_k].
+Supported: everything the spec has (bias of any broadcast shape with its gradient,
+boolean mask, causal in both alignments, local window, ALiBi with slope gradients,
+soft cap, segment ids, sequence lengths, GQA/MQA, Hv != H, dropout, any lengths).
+
+Loops, outermost first:
+
+* chunks: groups of (batch entry, key/value head) pairs, few enough that one
+  [chunk, G, block_q, block_k] tile stays cache-sized (`choose_chunk`);
+* query tiles (forward) or key tiles (backward);
+* key tiles (forward, online softmax) or query tiles (backward).
+
+GQA/MQA: query heads are grouped as [K, G] (G = N // K), so the G query heads of a
+key/value head share every K/V tile and K/V are never repeated in memory.
 
 Semantics are not restated here: score modifiers and visibility come from
 `kernels/scores.py` and the dropout decision from `dropout.py`, evaluated on the
-tile's global row/column indices, so results do not depend on the tile sizes
+tile's global (b, n, i, j) indices, so results do not depend on tiles or chunks
 (dropout included).
 
 Backward, per key tile j (outer loop) and query tile i (inner loop):
@@ -23,6 +33,12 @@ Backward, per key tile j (outer loop) and query tile i (inner loop):
     dS  = P * (dP - delta) * softcap'(logits)  delta = rowsum(dO * O) - dlse
     dV_j += P~^T dO;  dK_j += scale dS^T Q;  dQ_i += scale dS K   (dQ in a carried buffer)
     dbias += dS summed over the bias's broadcast dims;  dslope -= sum dS * |i + off - j|
+
+Memory: residuals are q, k, v, the optional inputs, out and lse (O(T)); the loops
+hold a few [chunk, G, block_q, block_k] tiles and O(T) accumulators. Ragged lengths
+are padded to tile multiples for q, k, v and the segment ids (O(T) copies); a bias
+or mask with a full T or S dim is never copied: ragged edge tiles are read (and the
+bias gradient written) through a clamped window.
 """
 
 from __future__ import annotations
@@ -41,14 +57,16 @@ from pallas_attn.kernels import scores
 from pallas_attn.spec import AttentionSpec, Operands
 
 # T * S at which the reference's [B, N, T, S] float32 intermediates (several of them,
-# 16 MiB each per batch entry and head at this size) start to cost more than the
-# loop overhead of the blockwise path.
+# 16 MiB each per batch entry and head at this size) cost more than the loop overhead
+# of the blockwise path.
 PREFER_CHUNKED_ELEMENTS = 1 << 22
 
-# Upper bound on the elements of one [B, K, G, block_q, block_k] tile (16 MiB of
-# float32): query tiles shrink when many batch entries and heads share a tile.
-_TILE_BUDGET = 1 << 22
-_MIN_BLOCK = 8
+# Elements of one [chunk, G, block_q, block_k] float32 tile: 128 KiB, so the handful
+# of tiles live in a backward step stay in a CPU core's L2 cache. Measured on a
+# 2-core x86 VM: 64 x 512 tiles ran the backward ~1.4x faster than 128 x 512, and one
+# head per chunk ~1.4x faster than 16 heads per tile (benchmarks/CPU_RESULTS.md).
+TILE_ELEMENTS = 1 << 15
+_MIN_BLOCK_Q = 8
 _HIGHEST = lax.Precision.HIGHEST
 
 # Non-differentiable operands, in the order the custom_vjp receives them.
@@ -65,21 +83,36 @@ def prefer_chunked(q_len: int, kv_len: int) -> bool:
     return int(q_len) * int(kv_len) >= PREFER_CHUNKED_ELEMENTS
 
 
-def choose_tiles(q_len: int, kv_len: int, batch_heads: int = 1) -> tuple[int, int]:
+def choose_tiles(q_len: int, kv_len: int, group: int = 1) -> tuple[int, int]:
     """(block_q, block_k) by sequence length, like PyTorch's CPU flash attention.
 
-    Query tiles of 32 / 64 / 128 rows for T < 192 / < 768 / longer; key tiles of
-    256 for S < 1024, else 512; never longer than the sequence. When many batch
-    entries and heads share a tile, block_q (then block_k) halves until a tile has
-    at most 2**22 elements.
+    Query tiles of 32 / 64 / 128 rows for T < 192 / < 768 / longer and key tiles of
+    256 / 512 for S < 1024 / longer, then block_q halves (down to 8) until the
+    `group` query heads sharing a key/value head fit TILE_ELEMENTS per tile: 128 x 256,
+    64 x 512, or 8 x 512 with G = 8. Never longer than the sequence.
     """
     block_q = 32 if q_len < 192 else 64 if q_len < 768 else 128
     block_k = 256 if kv_len < 1024 else 512
-    while batch_heads * block_q * block_k > _TILE_BUDGET and block_q > _MIN_BLOCK:
+    while group * block_q * block_k > TILE_ELEMENTS and block_q > _MIN_BLOCK_Q:
         block_q //= 2
-    while batch_heads * block_q * block_k > _TILE_BUDGET and block_k > _MIN_BLOCK:
-        block_k //= 2
     return min(block_q, q_len), min(block_k, kv_len)
+
+
+def choose_chunk(batch: int, kv_heads: int, tile_elements: int) -> tuple[int, int]:
+    """(batch entries, key/value heads) processed together in one tile.
+
+    The largest group with chunk * tile_elements <= TILE_ELEMENTS (at least one
+    head), taken as a divisor of K within one batch entry, or all K heads of a
+    divisor of B entries, so every chunk is a contiguous slice of every input.
+    """
+    best, best_size = (1, 1), 1
+    candidates = [(1, h) for h in range(1, kv_heads + 1) if kv_heads % h == 0]
+    candidates += [(b, kv_heads) for b in range(2, batch + 1) if batch % b == 0]
+    for chunk_batch, chunk_heads in candidates:
+        size = chunk_batch * chunk_heads
+        if size * tile_elements <= TILE_ELEMENTS and size > best_size:
+            best, best_size = (chunk_batch, chunk_heads), size
+    return best
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -88,7 +121,12 @@ def _cdiv(a: int, b: int) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class _Plan:
-    """Static description of one call (hashable; the custom_vjp's nondiff argument)."""
+    """Static description of one call (hashable; the custom_vjp's nondiff argument).
+
+    A chunk is chunk_batch batch entries x chunk_heads key/value heads (with their
+    G query heads each); chunk c covers batch entries from (c // (K / chunk_heads)) *
+    chunk_batch and key/value heads from (c % (K / chunk_heads)) * chunk_heads.
+    """
 
     spec: AttentionSpec
     batch: int
@@ -98,10 +136,24 @@ class _Plan:
     num_kv_heads: int
     block_q: int
     block_k: int
+    chunk_batch: int
+    chunk_heads: int
 
     @property
     def group(self) -> int:
         return self.num_heads // self.num_kv_heads
+
+    @property
+    def batch_chunks(self) -> int:
+        return self.batch // self.chunk_batch
+
+    @property
+    def head_chunks(self) -> int:
+        return self.num_kv_heads // self.chunk_heads
+
+    @property
+    def num_chunks(self) -> int:
+        return self.batch_chunks * self.head_chunks
 
     @property
     def num_q_tiles(self) -> int:
@@ -123,131 +175,187 @@ class _Plan:
     def offset(self) -> int:
         return self.spec.offset(self.q_len, self.kv_len)
 
+    def tile_shape(self) -> tuple[int, int, int]:
+        """[chunk_batch, chunk_heads, G] leading dims of every tile."""
+        return self.chunk_batch, self.chunk_heads, self.group
+
 
 def attention(spec: AttentionSpec, ops: Operands, *, block_q: int | None = None,
-              block_k: int | None = None) -> tuple[jax.Array, jax.Array]:
+              block_k: int | None = None, chunk: tuple[int, int] | None = None
+              ) -> tuple[jax.Array, jax.Array]:
     """Canonical-layout attention: (out [B, T, N, Hv] in query dtype, lse [B, N, T] float32).
 
-    block_q / block_k override the tiles of `choose_tiles` (results do not depend on them).
+    block_q / block_k override `choose_tiles` and chunk = (batch entries, key/value
+    heads) overrides `choose_chunk` (chunk[0] > 1 needs chunk[1] = K). Results do not
+    depend on them beyond float rounding.
     """
     B, T, N, _ = ops.query.shape
     S, K = ops.key.shape[1], ops.key.shape[2]
-    auto_q, auto_k = choose_tiles(T, S, B * N)
+    auto_q, auto_k = choose_tiles(T, S, N // K)
     block_q, block_k = block_q or auto_q, block_k or auto_k
     for name, block in (("block_q", block_q), ("block_k", block_k)):
         if not isinstance(block, int) or block <= 0:
             raise ValueError(f"{name} must be a positive int, got {block!r}")
+    block_q, block_k = min(block_q, T), min(block_k, S)
+    if chunk is None:
+        chunk = choose_chunk(B, K, (N // K) * block_q * block_k)
+    chunk_batch, chunk_heads = chunk
+    if (min(chunk) <= 0 or B % chunk_batch or K % chunk_heads
+            or (chunk_batch > 1 and chunk_heads != K)):
+        raise ValueError(f"chunk must be (batch entries, kv heads) dividing (B, K) = "
+                         f"({B}, {K}), with all K heads when batch entries > 1; got {chunk}")
     plan = _Plan(spec=spec, batch=B, q_len=T, kv_len=S, num_heads=N, num_kv_heads=K,
-                 block_q=min(block_q, T), block_k=min(block_k, S))
+                 block_q=block_q, block_k=block_k, chunk_batch=chunk_batch,
+                 chunk_heads=chunk_heads)
     constants = {name: getattr(ops, name) for name in _CONSTANTS
                  if getattr(ops, name) is not None}
     return _attention(plan, ops.query, ops.key, ops.value, ops.bias, ops.alibi_slopes,
                       constants)
 
 
-# -- layout -------------------------------------------------------------------------
+# -- layout: [chunk, tile, ...] views of q, k, v, out, lse ------------------------------
 
 
-def _pad_axis(x: jax.Array, axis: int, size: int, value: Any = 0) -> jax.Array:
+def _pad_axis(x: jax.Array, axis: int, size: int) -> jax.Array:
     if x.shape[axis] == size:
         return x
     widths = [(0, 0)] * x.ndim
     widths[axis] = (0, size - x.shape[axis])
-    return jnp.pad(x, widths, constant_values=value)
+    return jnp.pad(x, widths)
 
 
-def _tile_rows(plan: _Plan, x: jax.Array) -> jax.Array:
-    """[B, T, N, D] -> [nq, B, K, G, block_q, D] (padded)."""
-    B, _, _, D = x.shape
-    x = _pad_axis(x, 1, plan.q_pad)
-    x = x.reshape(B, plan.num_q_tiles, plan.block_q, plan.num_kv_heads, plan.group, D)
-    return x.transpose(1, 0, 3, 4, 2, 5)
-
-
-def _untile_rows(plan: _Plan, x: jax.Array) -> jax.Array:
-    """[nq, B, K, G, block_q, D] -> [B, T, N, D]."""
+def _split_rows(p: _Plan, x: jax.Array) -> jax.Array:
+    """[B, T, N, D] -> [chunks, nq, chunk_batch, chunk_heads, G, block_q, D] (padded)."""
     D = x.shape[-1]
-    x = x.transpose(1, 0, 4, 2, 3, 5).reshape(plan.batch, plan.q_pad, plan.num_heads, D)
-    return x[:, :plan.q_len]
+    x = _pad_axis(x, 1, p.q_pad).reshape(p.batch_chunks, p.chunk_batch, p.num_q_tiles,
+                                         p.block_q, p.head_chunks, p.chunk_heads, p.group, D)
+    x = x.transpose(0, 4, 2, 1, 5, 6, 3, 7)
+    return x.reshape(p.num_chunks, p.num_q_tiles, *p.tile_shape(), p.block_q, D)
 
 
-def _tile_stats(plan: _Plan, x: jax.Array) -> jax.Array:
-    """[B, N, T] -> [nq, B, K, G, block_q] (padded)."""
-    x = _pad_axis(x, 2, plan.q_pad)
-    x = x.reshape(plan.batch, plan.num_kv_heads, plan.group, plan.num_q_tiles, plan.block_q)
-    return x.transpose(3, 0, 1, 2, 4)
+def _merge_rows(p: _Plan, x: jax.Array) -> jax.Array:
+    """Inverse of _split_rows: -> [B, T, N, D]."""
+    D = x.shape[-1]
+    x = x.reshape(p.batch_chunks, p.head_chunks, p.num_q_tiles, *p.tile_shape(), p.block_q, D)
+    x = x.transpose(0, 3, 2, 6, 1, 4, 5, 7).reshape(p.batch, p.q_pad, p.num_heads, D)
+    return x[:, :p.q_len]
 
 
-def _untile_stats(plan: _Plan, x: jax.Array) -> jax.Array:
-    """[nq, B, K, G, block_q] -> [B, N, T]."""
-    x = x.transpose(1, 2, 3, 0, 4).reshape(plan.batch, plan.num_heads, plan.q_pad)
-    return x[:, :, :plan.q_len]
+def _split_stats(p: _Plan, x: jax.Array) -> jax.Array:
+    """[B, N, T] -> [chunks, nq, chunk_batch, chunk_heads, G, block_q] (padded)."""
+    x = _pad_axis(x, 2, p.q_pad).reshape(p.batch_chunks, p.chunk_batch, p.head_chunks,
+                                         p.chunk_heads, p.group, p.num_q_tiles, p.block_q)
+    x = x.transpose(0, 2, 5, 1, 3, 4, 6)
+    return x.reshape(p.num_chunks, p.num_q_tiles, *p.tile_shape(), p.block_q)
 
 
-def _tile_keys(plan: _Plan, x: jax.Array) -> jax.Array:
-    """[B, S, K, D] -> [nk, B, K, block_k, D] (padded)."""
-    B, _, K, D = x.shape
-    x = _pad_axis(x, 1, plan.kv_pad).reshape(B, plan.num_k_tiles, plan.block_k, K, D)
-    return x.transpose(1, 0, 3, 2, 4)
+def _merge_stats(p: _Plan, x: jax.Array) -> jax.Array:
+    """Inverse of _split_stats: -> [B, N, T]."""
+    x = x.reshape(p.batch_chunks, p.head_chunks, p.num_q_tiles, *p.tile_shape(), p.block_q)
+    x = x.transpose(0, 3, 1, 4, 5, 2, 6).reshape(p.batch, p.num_heads, p.q_pad)
+    return x[:, :, :p.q_len]
 
 
-def _untile_keys(plan: _Plan, x: jax.Array) -> jax.Array:
-    """[nk, B, K, block_k, D] -> [B, S, K, D]."""
-    _, B, K, _, D = x.shape
-    return x.transpose(1, 0, 3, 2, 4).reshape(B, plan.kv_pad, K, D)[:, :plan.kv_len]
+def _split_keys(p: _Plan, x: jax.Array) -> jax.Array:
+    """[B, S, K, D] -> [chunks, nk, chunk_batch, chunk_heads, block_k, D] (padded)."""
+    D = x.shape[-1]
+    x = _pad_axis(x, 1, p.kv_pad).reshape(p.batch_chunks, p.chunk_batch, p.num_k_tiles,
+                                          p.block_k, p.head_chunks, p.chunk_heads, D)
+    x = x.transpose(0, 4, 2, 1, 5, 3, 6)
+    return x.reshape(p.num_chunks, p.num_k_tiles, p.chunk_batch, p.chunk_heads, p.block_k, D)
 
 
-def _pad_broadcast(plan: _Plan, x: jax.Array, value: Any) -> jax.Array:
-    """Pads the full (non-broadcast) T and S dims of a [Bx, Nx, Tx, Sx] bias or mask."""
-    if x.shape[2] > 1:
-        x = _pad_axis(x, 2, plan.q_pad, value)
-    if x.shape[3] > 1:
-        x = _pad_axis(x, 3, plan.kv_pad, value)
-    return x
+def _merge_keys(p: _Plan, x: jax.Array) -> jax.Array:
+    """Inverse of _split_keys: -> [B, S, K, D]."""
+    D = x.shape[-1]
+    x = x.reshape(p.batch_chunks, p.head_chunks, p.num_k_tiles, p.chunk_batch, p.chunk_heads,
+                  p.block_k, D)
+    x = x.transpose(0, 3, 2, 5, 1, 4, 6).reshape(p.batch, p.kv_pad, p.num_kv_heads, D)
+    return x[:, :p.kv_len]
 
 
-def _heads(plan: _Plan, x: jax.Array) -> jax.Array:
-    """[Bx, Nx, ...] -> [Bx, K, G, ...] (or [Bx, 1, 1, ...] when Nx = 1)."""
-    if x.shape[1] == 1:
-        return x[:, :, None]
-    return x.reshape(x.shape[0], plan.num_kv_heads, plan.group, *x.shape[2:])
+# -- windows into broadcast [Bx, Nx, Tx, Sx] inputs (bias, mask, bias gradient) ---------
 
 
-def _broadcast_tile(x: jax.Array, i: Any, j: Any, block_q: int, block_k: int) -> jax.Array:
-    """The [Bx, Nx, block_q | 1, block_k | 1] tile (i, j) of a padded bias or mask."""
-    if x.shape[2] > 1:
-        x = lax.dynamic_slice_in_dim(x, i * block_q, block_q, axis=2)
-    if x.shape[3] > 1:
-        x = lax.dynamic_slice_in_dim(x, j * block_k, block_k, axis=3)
-    return x
+def _window(x: jax.Array, starts: tuple, sizes: tuple) -> tuple[jax.Array, tuple, tuple]:
+    """dynamic_slice with the start clamped in bounds; returns (slice, starts, shifts).
+
+    A tile that runs past a ragged end is read shifted back by `shift` rows/columns.
+    """
+    clamped, shifts = [], []
+    for start, size, dim in zip(starts, sizes, x.shape, strict=True):
+        if dim % size:
+            start_in = jnp.minimum(start, dim - size)
+            clamped.append(start_in)
+            shifts.append(start - start_in)
+        else:
+            clamped.append(start)
+            shifts.append(None)
+    return lax.dynamic_slice(x, clamped, sizes), tuple(clamped), tuple(shifts)
+
+
+def _read_tile(x: jax.Array, starts: tuple, sizes: tuple) -> jax.Array:
+    """The tile at `starts`; past a ragged end it holds other (finite) entries, which
+    the visibility bounds mask."""
+    tile, _, shifts = _window(x, starts, sizes)
+    for axis, shift in enumerate(shifts):
+        if shift is not None:
+            tile = jnp.roll(tile, -shift, axis=axis)
+    return tile
+
+
+def _add_tile(x: jax.Array, tile: jax.Array, starts: tuple) -> jax.Array:
+    """x with `tile` added at `starts`. Entries of the tile past a ragged end must be 0
+    (score gradients of masked entries are): they wrap onto rows already written."""
+    window, clamped, shifts = _window(x, starts, tile.shape)
+    for axis, shift in enumerate(shifts):
+        if shift is not None:
+            tile = jnp.roll(tile, shift, axis=axis)
+    return lax.dynamic_update_slice(x, window + tile, clamped)
+
+
+# -- tiles --------------------------------------------------------------------------
 
 
 class _Tiles:
-    """What every tile reads: padded broadcast inputs, slopes, lengths, dropout keys."""
+    """What chunk c's tiles read: bias, mask, slopes, segments, lengths, dropout keys."""
 
-    def __init__(self, plan: _Plan, bias: jax.Array | None, slopes: jax.Array | None,
+    def __init__(self, p: _Plan, c: Any, bias: jax.Array | None, slopes: jax.Array | None,
                  constants: dict[str, jax.Array]):
-        self.plan = plan
-        spec = plan.spec
-        self.bias = None if bias is None else _pad_broadcast(plan, bias, 0)
-        mask = constants.get("mask")
-        self.mask = None if mask is None else _pad_broadcast(plan, mask, False)
-        self.slope = None if slopes is None else _heads(plan, slopes)[..., None, None]
+        self.plan = p
+        self.batch0 = (c // p.head_chunks) * p.chunk_batch
+        self.head0 = (c % p.head_chunks) * p.chunk_heads * p.group  # first query head
+        mb, kb, G = p.tile_shape()
+        self.bias = bias
+        self.mask = constants.get("mask")
+        self.slope = None
+        if slopes is not None:
+            slope = lax.dynamic_slice(slopes, (self.batch0, self.head0), (mb, kb * G))
+            self.slope = slope.reshape(mb, kb, G, 1, 1)
         self.q_segments = self.kv_segments = None
         if "q_segment_ids" in constants:
-            self.q_segments = _pad_axis(constants["q_segment_ids"], 1, plan.q_pad)
-            self.kv_segments = _pad_axis(constants["kv_segment_ids"], 1, plan.kv_pad)
-        self.q_lengths = constants.get("query_seq_lengths")
-        self.kv_lengths = constants.get("key_value_seq_lengths")
+            self.q_segments = self._batch_rows(_pad_axis(constants["q_segment_ids"], 1, p.q_pad))
+            self.kv_segments = self._batch_rows(
+                _pad_axis(constants["kv_segment_ids"], 1, p.kv_pad))
+        self.q_lengths = self.kv_lengths = None
+        if "query_seq_lengths" in constants:
+            self.q_lengths = self._batch_rows(constants["query_seq_lengths"])
+        if "key_value_seq_lengths" in constants:
+            self.kv_lengths = self._batch_rows(constants["key_value_seq_lengths"])
         self.drop_keys = None
-        if spec.has_dropout:
+        if p.spec.has_dropout:
             seed = constants["dropout_seed"]
-            if spec.broadcast_dropout:
+            if p.spec.broadcast_dropout:
                 self.drop_keys = dropout_lib.program_key(seed, 0)
-            else:
-                batch_head = jnp.arange(plan.batch * plan.num_heads, dtype=jnp.int32)
-                keys = dropout_lib.program_key(seed, batch_head)
-                self.drop_keys = keys.reshape(plan.batch, plan.num_kv_heads, plan.group)
+            else:  # batch_head = b * N + n, as the reference numbers its programs
+                b = self.batch0 + lax.broadcasted_iota(jnp.int32, (mb, kb * G), 0)
+                n = self.head0 + lax.broadcasted_iota(jnp.int32, (mb, kb * G), 1)
+                keys = dropout_lib.program_key(seed, b * p.num_heads + n)
+                self.drop_keys = keys.reshape(mb, kb, G)
+
+    def _batch_rows(self, x: jax.Array) -> jax.Array:
+        """Rows batch0 .. batch0 + chunk_batch of a [B, ...] array."""
+        return lax.dynamic_slice_in_dim(x, self.batch0, self.plan.chunk_batch, 0)
 
     # -- index ranges -----------------------------------------------------------------
     def key_tiles(self, i: Any) -> tuple[Any, Any]:
@@ -274,7 +382,7 @@ class _Tiles:
 
     @staticmethod
     def _span(lo: Any, hi: Any, block: int, count: int) -> tuple[Any, Any]:
-        lo = jnp.clip(jnp.asarray(lo, jnp.int32), 0, None)
+        lo = jnp.maximum(jnp.asarray(lo, jnp.int32), 0)
         hi = jnp.maximum(jnp.asarray(hi, jnp.int32), lo)
         first = jnp.minimum(lo // block, count)
         return first, jnp.clip((hi + block - 1) // block, first, count)
@@ -286,21 +394,38 @@ class _Tiles:
         cols = j * p.block_k + lax.broadcasted_iota(jnp.int32, (1, p.block_k), 1)
         return rows, cols
 
-    def logits(self, q: jax.Array, k: jax.Array, i: Any, j: Any
+    def broadcast_window(self, shape: tuple[int, ...], i: Any, j: Any) -> tuple[tuple, tuple]:
+        """(starts, sizes) of tile (i, j) of this chunk in a [Bx, Nx, Tx, Sx] input."""
+        p = self.plan
+        mb, kb, G = p.tile_shape()
+        starts = (self.batch0, self.head0, i * p.block_q, j * p.block_k)
+        sizes = (mb, kb * G, p.block_q, p.block_k)
+        return (tuple(s if d > 1 else 0 for s, d in zip(starts, shape, strict=True)),
+                tuple(z if d > 1 else 1 for z, d in zip(sizes, shape, strict=True)))
+
+    def _broadcast_tile(self, x: jax.Array, i: Any, j: Any) -> jax.Array:
+        """[mb | 1, kb | 1, G | 1, bq | 1, bk | 1] tile of a bias or mask."""
+        starts, sizes = self.broadcast_window(x.shape, i, j)
+        tile = _read_tile(x, starts, sizes)
+        if tile.shape[1] == 1:
+            return tile[:, :, None]
+        return tile.reshape(tile.shape[0], self.plan.chunk_heads, self.plan.group,
+                            *tile.shape[2:])
+
+    def logits(self, q: jax.Array, k_t: jax.Array, i: Any, j: Any
                ) -> tuple[jax.Array, jax.Array | None]:
-        """Float32 logits [B, K, G, bq, bk] after bias/ALiBi/soft cap, and visibility."""
+        """Float32 logits [mb, kb, G, bq, bk] after bias/ALiBi/soft cap, and visibility.
+
+        q [mb, kb, G, bq, H]; k_t [mb, kb, H, bk] (the key tile transposed).
+        """
         p = self.plan
         spec = p.spec
-        s = jnp.einsum("bkgqh,bkth->bkgqt", q, k, precision=_HIGHEST) * spec.scale
+        s = jnp.einsum("bkgqh,bkht->bkgqt", q, k_t, precision=_HIGHEST) * spec.scale
         rows, cols = self.positions(i, j)
-        bias = None
-        if self.bias is not None:
-            bias = _heads(p, _broadcast_tile(self.bias, i, j, p.block_q, p.block_k))
+        bias = None if self.bias is None else self._broadcast_tile(self.bias, i, j)
         logits = scores.modify_logits(s, rows, cols, spec, p.offset, bias=bias,
                                       alibi_slope=self.slope)
-        mask = None
-        if self.mask is not None:
-            mask = _heads(p, _broadcast_tile(self.mask, i, j, p.block_q, p.block_k))
+        mask = None if self.mask is None else self._broadcast_tile(self.mask, i, j)
         q_seg = kv_seg = None
         if self.q_segments is not None:
             q_seg = lax.dynamic_slice_in_dim(self.q_segments, i * p.block_q, p.block_q, 1)
@@ -318,14 +443,14 @@ class _Tiles:
         return logits, visible
 
     def keep(self, i: Any, j: Any) -> jax.Array:
-        """Dropout keep decisions of tile (i, j): [bq, bk] or [B, K, G, bq, bk]."""
+        """Dropout keep decisions of tile (i, j): [bq, bk] or [mb, kb, G, bq, bk]."""
         p = self.plan
         rows = i * p.block_q + lax.iota(jnp.int32, p.block_q)
         cols = j * p.block_k + lax.iota(jnp.int32, p.block_k)
         rate = p.spec.dropout_rate
         if p.spec.broadcast_dropout:
             return dropout_lib.keep(dropout_lib.row_keys(self.drop_keys, rows), cols, rate)
-        row_keys = dropout_lib.row_keys(self.drop_keys[..., None], rows)  # [B, K, G, bq]
+        row_keys = dropout_lib.row_keys(self.drop_keys[..., None], rows)  # [mb, kb, G, bq]
         keep = dropout_lib.keep(row_keys.reshape(-1), cols, rate)
         return keep.reshape(*row_keys.shape, p.block_k)
 
@@ -333,142 +458,148 @@ class _Tiles:
 # -- forward ------------------------------------------------------------------------
 
 
-def _forward(plan: _Plan, q, k, v, bias, slopes, constants):
-    spec = plan.spec
-    tiles = _Tiles(plan, bias, slopes, constants)
-    q_t, k_t, v_t = _tile_rows(plan, q), _tile_keys(plan, k), _tile_keys(plan, v)
-    B, K, G, Hv = plan.batch, plan.num_kv_heads, plan.group, v.shape[-1]
+def _forward(p: _Plan, q, k, v, bias, slopes, constants):
+    spec = p.spec
+    q_all, v_all = _split_rows(p, q), _split_keys(p, v)
+    k_all = jnp.swapaxes(_split_keys(p, k), -1, -2)  # [chunks, nk, mb, kb, H, bk]
     inv_keep = 1.0 / (1.0 - spec.dropout_rate)
 
-    def query_tile(i):
-        q_i = q_t[i].astype(jnp.float32)
+    def chunk(c):
+        tiles = _Tiles(p, c, bias, slopes, constants)
+        q_c, k_c, v_c = q_all[c], k_all[c], v_all[c]
 
-        def key_tile(j, carry):
-            m, l, acc = carry
-            logits, visible = tiles.logits(q_i, k_t[j].astype(jnp.float32), i, j)
-            if visible is not None:
-                logits = jnp.where(visible, logits, -jnp.inf)
-            m_new = jnp.maximum(m, jnp.max(logits, axis=-1))
-            m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-            p = jnp.exp(logits - m_safe[..., None])
-            alpha = jnp.exp(m - m_safe)
-            l = alpha * l + jnp.sum(p, axis=-1)
-            if spec.has_dropout:
-                p = jnp.where(tiles.keep(i, j), p * inv_keep, 0.0)
-            pv = jnp.einsum("bkgqt,bktd->bkgqd", p, v_t[j].astype(jnp.float32),
-                            precision=_HIGHEST)
-            return m_new, l, alpha[..., None] * acc + pv
+        def query_tile(i):
+            q_i = q_c[i].astype(jnp.float32)
 
-        shape = (B, K, G, plan.block_q)
-        init = (jnp.full(shape, -jnp.inf, jnp.float32), jnp.zeros(shape, jnp.float32),
-                jnp.zeros((*shape, Hv), jnp.float32))
-        first, stop = tiles.key_tiles(i)
-        m, l, acc = lax.fori_loop(first, stop, key_tile, init)
-        seen = l > 0.0
-        l_safe = jnp.where(seen, l, 1.0)
-        out = (acc / l_safe[..., None]).astype(q.dtype)
-        lse = jnp.where(seen, m + jnp.log(l_safe), -jnp.inf)
-        return out, lse
+            def key_tile(j, carry):  # online softmax (FlashAttention-2, algorithm 1)
+                m, total, acc = carry
+                logits, visible = tiles.logits(q_i, k_c[j].astype(jnp.float32), i, j)
+                if visible is not None:
+                    logits = jnp.where(visible, logits, -jnp.inf)
+                m_new = jnp.maximum(m, jnp.max(logits, axis=-1))
+                # NOTE: a row with nothing visible so far keeps m = -inf; using 0 as its
+                # reference point makes every exp(-inf - 0) = 0, never inf - inf = NaN.
+                m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+                prob = jnp.exp(logits - m_safe[..., None])
+                alpha = jnp.exp(m - m_safe)
+                total = alpha * total + jnp.sum(prob, axis=-1)
+                if spec.has_dropout:  # lse sums the undropped weights, as the reference
+                    prob = jnp.where(tiles.keep(i, j), prob * inv_keep, 0.0)
+                pv = jnp.einsum("bkgqt,bktd->bkgqd", prob, v_c[j].astype(jnp.float32),
+                                precision=_HIGHEST)
+                return m_new, total, alpha[..., None] * acc + pv
 
-    out_t, lse_t = lax.map(query_tile, jnp.arange(plan.num_q_tiles, dtype=jnp.int32))
-    return _untile_rows(plan, out_t), _untile_stats(plan, lse_t)
+            shape = (*p.tile_shape(), p.block_q)
+            init = (jnp.full(shape, -jnp.inf, jnp.float32), jnp.zeros(shape, jnp.float32),
+                    jnp.zeros((*shape, v.shape[-1]), jnp.float32))
+            m, total, acc = lax.fori_loop(*tiles.key_tiles(i), key_tile, init)
+            seen = total > 0.0
+            total = jnp.where(seen, total, 1.0)
+            out = (acc / total[..., None]).astype(q.dtype)
+            lse = jnp.where(seen, m + jnp.log(total), -jnp.inf)
+            return out, lse
+
+        return lax.map(query_tile, jnp.arange(p.num_q_tiles, dtype=jnp.int32))
+
+    out, lse = lax.map(chunk, jnp.arange(p.num_chunks, dtype=jnp.int32))
+    return _merge_rows(p, out), _merge_stats(p, lse)
 
 
 # -- backward -----------------------------------------------------------------------
 
 
-def _reduce_to_bias(plan: _Plan, ds: jax.Array, bias_shape: tuple[int, ...]) -> jax.Array:
-    """[B, K, G, bq, bk] -> [Bb, Nb, bq | 1, bk | 1]: sum over the bias's broadcast dims."""
-    Bb, Nb, Tb, Sb = bias_shape
-    if Bb == 1:
-        ds = jnp.sum(ds, axis=0, keepdims=True)
-    if Nb == 1:
+def _reduce_to(ds: jax.Array, sizes: tuple[int, ...]) -> jax.Array:
+    """[mb, kb, G, bq, bk] -> sizes = [mb | 1, kb * G | 1, bq | 1, bk | 1] (sums)."""
+    mb, kb, G, bq, bk = ds.shape
+    if sizes[1] == 1:
         ds = jnp.sum(ds, axis=(1, 2), keepdims=True)
-    ds = ds.reshape(ds.shape[0], ds.shape[1] * ds.shape[2], *ds.shape[3:])
-    if Tb == 1:
-        ds = jnp.sum(ds, axis=2, keepdims=True)
-    if Sb == 1:
-        ds = jnp.sum(ds, axis=3, keepdims=True)
-    return ds
+    ds = ds.reshape(mb, -1, bq, bk)
+    axes = tuple(axis for axis in (0, 2, 3) if sizes[axis] == 1 and ds.shape[axis] > 1)
+    return jnp.sum(ds, axis=axes, keepdims=True) if axes else ds
 
 
-def _backward(plan: _Plan, q, k, v, bias, slopes, constants, out, lse, d_out, d_lse,
+def _backward(p: _Plan, q, k, v, bias, slopes, constants, out, lse, d_out, d_lse,
               bias_grad: bool, slope_grad: bool):
-    spec = plan.spec
-    tiles = _Tiles(plan, bias, slopes, constants)
-    q_t, k_t, v_t = _tile_rows(plan, q), _tile_keys(plan, k), _tile_keys(plan, v)
-    do_t = _tile_rows(plan, d_out)
-    o_t = _tile_rows(plan, out)
-    # delta = rowsum(dO * O) - dlse; rows with lse = -inf see nothing: P = exp(s - inf) = 0.
-    delta = jnp.sum(do_t.astype(jnp.float32) * o_t.astype(jnp.float32), axis=-1)
+    spec = p.spec
+    q_all, k_all, v_all = _split_rows(p, q), _split_keys(p, k), _split_keys(p, v)
+    do_all = _split_rows(p, d_out)
+    # Preprocess: delta = rowsum(dO * O) - dlse. A row with lse = -inf sees nothing;
+    # lse = +inf there makes its recomputed P = exp(s - inf) = 0 everywhere.
+    delta = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
+    delta = jnp.swapaxes(delta, 1, 2)  # [B, N, T]
     dead = jnp.isneginf(lse)
     if d_lse is not None:
-        delta = delta - _tile_stats(plan, jnp.where(dead, 0.0, d_lse.astype(jnp.float32)))
-    lse_t = _tile_stats(plan, jnp.where(dead, jnp.inf, lse))
+        delta = delta - jnp.where(dead, 0.0, d_lse.astype(jnp.float32))
+    delta_all = _split_stats(p, delta)
+    lse_all = _split_stats(p, jnp.where(dead, jnp.inf, lse))
     inv_keep = 1.0 / (1.0 - spec.dropout_rate)
-    B, K, G, H = plan.batch, plan.num_kv_heads, plan.group, q.shape[-1]
-    bq, bk = plan.block_q, plan.block_k
+    mb, kb, G = p.tile_shape()
+    H, Hv = q.shape[-1], v.shape[-1]
 
-    def key_tile(carry, j):
-        dq, dbias, dslope = carry
-        k_j = k_t[j].astype(jnp.float32)
-        v_j = v_t[j].astype(jnp.float32)
+    def chunk(dbias, c):
+        tiles = _Tiles(p, c, bias, slopes, constants)
+        q_c, k_c, v_c, do_c = q_all[c], k_all[c], v_all[c], do_all[c]
+        lse_c, delta_c = lse_all[c], delta_all[c]
 
-        def query_tile(i, carry):
-            dk, dv, dq, dbias, dslope = carry
-            q_i = q_t[i].astype(jnp.float32)
-            do_i = do_t[i].astype(jnp.float32)
-            logits, visible = tiles.logits(q_i, k_j, i, j)
-            s = logits if visible is None else jnp.where(visible, logits, -jnp.inf)
-            p = jnp.exp(s - lse_t[i][..., None])
-            dp = jnp.einsum("bkgqd,bktd->bkgqt", do_i, v_j, precision=_HIGHEST)
-            p_dropped = p
-            if spec.has_dropout:
-                keep = tiles.keep(i, j)
-                p_dropped = jnp.where(keep, p * inv_keep, 0.0)
-                dp = jnp.where(keep, dp * inv_keep, 0.0)
-            ds = p * (dp - delta[i][..., None])
-            if spec.logits_soft_cap is not None:
-                ds = ds * scores.soft_cap_derivative(logits, spec.logits_soft_cap)
-            dv = dv + jnp.einsum("bkgqt,bkgqd->bktd", p_dropped, do_i, precision=_HIGHEST)
-            dk = dk + jnp.einsum("bkgqt,bkgqh->bkth", ds, q_i, precision=_HIGHEST)
-            dq_i = dq[i] + jnp.einsum("bkgqt,bkth->bkgqh", ds, k_j, precision=_HIGHEST)
-            dq = lax.dynamic_update_index_in_dim(dq, dq_i, i, 0)
-            if bias_grad:
-                tile = _reduce_to_bias(plan, ds, spec.bias_shape)
-                start = (0, 0, i * bq if tile.shape[2] > 1 else 0,
-                         j * bk if tile.shape[3] > 1 else 0)
-                tile = tile + lax.dynamic_slice(dbias, start, tile.shape)
-                dbias = lax.dynamic_update_slice(dbias, tile, start)
-            if slope_grad:
-                rows, cols = tiles.positions(i, j)
-                distance = scores.alibi_bias(1.0, rows, cols, plan.offset)  # -|i + off - j|
-                dslope = dslope + jnp.sum(ds * distance, axis=(-2, -1))
-            return dk, dv, dq, dbias, dslope
+        def key_tile(carry, j):
+            dq, dbias, dslope = carry
+            k_j = k_c[j].astype(jnp.float32)
+            k_j_t = jnp.swapaxes(k_j, -1, -2)
+            v_j = v_c[j].astype(jnp.float32)
 
-        init = (jnp.zeros((B, K, bk, H), jnp.float32),
-                jnp.zeros((B, K, bk, v.shape[-1]), jnp.float32), dq, dbias, dslope)
-        first, stop = tiles.query_tiles(j)
-        dk, dv, dq, dbias, dslope = lax.fori_loop(first, stop, query_tile, init)
-        return (dq, dbias, dslope), (dk * spec.scale, dv)
+            def query_tile(i, carry):
+                dk, dv, dq, dbias, dslope = carry
+                q_i = q_c[i].astype(jnp.float32)
+                do_i = do_c[i].astype(jnp.float32)
+                logits, visible = tiles.logits(q_i, k_j_t, i, j)
+                s = logits if visible is None else jnp.where(visible, logits, -jnp.inf)
+                prob = jnp.exp(s - lse_c[i][..., None])
+                dp = jnp.einsum("bkgqd,bktd->bkgqt", do_i, v_j, precision=_HIGHEST)
+                dropped = prob
+                if spec.has_dropout:
+                    keep = tiles.keep(i, j)
+                    dropped = jnp.where(keep, prob * inv_keep, 0.0)
+                    dp = jnp.where(keep, dp * inv_keep, 0.0)
+                ds = prob * (dp - delta_c[i][..., None])
+                if spec.logits_soft_cap is not None:
+                    ds = ds * scores.soft_cap_derivative(logits, spec.logits_soft_cap)
+                dv = dv + jnp.einsum("bkgqt,bkgqd->bktd", dropped, do_i, precision=_HIGHEST)
+                dk = dk + jnp.einsum("bkgqt,bkgqh->bkth", ds, q_i, precision=_HIGHEST)
+                dq_i = dq[i] + jnp.einsum("bkgqt,bkth->bkgqh", ds, k_j, precision=_HIGHEST)
+                dq = lax.dynamic_update_index_in_dim(dq, dq_i, i, 0)
+                if bias_grad:
+                    starts, sizes = tiles.broadcast_window(bias.shape, i, j)
+                    dbias = _add_tile(dbias, _reduce_to(ds, sizes), starts)
+                if slope_grad:
+                    rows, cols = tiles.positions(i, j)
+                    distance = scores.alibi_bias(1.0, rows, cols, p.offset)  # -|i + off - j|
+                    dslope = dslope + jnp.sum(ds * distance, axis=(-2, -1))
+                return dk, dv, dq, dbias, dslope
 
-    dq = jnp.zeros((plan.num_q_tiles, B, K, G, bq, H), jnp.float32)
-    dbias = dslope = jnp.zeros((), jnp.float32)
-    if bias_grad:
-        dbias = jnp.zeros(tiles.bias.shape, jnp.float32)
-    if slope_grad:
-        dslope = jnp.zeros((B, K, G), jnp.float32)
-    (dq, dbias, dslope), (dk, dv) = lax.scan(
-        key_tile, (dq, dbias, dslope), jnp.arange(plan.num_k_tiles, dtype=jnp.int32))
-    dq = _untile_rows(plan, dq * spec.scale).astype(q.dtype)
-    dk = _untile_keys(plan, dk).astype(k.dtype)
-    dv = _untile_keys(plan, dv).astype(v.dtype)
-    if bias_grad:
-        Tb, Sb = spec.bias_shape[2:]
-        dbias = dbias[:, :, :Tb, :Sb].astype(bias.dtype)
+            init = (jnp.zeros((mb, kb, p.block_k, H), jnp.float32),
+                    jnp.zeros((mb, kb, p.block_k, Hv), jnp.float32), dq, dbias, dslope)
+            dk, dv, dq, dbias, dslope = lax.fori_loop(*tiles.query_tiles(j), query_tile, init)
+            return (dq, dbias, dslope), (dk * spec.scale, dv)
+
+        dq = jnp.zeros((p.num_q_tiles, mb, kb, G, p.block_q, H), jnp.float32)
+        dslope = jnp.zeros((mb, kb, G) if slope_grad else (), jnp.float32)
+        (dq, dbias, dslope), (dk, dv) = lax.scan(
+            key_tile, (dq, dbias, dslope), jnp.arange(p.num_k_tiles, dtype=jnp.int32))
+        return dbias, (dq * spec.scale, dk, dv, dslope)
+
+    dbias = jnp.zeros(bias.shape if bias_grad else (), jnp.float32)
+    dbias, (dq, dk, dv, dslope) = lax.scan(chunk, dbias,
+                                           jnp.arange(p.num_chunks, dtype=jnp.int32))
+    dq = _merge_rows(p, dq).astype(q.dtype)
+    dk = _merge_keys(p, dk).astype(k.dtype)
+    dv = _merge_keys(p, dv).astype(v.dtype)
+    dbias = dbias.astype(bias.dtype) if bias_grad else None
+    if slope_grad:  # [chunks, mb, kb, G] -> [B, N]
+        dslope = dslope.reshape(p.batch_chunks, p.head_chunks, *p.tile_shape())
+        dslope = dslope.transpose(0, 2, 1, 3, 4).reshape(p.batch, p.num_heads)
+        dslope = dslope.astype(slopes.dtype)
     else:
-        dbias = None
-    dslope = dslope.reshape(B, plan.num_heads).astype(slopes.dtype) if slope_grad else None
+        dslope = None
     return dq, dk, dv, dbias, dslope
 
 
@@ -476,8 +607,8 @@ def _backward(plan: _Plan, q, k, v, bias, slopes, constants, out, lse, d_out, d_
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _attention(plan: _Plan, q, k, v, bias, slopes, constants):
-    return _forward(plan, q, k, v, bias, slopes, constants)
+def _attention(p: _Plan, q, k, v, bias, slopes, constants):
+    return _forward(p, q, k, v, bias, slopes, constants)
 
 
 def _value(x):
@@ -490,19 +621,15 @@ def _perturbed(x) -> bool:
         x, is_leaf=lambda leaf: hasattr(leaf, "perturbed")))
 
 
-def _attention_fwd(plan: _Plan, q, k, v, bias, slopes, constants):
+def _attention_fwd(p: _Plan, q, k, v, bias, slopes, constants):
     # The pytree structure of `needs` carries the static "which optional gradients".
     needs = {name: () for name, x in (("bias", bias), ("slopes", slopes)) if _perturbed(x)}
     q, k, v, bias, slopes, constants = (_value(x) for x in (q, k, v, bias, slopes, constants))
-    out, lse = _forward(plan, q, k, v, bias, slopes, constants)
+    out, lse = _forward(p, q, k, v, bias, slopes, constants)
     return (out, lse), (q, k, v, bias, slopes, constants, out, lse, needs)
 
 
-def _zero_cotangent(x: jax.Array) -> jax.Array:
-    return jnp.zeros(x.shape, jax.dtypes.float0)
-
-
-def _attention_bwd(plan: _Plan, residuals, cotangents):
+def _attention_bwd(p: _Plan, residuals, cotangents):
     q, k, v, bias, slopes, constants, out, lse, needs = residuals
     d_out, d_lse = cotangents
     if isinstance(d_out, SymbolicZero):
@@ -510,13 +637,10 @@ def _attention_bwd(plan: _Plan, residuals, cotangents):
     if isinstance(d_lse, SymbolicZero):
         d_lse = None
     dq, dk, dv, dbias, dslope = _backward(
-        plan, q, k, v, bias, slopes, constants, out, lse, d_out, d_lse,
+        p, q, k, v, bias, slopes, constants, out, lse, d_out, d_lse,
         bias_grad="bias" in needs, slope_grad="slopes" in needs)
-    if bias is not None and dbias is None:
-        dbias = jnp.zeros_like(bias)
-    if slopes is not None and dslope is None:
-        dslope = jnp.zeros_like(slopes)
-    return dq, dk, dv, dbias, dslope, jax.tree.map(_zero_cotangent, constants)
+    # None: a zero cotangent for an input that was not differentiated (or has none).
+    return dq, dk, dv, dbias, dslope, jax.tree.map(lambda _: None, constants)
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd, symbolic_zeros=True)
