@@ -192,13 +192,17 @@ def attention(spec: AttentionSpec, ops: Operands, *, block_q: int | None = None,
     B, T, N, _ = ops.query.shape
     S, K = ops.key.shape[1], ops.key.shape[2]
     auto_q, auto_k = choose_tiles(T, S, N // K)
-    block_q, block_k = block_q or auto_q, block_k or auto_k
+    block_q = auto_q if block_q is None else block_q
+    block_k = auto_k if block_k is None else block_k
     for name, block in (("block_q", block_q), ("block_k", block_k)):
-        if not isinstance(block, int) or block <= 0:
+        if not isinstance(block, int) or isinstance(block, bool) or block <= 0:
             raise ValueError(f"{name} must be a positive int, got {block!r}")
     block_q, block_k = min(block_q, T), min(block_k, S)
     if chunk is None:
         chunk = choose_chunk(B, K, (N // K) * block_q * block_k)
+    if not (isinstance(chunk, tuple) and len(chunk) == 2
+            and all(isinstance(c, int) for c in chunk)):
+        raise ValueError(f"chunk must be a (batch entries, kv heads) pair of ints, got {chunk!r}")
     chunk_batch, chunk_heads = chunk
     if (min(chunk) <= 0 or B % chunk_batch or K % chunk_heads
             or (chunk_batch > 1 and chunk_heads != K)):

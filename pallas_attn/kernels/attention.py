@@ -5,13 +5,12 @@ power of two (Triton tiles are powers of two); the kernels mask the padded keys
 and the padded rows are sliced off, so callers never pad. Padding copies q, k, v
 only when a length is ragged or a head dim is not a power of two: O(T) memory.
 
-Residuals: the (padded) inputs, the output and the log2-domain logsumexp.
+Residuals: the (padded) inputs, the output and the logsumexp (+inf for empty rows).
 """
 
 from __future__ import annotations
 
 import functools
-import math
 from typing import Any
 
 import jax
@@ -23,8 +22,6 @@ from pallas_attn.kernels import triton_bwd, triton_fwd
 from pallas_attn.kernels.common import OPTIONAL_INPUTS, Problem
 from pallas_attn.spec import AttentionSpec, Operands
 from pallas_attn.tuning import BlockSizes, DeviceInfo
-
-_LN2 = math.log(2.0)
 
 
 def _pad_axis(x: jax.Array, axis: int, size: int, value: Any = 0) -> jax.Array:
@@ -90,9 +87,9 @@ def attention(spec: AttentionSpec, ops: Operands, *, block_sizes: BlockSizes | N
     """Canonical-layout attention through the kernels: (out [B,T,N,Hv], lse [B,N,T])."""
     blocks = resolve_block_sizes(spec, ops, block_sizes, interpret)
     problem, qp, kp, vp, differentiable, optional = prepare(spec, ops, blocks, interpret)
-    out, lse2 = _fused(problem, qp, kp, vp, differentiable, optional)
+    out, lse = _fused(problem, qp, kp, vp, differentiable, optional)
     T, Hv = ops.query.shape[1], ops.value.shape[-1]
-    lse = jnp.where(jnp.isinf(lse2), -jnp.inf, lse2 * _LN2)[:, :, :T]
+    lse = jnp.where(lse == jnp.inf, -jnp.inf, lse)[:, :, :T]  # public: -inf for empty rows
     return out[:, :T, :, :Hv], lse
 
 
@@ -122,10 +119,10 @@ def _fused_fwd(problem: Problem, q, k, v, differentiable, optional):
             "them; wrap them in jax.lax.stop_gradient or use implementation='xla'")
     bias_grad = _perturbed(differentiable)
     q, k, v, differentiable, optional = (_value(x) for x in (q, k, v, differentiable, optional))
-    out, lse2 = triton_fwd.forward(problem, q, k, v, _operands(differentiable, optional))
+    out, lse = triton_fwd.forward(problem, q, k, v, _operands(differentiable, optional))
     # The pytree structure of this marker carries the static "bias needs a gradient".
     marker = (jnp.zeros((), jnp.int8),) if bias_grad else ()
-    return (out, lse2), (q, k, v, differentiable, optional, out, lse2, marker)
+    return (out, lse), (q, k, v, differentiable, optional, out, lse, marker)
 
 
 def _zeros_like_tangent(x: jax.Array) -> Any:
@@ -135,17 +132,17 @@ def _zeros_like_tangent(x: jax.Array) -> Any:
 
 
 def _fused_bwd(problem: Problem, residuals, cotangents):
-    q, k, v, differentiable, optional, out, lse2, marker = residuals
-    d_out, d_lse2 = cotangents
+    q, k, v, differentiable, optional, out, lse, marker = residuals
+    d_out, d_lse = cotangents
     if isinstance(d_out, SymbolicZero):
         d_out = jnp.zeros(out.shape, out.dtype)
     delta = jnp.einsum("btnh,btnh->bnt", d_out.astype(jnp.float32), out.astype(jnp.float32))
-    if not isinstance(d_lse2, SymbolicZero):
-        # The public lse is lse2 * ln2 and d lse / d logits = P, so an lse cotangent
-        # folds into delta as -d_lse = -d_lse2 / ln2 (rows with lse2 = +inf have P = 0).
-        delta = delta - jnp.where(jnp.isinf(lse2), 0.0, d_lse2 / _LN2)
+    if not isinstance(d_lse, SymbolicZero):
+        # d lse / d logits = P, so an lse cotangent folds into delta as -d_lse (rows
+        # with lse = +inf have P = 0 and their cotangent is dropped).
+        delta = delta - jnp.where(lse == jnp.inf, 0.0, d_lse)
     operands = _operands(differentiable, optional)
-    dq, dk, dv, dbias = triton_bwd.backward(problem, q, k, v, operands, lse2,
+    dq, dk, dv, dbias = triton_bwd.backward(problem, q, k, v, operands, lse,
                                             d_out.astype(q.dtype), delta,
                                             bias_grad=bool(marker))
     d_differentiable = {"bias": dbias} if dbias is not None else jax.tree.map(

@@ -6,9 +6,11 @@ slope, sequence lengths, dropout key) and computes a [block_q, block_k] tile of
 scores and score gradients with the shared modifiers of `scores.py`, so the
 forward, dK/dV, dQ and dbias kernels cannot disagree on the semantics.
 
-Scores inside kernels are kept in the log2 domain (x * log2(e)) so the softmax
-uses exp2, as FlashAttention does; lse residuals are stored in that domain too,
-with +inf marking a row that sees no key (so every backward p = exp2(s - lse) is 0).
+Scores are natural-domain float32 logits with -inf for invisible entries;
+probabilities are exp2((s - m) * log2(e)), subtracting before scaling so that
+logits near the float32 minimum (a finfo.min bias) cannot overflow. The lse
+residual is natural-domain too, with +inf marking a row that sees no key, so
+every backward p = exp2((s - lse) * log2(e)) is 0 there without a select.
 """
 
 from __future__ import annotations
@@ -30,6 +32,11 @@ from pallas_attn.spec import AttentionSpec
 from pallas_attn.tuning import BlockSizes
 
 LOG2E = math.log2(math.e)
+# NOTE: the running row maximum starts at, and never falls below, the most negative
+# finite float32: exp2((s - m) * log2(e)) then never sees inf - inf, a fully masked
+# row keeps zero probabilities (its s are -inf), and logits as low as finfo.min
+# still form a proper softmax.
+MAX_FLOOR = float(jnp.finfo(jnp.float32).min)
 
 # Names of the optional operands, in the order kernels receive them.
 OPTIONAL_INPUTS = ("bias", "mask", "alibi_slopes", "q_segment_ids", "kv_segment_ids",
@@ -214,7 +221,7 @@ class TileContext:
 
     def scores(self, q: jax.Array, k: jax.Array, q0: Any, k0: Any, masked: bool
                ) -> tuple[jax.Array, jax.Array | None, jax.Array | None]:
-        """Log2-domain scores [bq, bk] with invisible entries at MASKED_LOGIT.
+        """Natural-domain float32 logits [bq, bk] with invisible entries at -inf.
 
         Returns (scores, visible or None, soft-capped natural logits or None).
         masked=False skips the band masks (causal, window, lengths), for tiles the
@@ -233,9 +240,9 @@ class TileContext:
                                           bias=bias, alibi_slope=self.slope, tanh=p.tanh)
             if spec.logits_soft_cap is not None:
                 capped = logits
-            s = logits * LOG2E
+            s = logits
         else:
-            s = s * (spec.scale * LOG2E)
+            s = s * spec.scale
         mask = (self._load_broadcast("mask", spec.mask_shape, q0, k0, block_q, block_k)
                 if p.has("mask") else None)
         q_seg = kv_seg = None
@@ -249,7 +256,7 @@ class TileContext:
             kv_length=self.kv_length if masked else None,
             kv_bound=p.kv_len if masked and p.kv_pad != p.kv_len else None)
         if visible is not None:
-            s = jnp.where(visible, s, scores.MASKED_LOGIT)
+            s = jnp.where(visible, s, -jnp.inf)
         return s, visible, capped
 
     def keep(self, q0: Any, k0: Any, block_q: int, block_k: int) -> jax.Array:
@@ -259,16 +266,16 @@ class TileContext:
         return dropout_lib.keep(dropout_lib.row_keys(self.drop_key, rows), cols,
                                 self.p.spec.dropout_rate)
 
-    def score_gradient(self, q, k, v, do, lse2, delta, q0, k0, masked
+    def score_gradient(self, q, k, v, do, lse, delta, q0, k0, masked
                        ) -> tuple[jax.Array, jax.Array]:
         """(dropped probabilities P~, score gradient dS) of one tile, float32.
 
-        P = exp2(s - lse); dP~ = dO V^T; dP = dP~ * keep / (1 - rate);
+        P = exp(s - lse); dP~ = dO V^T; dP = dP~ * keep / (1 - rate);
         dS = P * (dP - delta) times the soft-cap derivative.
         """
         spec = self.p.spec
         s, _, capped = self.scores(q, k, q0, k0, masked)
-        prob = jnp.exp2(s - lse2[:, None])
+        prob = jnp.exp2((s - lse[:, None]) * LOG2E)
         dp = plgpu.dot(do, v, trans_b=True, precision=self.p.precision)
         dropped = prob
         if spec.has_dropout:

@@ -51,9 +51,9 @@ def dkdv_kernel(*refs, problem: Problem, names: tuple[str, ...]):
             q0 = t * block_q
             q = r["q"][b, pl.ds(q0, block_q), n, :]
             do = r["do"][b, pl.ds(q0, block_q), n, :]
-            lse2 = r["lse"][b, n, pl.ds(q0, block_q)]
+            lse = r["lse"][b, n, pl.ds(q0, block_q)]
             delta = r["delta"][b, n, pl.ds(q0, block_q)]
-            dropped, ds = ctx.score_gradient(q, k, v, do, lse2, delta, q0, k0, masked)
+            dropped, ds = ctx.score_gradient(q, k, v, do, lse, delta, q0, k0, masked)
             dv = dv + plgpu.dot(dropped.astype(do.dtype), do, trans_a=True,
                              precision=problem.precision)
             dk = dk + plgpu.dot(ds.astype(q.dtype), q, trans_a=True, precision=problem.precision)
@@ -79,14 +79,14 @@ def dq_kernel(*refs, problem: Problem, names: tuple[str, ...]):
     ctx = TileContext(problem, r, b, n)
     q = r["q"][b, pl.ds(q0, block_q), n, :]
     do = r["do"][b, pl.ds(q0, block_q), n, :]
-    lse2 = r["lse"][b, n, pl.ds(q0, block_q)]
+    lse = r["lse"][b, n, pl.ds(q0, block_q)]
     delta = r["delta"][b, n, pl.ds(q0, block_q)]
 
     def body(t, dq, masked):
         k0 = t * block_k
         k = r["k"][b, pl.ds(k0, block_k), kh, :]
         v = r["v"][b, pl.ds(k0, block_k), kh, :]
-        _, ds = ctx.score_gradient(q, k, v, do, lse2, delta, q0, k0, masked)
+        _, ds = ctx.score_gradient(q, k, v, do, lse, delta, q0, k0, masked)
         return dq + plgpu.dot(ds.astype(k.dtype), k, precision=problem.precision)
 
     dq = run_tile_loops(*ctx.key_tiles(q0, q0 + block_q, block_k), body,
@@ -123,11 +123,11 @@ def dbias_kernel(*refs, problem: Problem, names: tuple[str, ...]):
             q0, k0 = ti * block_q, tj * block_k
             q = r["q"][b, pl.ds(q0, block_q), n, :]
             do = r["do"][b, pl.ds(q0, block_q), n, :]
-            lse2 = r["lse"][b, n, pl.ds(q0, block_q)]
+            lse = r["lse"][b, n, pl.ds(q0, block_q)]
             delta = r["delta"][b, n, pl.ds(q0, block_q)]
             k = r["k"][b, pl.ds(k0, block_k), kh, :]
             v = r["v"][b, pl.ds(k0, block_k), kh, :]
-            _, ds = ctx.score_gradient(q, k, v, do, lse2, delta, q0, k0, True)
+            _, ds = ctx.score_gradient(q, k, v, do, lse, delta, q0, k0, True)
             if Tb == 1:
                 ds = jnp.sum(ds, axis=0, keepdims=True)
             if Sb == 1:
@@ -159,10 +159,10 @@ def _launch(kernel, problem: Problem, names_in: tuple[str, ...], inputs: list[ja
     )(*inputs)
 
 
-def backward_inputs(q, k, v, optional, lse2, do, delta) -> tuple[tuple[str, ...], list]:
+def backward_inputs(q, k, v, optional, lse, do, delta) -> tuple[tuple[str, ...], list]:
     present = [x for x in OPTIONAL_INPUTS if x in optional]
     names = ("q", "k", "v", "do", "lse", "delta", *present)
-    return names, [q, k, v, do, lse2, delta, *(optional[x] for x in present)]
+    return names, [q, k, v, do, lse, delta, *(optional[x] for x in present)]
 
 
 def dkdv(problem: Problem, names: tuple[str, ...], inputs: list) -> tuple[jax.Array, jax.Array]:
@@ -192,9 +192,9 @@ def dbias(problem: Problem, names: tuple[str, ...], inputs: list, bias: jax.Arra
     return out.astype(bias.dtype)
 
 
-def backward(problem: Problem, q, k, v, optional, lse2, do, delta, bias_grad: bool):
+def backward(problem: Problem, q, k, v, optional, lse, do, delta, bias_grad: bool):
     """(dq, dk, dv, dbias or None) for padded inputs; delta [B, N, Tp] float32."""
-    names, inputs = backward_inputs(q, k, v, optional, lse2, do, delta)
+    names, inputs = backward_inputs(q, k, v, optional, lse, do, delta)
     dk, dv = dkdv(problem, names, inputs)
     dq_ = dq(problem, names, inputs)
     dbias_ = dbias(problem, names, inputs, optional["bias"]) if bias_grad else None

@@ -4,7 +4,7 @@ Grid (query tile, batch, head). Each program keeps its query tile resident and
 loops over key/value tiles with an online softmax in float32: running row max m,
 running sum l, unnormalised accumulator acc. Key tiles outside the causal/window
 band or past the key length are skipped; tiles crossing the band edge are masked.
-Writes the output and the per-row logsumexp (log2 domain, +inf for empty rows).
+Writes the output and the per-row logsumexp (+inf for rows that see no key).
 """
 
 from __future__ import annotations
@@ -17,8 +17,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_attn.kernels import scores
 from pallas_attn.kernels.common import (
+    LOG2E,
+    MAX_FLOOR,
     OPTIONAL_INPUTS,
     Problem,
     TileContext,
@@ -45,14 +46,10 @@ def forward_kernel(*refs, problem: Problem, names: tuple[str, ...]):
         acc, m_prev, l_prev = carry
         k0 = t * block_k
         k = r["k"][b, pl.ds(k0, block_k), kh, :]
-        s, visible, _ = ctx.scores(q, k, q0, k0, masked)
-        m_next = jnp.maximum(m_prev, jnp.max(s, axis=1))
-        alpha = jnp.exp2(m_prev - m_next)
-        prob = jnp.exp2(s - m_next[:, None])
-        if visible is not None:
-            # NOTE: a fully masked row so far has m = MASKED_LOGIT and exp2(0) = 1 on its
-            # masked entries; zero them explicitly.
-            prob = jnp.where(visible, prob, 0.0)
+        s, _, _ = ctx.scores(q, k, q0, k0, masked)
+        m_next = jnp.maximum(m_prev, jnp.max(s, axis=1))  # stays >= MAX_FLOOR
+        alpha = jnp.exp2((m_prev - m_next) * LOG2E)
+        prob = jnp.exp2((s - m_next[:, None]) * LOG2E)  # invisible: s = -inf, prob = 0
         l_next = l_prev * alpha + jnp.sum(prob, axis=1)
         if spec.has_dropout:
             prob = jnp.where(ctx.keep(q0, k0, block_q, block_k), prob, 0.0)
@@ -62,7 +59,7 @@ def forward_kernel(*refs, problem: Problem, names: tuple[str, ...]):
 
     init = (
         jnp.zeros((block_q, r["v"].shape[-1]), jnp.float32),
-        jnp.full((block_q,), scores.MASKED_LOGIT, jnp.float32),
+        jnp.full((block_q,), MAX_FLOOR, jnp.float32),
         jnp.zeros((block_q,), jnp.float32),
     )
     acc, m, l_sum = run_tile_loops(*ctx.key_tiles(q0, q0 + block_q, block_k), body, init)
@@ -74,13 +71,13 @@ def forward_kernel(*refs, problem: Problem, names: tuple[str, ...]):
     scale = 1.0 / (1.0 - spec.dropout_rate) if spec.has_dropout else 1.0
     out = jnp.where(valid[:, None], acc * (scale / jnp.where(valid, l_sum, 1.0))[:, None], 0.0)
     r["out"][b, pl.ds(q0, block_q), n, :] = out.astype(r["out"].dtype)
-    lse2 = jnp.where(valid, m + jnp.log2(jnp.where(valid, l_sum, 1.0)), jnp.inf)
-    r["lse"][b, n, pl.ds(q0, block_q)] = lse2
+    lse = jnp.where(valid, m + jnp.log(jnp.where(valid, l_sum, 1.0)), jnp.inf)
+    r["lse"][b, n, pl.ds(q0, block_q)] = lse
 
 
 def forward(problem: Problem, q: jax.Array, k: jax.Array, v: jax.Array,
             optional: dict[str, jax.Array]) -> tuple[jax.Array, jax.Array]:
-    """out [B, Tp, N, Hvp] and log2-domain lse [B, N, Tp] for padded inputs."""
+    """out [B, Tp, N, Hvp] and lse [B, N, Tp] (+inf for empty rows) for padded inputs."""
     names = ("q", "k", "v", *(x for x in OPTIONAL_INPUTS if x in optional), "out", "lse")
     inputs = [q, k, v, *(optional[x] for x in OPTIONAL_INPUTS if x in optional)]
     B, Tp, N, _ = q.shape

@@ -1,0 +1,361 @@
+"""Shared helpers for the Pallas-kernel tests (run in the Pallas interpreter on CPU).
+
+* `make_inputs`: random q, k, v and random cotangents for out and lse.
+* `run`: one jitted forward + VJP of `pallas_attn.dot_product_attention` for one
+  implementation, returning out, lse and the gradients of q, k, v (and bias).
+* `numpy_attention`: an independent float64 NumPy oracle for every feature,
+  forward and hand-derived backward, used as the high-precision reference.
+* `TOLERANCES` and the comparison helpers (one table keyed by dtype, plus
+  FlashAttention's "at most twice the error of the same-dtype reference" rule).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import pallas_attn
+
+# NOTE: at these sizes the interpreted kernels run in milliseconds; the time goes
+# into compiling them (large XLA programs: every kernel body, its tile loops and the
+# interpreter's state handling). LLVM optimisation level 0 more than halves that
+# and changes no semantics (same HLO, no fast-math), so every test compiles with it.
+FAST_COMPILE = {"xla_backend_optimization_level": 0}
+jit = functools.partial(jax.jit, compiler_options=FAST_COMPILE)
+
+# The smallest legal tiles: many tiles even for tiny problems, so the tile loops,
+# the edge masking and the padding are all exercised.
+SMALL_BLOCKS = pallas_attn.BlockSizes(16, 16, 16, 16, 16, 16)
+# Alternatives for the tile-independence checks (forward / dK-dV / dQ tiles differ).
+OTHER_BLOCKS = (
+    pallas_attn.BlockSizes(32, 16, 16, 32, 32, 16),
+    pallas_attn.BlockSizes(16, 32, 32, 16, 16, 32),
+)
+
+# Tolerances, relative to the magnitude of the expected array (atol = tol * max(1, scale)).
+# "ref": kernel vs the library reference in the same dtype (and vs float64).
+# "fa_floor": the additive floor of FlashAttention's 2x rule, relative to scale.
+TOLERANCES = {
+    "float32": {"out": 1e-5, "lse": 1e-5, "grad": 2e-5, "fa_floor": 1e-5},
+    "bfloat16": {"out": 3e-2, "lse": 1e-4, "grad": 6e-2, "fa_floor": 1e-2},
+    "float16": {"out": 4e-3, "lse": 1e-4, "grad": 8e-3, "fa_floor": 1.5e-3},
+}
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+
+
+def dtype_name(x: Any) -> str:
+    return jnp.dtype(x).name
+
+
+# --------------------------------------------------------------------------- inputs
+def make_inputs(seed: int, *, B: int | None = 2, T: int = 17, S: int = 23, N: int = 2,
+                K: int | None = None, H: int = 16, Hv: int | None = None,
+                dtype: Any = jnp.float32, scale_inputs: float = 1.0) -> dict[str, jax.Array]:
+    """Random q [B,T,N,H], k [B,S,K,H], v [B,S,K,Hv], ct [B,T,N,Hv], ct_lse [B,T,N].
+
+    B=None gives unbatched [T, N, H] inputs. Cotangents are random normal (float32
+    for lse; out's cotangent in the input dtype).
+    """
+    rng = np.random.default_rng(seed)
+    K = N if K is None else K
+    Hv = H if Hv is None else Hv
+    lead = () if B is None else (B,)
+
+    def normal(*shape):
+        return rng.standard_normal(lead + shape).astype(np.float32)
+
+    return {
+        "q": jnp.asarray(normal(T, N, H) * scale_inputs, dtype),
+        "k": jnp.asarray(normal(S, K, H) * scale_inputs, dtype),
+        "v": jnp.asarray(normal(S, K, Hv), dtype),
+        "ct": jnp.asarray(normal(T, N, Hv), dtype),
+        "ct_lse": jnp.asarray(normal(T, N), jnp.float32),
+    }
+
+
+def random_bias(seed: int, shape: tuple[int, ...], dtype: Any = jnp.float32) -> jax.Array:
+    return jnp.asarray(np.random.default_rng(seed).standard_normal(shape), dtype)
+
+
+# --------------------------------------------------------------------------- running
+def _finite(x: jax.Array) -> jax.Array:
+    return jnp.where(jnp.isfinite(x), x, 0.0)
+
+
+def make_runner(implementation: str, *, with_bias: bool = False, bias_grad: bool = True,
+                lse_grad: bool = True, block_sizes: Any = SMALL_BLOCKS,
+                **static: Any):
+    """A jitted fn(q, k, v, ct, ct_lse, bias, arrays) -> dict of out, lse and gradients.
+
+    The loss is sum(out * ct) + sum(lse * ct_lse) (lse of empty rows, -inf, left out),
+    so every gradient is a VJP with random cotangents. `arrays` holds the other
+    array arguments (mask, segment ids, lengths, alibi slopes, dropout_rng), which
+    are not differentiated. `static` are the remaining keyword arguments.
+    """
+    extra = {}
+    if implementation == "pallas":
+        extra = {"interpret": True, "block_sizes": block_sizes}
+
+    def attention(q, k, v, bias, arrays):
+        return pallas_attn.dot_product_attention(
+            q, k, v, bias, implementation=implementation, return_residual=True,
+            **arrays, **static, **extra)
+
+    def loss(q, k, v, bias, ct, ct_lse, arrays):
+        out, lse = attention(q, k, v, bias, arrays)
+        total = jnp.sum(out.astype(jnp.float32) * ct.astype(jnp.float32))
+        if lse_grad:
+            total = total + jnp.sum(_finite(lse) * ct_lse)
+        return total, (out, lse)
+
+    argnums = (0, 1, 2, 3) if (with_bias and bias_grad) else (0, 1, 2)
+
+    @jit
+    def fn(q, k, v, ct, ct_lse, bias=None, arrays=None):
+        arrays = {} if arrays is None else arrays
+        if with_bias and not bias_grad:
+            bias = jax.lax.stop_gradient(bias)
+        (_, (out, lse)), grads = jax.value_and_grad(loss, argnums=argnums, has_aux=True)(
+            q, k, v, bias, ct, ct_lse, arrays)
+        result = {"out": out, "lse": lse, "dq": grads[0], "dk": grads[1], "dv": grads[2]}
+        if len(grads) == 4:
+            result["dbias"] = grads[3]
+        return result
+
+    return fn
+
+
+def run(implementation: str, inputs: dict, *, bias: jax.Array | None = None,
+        arrays: dict | None = None, dtypes: dict | None = None,
+        **kwargs: Any) -> dict[str, np.ndarray]:
+    """One forward + VJP; returns NumPy arrays (float64 copies of the results).
+
+    dtypes: if given, filled with the dtype of each result as the kernel returned it.
+    """
+    fn = make_runner(implementation, with_bias=bias is not None, **kwargs)
+    result = fn(inputs["q"], inputs["k"], inputs["v"], inputs["ct"], inputs["ct_lse"],
+                bias, arrays)
+    if dtypes is not None:
+        dtypes.update({name: jnp.dtype(x.dtype) for name, x in result.items()})
+    return to_numpy(result)
+
+
+def to_numpy(result: dict) -> dict[str, np.ndarray]:
+    return {name: np.asarray(jnp.asarray(x, jnp.float32), np.float64)
+            for name, x in result.items()}
+
+
+def pallas_and_reference(inputs: dict, dtypes: dict | None = None,
+                         **kwargs: Any) -> tuple[dict, dict]:
+    """(kernel results, same-dtype reference results) for the same call."""
+    block_sizes = kwargs.pop("block_sizes", SMALL_BLOCKS)
+    kernel = run("pallas", inputs, block_sizes=block_sizes, dtypes=dtypes, **kwargs)
+    reference = run("xla", inputs, **kwargs)
+    return kernel, reference
+
+
+# --------------------------------------------------------------------------- oracle
+def _broadcast_4d(x: Any, full: tuple[int, ...]) -> np.ndarray:
+    x = np.asarray(x)
+    x = x.reshape((1,) * (4 - x.ndim) + x.shape)
+    return np.broadcast_to(x, full)
+
+
+def _reduce_to(x: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+    """Sums a [B, N, T, S] array over the axes that `shape` broadcasts along."""
+    shape4 = (1,) * (4 - len(shape)) + tuple(shape)
+    axes = tuple(a for a in range(4) if shape4[a] == 1 and x.shape[a] != 1)
+    return np.sum(x, axis=axes, keepdims=True).reshape(shape)
+
+
+def numpy_attention(q, k, v, ct=None, ct_lse=None, *, bias=None, mask=None, scale=None,
+                    is_causal=False, causal_alignment="top_left", local_window_size=None,
+                    alibi_slopes=None, logits_soft_cap=None, q_segment_ids=None,
+                    kv_segment_ids=None, query_seq_lengths=None, key_value_seq_lengths=None,
+                    keep=None, dropout_rate=0.0) -> dict[str, np.ndarray]:
+    """Float64 attention and its VJP, written from the semantics in DESIGN.md.
+
+    Independent of pallas_attn (only NumPy). keep: the [B, N, T, S] dropout keep mask.
+    Returns out [B,T,N,Hv], lse [B,T,N] and, given ct, dq, dk, dv (and dbias with bias).
+    Unbatched [T, N, H] inputs are accepted and the results are unbatched likewise.
+    """
+    q, k, v = (np.asarray(jnp.asarray(x, jnp.float32), np.float64) for x in (q, k, v))
+    batched = q.ndim == 4
+    if not batched:
+        q, k, v = q[None], k[None], v[None]
+    B, T, N, H = q.shape
+    S, K = k.shape[1], k.shape[2]
+    g = N // K
+    scale = 1.0 / np.sqrt(H) if scale is None else scale
+    kh = np.arange(N) // g
+    kq = k[:, :, kh, :]  # [B, S, N, H]
+    vq = v[:, :, kh, :]
+    x = scale * np.einsum("btnh,bsnh->bnts", q, kq)
+    full = (B, N, T, S)
+    if bias is not None:
+        x = x + _broadcast_4d(np.asarray(jnp.asarray(bias, jnp.float32), np.float64), full)
+    off = S - T if causal_alignment == "bottom_right" else 0
+    i = np.arange(T)[:, None]
+    j = np.arange(S)[None, :]
+    if alibi_slopes is not None:
+        slopes = np.asarray(alibi_slopes, np.float64)
+        slopes = np.broadcast_to(slopes.reshape((1,) * (2 - slopes.ndim) + slopes.shape), (B, N))
+        x = x - slopes[:, :, None, None] * np.abs(i + off - j)[None, None]
+    z = x
+    if logits_soft_cap is not None:
+        c = logits_soft_cap
+        z = c * np.tanh(x / c)
+    vis = np.ones(full, bool)
+    if mask is not None:
+        vis &= _broadcast_4d(mask, full)
+    if is_causal:
+        vis &= (j <= i + off)[None, None]
+    if local_window_size is not None:
+        left, right = ((local_window_size, local_window_size)
+                       if np.isscalar(local_window_size) else local_window_size)
+        vis &= ((j >= i + off - left) & (j <= i + off + right))[None, None]
+    if q_segment_ids is not None:
+        qs = np.asarray(q_segment_ids).reshape(B, T)
+        ks = qs if kv_segment_ids is None else np.asarray(kv_segment_ids).reshape(B, S)
+        vis &= (qs[:, None, :, None] == ks[:, None, None, :])
+    if query_seq_lengths is not None:
+        vis &= (i[None, None] < np.asarray(query_seq_lengths)[:, None, None, None])
+    if key_value_seq_lengths is not None:
+        vis &= (j[None, None] < np.asarray(key_value_seq_lengths)[:, None, None, None])
+    vis &= z > -np.inf  # an additive -inf hides a key (exp(-inf) = 0)
+    any_visible = vis.any(-1, keepdims=True)
+    zm = np.where(vis, z, -np.inf)
+    row_max = np.where(any_visible, zm.max(-1, keepdims=True, initial=-np.inf), 0.0)
+    e = np.exp(np.where(vis, z - row_max, -np.inf))
+    total = e.sum(-1, keepdims=True)
+    p = e / np.where(total > 0, total, 1.0)
+    lse = np.where(total > 0, row_max + np.log(np.where(total > 0, total, 1.0)), -np.inf)
+    factor = np.ones(full)
+    if keep is not None and dropout_rate > 0:
+        factor = np.asarray(keep, np.float64) / (1.0 - dropout_rate)
+    pd = p * factor
+    out = np.einsum("bnts,bsnh->btnh", pd, vq)
+    result = {"out": out, "lse": np.swapaxes(lse[..., 0], 1, 2)}
+    if ct is not None:
+        do = np.asarray(jnp.asarray(ct, jnp.float32), np.float64).reshape(out.shape)
+        dlse = np.zeros((B, N, T, 1))
+        if ct_lse is not None:
+            dlse = np.swapaxes(np.asarray(ct_lse, np.float64).reshape(B, T, N), 1, 2)[..., None]
+        dpd = np.einsum("btnh,bsnh->bnts", do, vq)
+        dp = dpd * factor
+        dz = p * (dp - np.sum(p * dp, -1, keepdims=True)) + p * np.where(total > 0, dlse, 0.0)
+        dx = dz
+        if logits_soft_cap is not None:
+            dx = dz * (1.0 - np.tanh(x / logits_soft_cap) ** 2)
+        dx = np.where(vis, dx, 0.0)
+        dqn = scale * np.einsum("bnts,bsnh->btnh", dx, kq)
+        dkn = scale * np.einsum("bnts,btnh->bsnh", dx, q)
+        dvn = np.einsum("bnts,btnh->bsnh", pd, do)
+        result["dq"] = dqn
+        result["dk"] = dkn.reshape(B, S, K, g, H).sum(3)
+        result["dv"] = dvn.reshape(B, S, K, g, -1).sum(3)
+        if bias is not None:
+            result["dbias"] = _reduce_to(dx, np.shape(bias))
+    if not batched:
+        result = {name: (x if name == "dbias" else x[0]) for name, x in result.items()}
+    return result
+
+
+def oracle(inputs: dict, *, bias=None, arrays: dict | None = None, lse_grad: bool = True,
+           keep=None, **static: Any) -> dict[str, np.ndarray]:
+    """numpy_attention with the same calling convention as `run`."""
+    arrays = dict(arrays or {})
+    rate = static.pop("dropout_rate", 0.0)
+    arrays.pop("dropout_rng", None)
+    for runner_only in ("broadcast_dropout", "bias_grad", "block_sizes"):
+        static.pop(runner_only, None)
+    return numpy_attention(
+        inputs["q"], inputs["k"], inputs["v"], inputs["ct"],
+        inputs["ct_lse"] if lse_grad else None, bias=bias, keep=keep, dropout_rate=rate,
+        **{name: (None if x is None else np.asarray(x)) for name, x in arrays.items()},
+        **static)
+
+
+# --------------------------------------------------------------------------- checks
+def scale_of(x: np.ndarray) -> float:
+    finite = np.abs(x[np.isfinite(x)])
+    return max(1.0, float(finite.max()) if finite.size else 1.0)
+
+
+def max_error(actual: np.ndarray, expected: np.ndarray) -> float:
+    """Max |actual - expected| over finite entries; inf entries must match exactly."""
+    actual, expected = np.asarray(actual), np.asarray(expected)
+    assert actual.shape == expected.shape, (actual.shape, expected.shape)
+    inf = ~np.isfinite(expected)
+    np.testing.assert_array_equal(actual[inf], expected[inf])
+    diff = np.abs(actual[~inf] - expected[~inf])
+    return float(diff.max()) if diff.size else 0.0
+
+
+def assert_close(actual: np.ndarray, expected: np.ndarray, dtype: Any, kind: str,
+                 name: str = "", factor: float = 1.0) -> None:
+    tol = TOLERANCES[dtype_name(dtype)][kind] * factor * scale_of(expected)
+    assert not np.isnan(actual).any(), f"{name}: NaN in the result"
+    err = max_error(actual, expected)
+    assert err <= tol, f"{name}: max error {err:.3g} > tolerance {tol:.3g}"
+
+
+def kind_of(name: str) -> str:
+    return {"out": "out", "lse": "lse"}.get(name, "grad")
+
+
+def assert_results_close(actual: dict, expected: dict, dtype: Any, names=None,
+                         factor: float = 1.0, label: str = "") -> None:
+    names = [n for n in (names or actual) if n in expected]
+    for name in names:
+        assert_close(actual[name], expected[name], dtype, kind_of(name), f"{label}{name}",
+                     factor)
+
+
+def assert_fa_rule(kernel: dict, same_dtype_ref: dict, exact: dict, dtype: Any,
+                   label: str = "") -> None:
+    """FlashAttention's rule: err(kernel) <= 2 * err(same-dtype reference) + floor."""
+    floor = TOLERANCES[dtype_name(dtype)]["fa_floor"]
+    for name in kernel:
+        if name not in exact:
+            continue
+        assert not np.isnan(kernel[name]).any(), f"{label}{name}: NaN"
+        e_kernel = max_error(kernel[name], exact[name])
+        e_ref = max_error(same_dtype_ref[name], exact[name])
+        bound = 2 * e_ref + floor * scale_of(exact[name])
+        assert e_kernel <= bound, (
+            f"{label}{name}: kernel error {e_kernel:.3g} > 2 * reference error "
+            f"{e_ref:.3g} + floor (bound {bound:.3g})")
+
+
+def assert_no_nan(result: dict) -> None:
+    for name, x in result.items():
+        assert not np.isnan(x).any(), f"NaN in {name}"
+
+
+def assert_empty_rows(result: dict, empty: np.ndarray) -> None:
+    """Rows with no visible key: out exactly 0, lse -inf, dq exactly 0, no NaN anywhere.
+
+    empty: bool [B, T, N] (or [T, N]) marking the empty rows.
+    """
+    assert_no_nan(result)
+    empty = np.asarray(empty, bool)
+    assert np.all(result["out"][empty] == 0.0), "out of an empty row is not exactly 0"
+    assert np.all(np.isneginf(result["lse"][empty])), "lse of an empty row is not -inf"
+    assert np.all(np.isfinite(result["lse"][~empty])), "lse of a visible row is not finite"
+    assert np.all(result["dq"][empty] == 0.0), "dq of an empty row is not exactly 0"
+
+
+def assert_bitwise_equal(a: dict, b: dict) -> None:
+    for name in a:
+        np.testing.assert_array_equal(a[name], b[name], err_msg=name)
+
+
+def empty_rows(exact: dict) -> np.ndarray:
+    return np.isneginf(exact["lse"])

@@ -1,0 +1,345 @@
+"""Pallas kernel features in the interpreter: bias (and dbias), masks, local windows,
+ALiBi, soft cap, segment ids, sequence lengths, extreme logits and random combinations.
+
+Each case is one jitted forward + VJP (random cotangents for out and lse) compared
+with the library reference (implementation="xla") and with the float64 NumPy oracle
+of tests/kernel_helpers.py, which implements the semantics independently.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from kernel_helpers import (
+    DTYPES,
+    SMALL_BLOCKS,
+    TOLERANCES,
+    assert_empty_rows,
+    assert_fa_rule,
+    assert_results_close,
+    empty_rows,
+    jit,
+    make_inputs,
+    max_error,
+    oracle,
+    pallas_and_reference,
+    random_bias,
+    scale_of,
+)
+
+import pallas_attn
+
+PALLAS = {"implementation": "pallas", "interpret": True, "block_sizes": SMALL_BLOCKS}
+F32 = jnp.float32
+
+
+def check_against_reference_and_oracle(inputs, *, bias=None, arrays=None, dtype=F32,
+                                       keep=None, **kwargs):
+    """Kernel vs reference (same dtype) and vs the float64 oracle; empty rows exact."""
+    kernel, reference = pallas_and_reference(inputs, bias=bias, arrays=arrays, **kwargs)
+    exact = oracle(inputs, bias=bias, arrays=arrays, keep=keep, **kwargs)
+    assert_results_close(kernel, reference, dtype, label="vs reference: ")
+    if jnp.dtype(dtype) == jnp.float32:
+        assert_results_close(kernel, exact, dtype, label="vs float64: ")
+    else:
+        assert_fa_rule(kernel, reference, exact, dtype)
+    assert_empty_rows(kernel, empty_rows(exact))
+    if bias is not None and "dbias" in kernel:
+        assert kernel["dbias"].shape == np.shape(bias)
+    return kernel, exact
+
+
+# ------------------------------------------------------------------------------ bias
+B, T, S, N, K = 2, 33, 23, 4, 2  # T > S: bottom_right causal leaves 10 empty rows
+BIAS_CASES = [
+    ((B, N, T, S), {}),
+    ((1, N, T, S), dict(is_causal=True)),
+    ((B, 1, T, S), dict(is_causal=True, causal_alignment="bottom_right")),
+    ((1, 1, T, S), dict(local_window_size=(4, 3))),
+    ((B, N, 1, S), dict(is_causal=True)),
+    ((1, 1, 1, S), dict(is_causal=True, causal_alignment="bottom_right")),
+    ((1, N, T, 1), {}),
+    ((T, S), dict(is_causal=True)),  # 2-D: leading dims broadcast
+]
+
+
+@pytest.mark.parametrize("bias_shape,kwargs", BIAS_CASES,
+                         ids=["x".join(map(str, c[0])) for c in BIAS_CASES])
+def test_bias_broadcast_shapes_with_dbias(bias_shape, kwargs):
+    inputs = make_inputs(len(bias_shape) + sum(bias_shape), B=B, T=T, S=S, N=N, K=K, H=16)
+    bias = random_bias(sum(bias_shape), bias_shape)
+    kernel, exact = check_against_reference_and_oracle(inputs, bias=bias, **kwargs)
+    assert np.abs(kernel["dbias"]).max() > 0
+    if kwargs.get("causal_alignment") == "bottom_right" and bias_shape[-2] == T:
+        # bias rows of queries that see no key get exactly zero gradient
+        assert np.all(kernel["dbias"][..., : T - S, :] == 0.0)
+
+
+def test_bias_without_gradient_still_gives_qkv_gradients():
+    """A stop_gradient bias (only q, k, v differentiated); the bias in bfloat16."""
+    inputs = make_inputs(22, B=B, T=T, S=S, N=N, K=K, H=16)
+    bias = random_bias(22, (B, 1, T, S), jnp.bfloat16)
+    kernel, _ = check_against_reference_and_oracle(inputs, bias=bias, bias_grad=False,
+                                                   is_causal=True)
+    assert "dbias" not in kernel
+
+
+def test_minus_inf_bias_entries_act_as_a_mask():
+    """-inf in an additive bias hides a key; a row of -inf is an empty row. No NaN, and
+    dbias is exactly 0 at the -inf entries."""
+    inputs = make_inputs(23, B=1, T=20, S=23, N=2, H=8)
+    bias = np.array(random_bias(23, (1, 2, 20, 23)))
+    bias[0, :, 4, :] = -np.inf
+    bias[0, :, 7, ::2] = -np.inf
+    kernel, exact = check_against_reference_and_oracle(inputs, bias=jnp.asarray(bias))
+    assert empty_rows(exact)[0, 4].all() and not empty_rows(exact)[0, 7].any()
+    assert np.all(kernel["dbias"][np.isneginf(bias)] == 0.0)
+
+
+# ------------------------------------------------------------------------------ masks
+MASK_SHAPES = [(B, N, T, S), (B, 1, 1, S), (1, N, T, 1), (T, S)]
+
+
+@pytest.mark.parametrize("mask_shape", MASK_SHAPES,
+                         ids=["x".join(map(str, s)) for s in MASK_SHAPES])
+def test_boolean_mask_broadcast_shapes(mask_shape):
+    rng = np.random.default_rng(sum(mask_shape))
+    mask = rng.random(mask_shape) < 0.7
+    # Some rows see nothing: row 3 everywhere, and with a per-row mask also row 11.
+    if mask_shape[-2] == T:
+        mask[..., 3, :] = False
+    if mask_shape[-1] == 1:
+        mask[..., 11, :] = False
+    inputs = make_inputs(sum(mask_shape), B=B, T=T, S=S, N=N, K=K, H=16)
+    _, exact = check_against_reference_and_oracle(inputs, arrays={"mask": jnp.asarray(mask)})
+    if mask_shape[-2] == T:
+        assert empty_rows(exact)[:, 3].all()
+
+
+# ------------------------------------------------------------------------------ window
+WINDOW_CASES = [
+    ("left3_right5", dict(T=17, S=23), dict(local_window_size=(3, 5))),
+    ("int4_bottom_right_T<S", dict(T=17, S=40), dict(local_window_size=4,
+                                                      causal_alignment="bottom_right")),
+    ("causal_top_left_T>S", dict(T=40, S=23),
+     dict(local_window_size=(6, 2), is_causal=True, causal_alignment="top_left")),
+    ("causal_bottom_right_T>S", dict(T=40, S=23),
+     dict(local_window_size=(6, 2), is_causal=True, causal_alignment="bottom_right")),
+    ("causal_bottom_right_T<S", dict(T=17, S=56),
+     dict(local_window_size=(20, 0), is_causal=True, causal_alignment="bottom_right")),
+]
+
+
+@pytest.mark.parametrize("lengths,kwargs", [c[1:] for c in WINDOW_CASES],
+                         ids=[c[0] for c in WINDOW_CASES])
+def test_local_window(lengths, kwargs):
+    inputs = make_inputs(31 + lengths["S"], B=1, N=2, H=16, **lengths)
+    check_against_reference_and_oracle(inputs, **kwargs)
+
+
+# ------------------------------------------------------------------------------ ALiBi, soft cap
+def test_alibi_slopes_per_head():
+    inputs = make_inputs(41, B=2, T=17, S=56, N=4, K=2, H=16)
+    slopes = jnp.asarray(2.0 ** (-8.0 * np.arange(1, 5) / 4), jnp.float32)
+    check_against_reference_and_oracle(inputs, arrays={"alibi_slopes": slopes},
+                                       is_causal=True, causal_alignment="bottom_right")
+
+
+def test_alibi_slopes_per_batch_and_head_with_bias():
+    inputs = make_inputs(42, B=2, T=40, S=23, N=2, H=16)
+    slopes = jnp.asarray(np.random.default_rng(42).uniform(0.01, 0.5, (2, 2)), jnp.float32)
+    check_against_reference_and_oracle(inputs, arrays={"alibi_slopes": slopes},
+                                       bias=random_bias(42, (1, 2, 40, 23)),
+                                       causal_alignment="bottom_right")
+
+
+def test_alibi_slopes_gradient_raises_with_pallas():
+    inputs = make_inputs(43, B=1, T=16, S=16, N=2, H=8)
+    slopes = jnp.asarray([0.25, 0.5], jnp.float32)
+
+    def loss(slopes):
+        out = pallas_attn.dot_product_attention(inputs["q"], inputs["k"], inputs["v"],
+                                                alibi_slopes=slopes, **PALLAS)
+        return jnp.sum(out * inputs["ct"])
+
+    with pytest.raises(NotImplementedError, match="stop_gradient"):
+        jax.grad(loss)(slopes)
+
+
+@pytest.mark.parametrize("cap", [1.0, 30.0])
+def test_logits_soft_cap_with_bias(cap):
+    # cap 30 needs logits of that order to matter: scale the inputs up.
+    inputs = make_inputs(int(cap), B=1, T=40, S=23, N=2, H=16,
+                         scale_inputs=1.0 if cap == 1.0 else 3.0)
+    check_against_reference_and_oracle(inputs, bias=random_bias(51, (1, 2, 1, 23)),
+                                       logits_soft_cap=cap, is_causal=True)
+
+
+# ------------------------------------------------------------------------------ segments, lengths
+def test_segment_ids_packed_sequences_default_kv_ids():
+    ids = np.repeat(np.arange(3), [13, 20, 7])[None].repeat(2, 0)
+    ids[1] = np.repeat(np.arange(2), [29, 11])
+    inputs = make_inputs(61, B=2, T=40, S=40, N=4, K=2, H=16)
+    check_against_reference_and_oracle(inputs, arrays={"q_segment_ids": jnp.asarray(ids)},
+                                       is_causal=True)
+
+
+def test_segment_ids_explicit_kv_ids_with_unmatched_queries():
+    q_ids = np.repeat(np.arange(3), [5, 7, 5])[None].repeat(2, 0)  # [2, 17]
+    kv_ids = np.repeat(np.array([0, 1, 1]), [9, 6, 8])[None].repeat(2, 0)  # [2, 23]
+    kv_ids[1] = np.repeat(np.array([0, 2, 2]), [3, 10, 10])
+    inputs = make_inputs(62, B=2, T=17, S=23, N=2, H=16)
+    _, exact = check_against_reference_and_oracle(
+        inputs, arrays={"q_segment_ids": jnp.asarray(q_ids),
+                        "kv_segment_ids": jnp.asarray(kv_ids)})
+    assert empty_rows(exact)[0, 12:].all()  # segment 2 has no keys in batch entry 0
+
+
+def test_query_and_key_value_seq_lengths_including_zero():
+    inputs = make_inputs(63, B=3, T=40, S=23, N=2, H=16)
+    arrays = {"query_seq_lengths": jnp.asarray([0, 31, 40], jnp.int32),
+              "key_value_seq_lengths": jnp.asarray([23, 7, 0], jnp.int32)}
+    kernel, exact = check_against_reference_and_oracle(
+        inputs, arrays=arrays, is_causal=True, causal_alignment="bottom_right")
+    assert empty_rows(exact)[0].all() and empty_rows(exact)[2].all()
+    for name in ("dq", "dk", "dv"):
+        assert np.all(kernel[name][0] == 0.0) and np.all(kernel[name][2] == 0.0)
+    # keys past a batch entry's length get no gradient
+    assert np.all(kernel["dk"][1, 7:] == 0.0) and np.all(kernel["dv"][1, 7:] == 0.0)
+
+
+# ------------------------------------------------------------------------------ extreme logits
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+def test_extreme_logits(dtype):
+    """Logits of order 1e4; empty rows (bottom_right, T > S) stay exactly 0, no NaN.
+
+    NOTE: at |logit| ~ 1e4 one float32 ulp of a log2-domain logit is ~1e-3, and the
+    backward recomputes P = exp2(s - lse) from the stored lse, so float32 gradients
+    carry a relative error of a few ulps of the logits (the reference normalises P
+    exactly). The float32 bound is that, not the table's 5e-5.
+    """
+    inputs = make_inputs(71, B=2, T=40, S=24, N=2, H=16, scale_inputs=50.0,
+                         dtype=DTYPES[dtype])
+    kwargs = dict(is_causal=True, causal_alignment="bottom_right")
+    kernel, reference = pallas_and_reference(inputs, **kwargs)
+    exact = oracle(inputs, **kwargs)
+    max_logit = float(np.abs(exact["lse"][np.isfinite(exact["lse"])]).max())
+    assert max_logit > 5e3
+    assert_empty_rows(kernel, empty_rows(exact))
+    ulp_bound = 8 * max_logit * np.log2(np.e) * 2.0 ** -24
+    for name in kernel:
+        tol = max(TOLERANCES[dtype]["out" if name == "out" else "grad"], ulp_bound)
+        if name == "lse":
+            tol = 4 * 2.0 ** -24  # relative to the lse itself
+        for label, expected in (("reference", reference), ("float64", exact)):
+            err = max_error(kernel[name], expected[name])
+            assert err <= tol * scale_of(expected[name]), f"{name} vs {label}: {err:.3g}"
+
+
+# ------------------------------------------------------------------------------ combinations
+HEAD_LAYOUTS = [(1, 1), (2, 1), (2, 2), (4, 2), (4, 1)]
+BIAS_PATTERNS = [(1, 1, 1, 1), (1, 0, 1, 1), (0, 1, 1, 1), (0, 0, 1, 1), (1, 1, 0, 1),
+                 (0, 0, 0, 1), (0, 1, 1, 0), None]
+
+
+def sample_combination(seed: int) -> dict:
+    """A seeded random problem using every feature with some probability."""
+    rng = np.random.default_rng(seed)
+    coin = lambda p=0.5: bool(rng.random() < p)
+    b = int(rng.integers(1, 3))
+    t, s = (int(x) for x in rng.integers(1, 49, 2))
+    n, k = HEAD_LAYOUTS[rng.integers(len(HEAD_LAYOUTS))]
+    h = int(rng.choice([8, 16, 24, 40]))
+    hv = h if coin() else int(rng.choice([8, 32]))
+    dtype = "bfloat16" if seed % 4 == 3 else "float32"
+    kwargs: dict = {}
+    arrays: dict = {}
+    if coin():
+        kwargs["is_causal"] = True
+    if coin():
+        kwargs["causal_alignment"] = "bottom_right"
+    if coin(0.4):
+        kwargs["local_window_size"] = (int(rng.integers(0, 12)), int(rng.integers(0, 12)))
+    if coin(0.4):
+        kwargs["scale"] = float(rng.uniform(0.05, 0.5))
+    if coin(0.4):
+        kwargs["logits_soft_cap"] = float(rng.choice([2.0, 20.0]))
+    if coin(0.4):
+        arrays["alibi_slopes"] = jnp.asarray(rng.uniform(0.0, 0.3, (b, n) if coin() else (n,)),
+                                             jnp.float32)
+    if coin(0.4):
+        arrays["mask"] = jnp.asarray(rng.random((b if coin() else 1, 1, t, s)) < 0.8)
+    if coin(0.4):
+        arrays["q_segment_ids"] = jnp.asarray(np.sort(rng.integers(0, 3, (b, t)), axis=1))
+        arrays["kv_segment_ids"] = jnp.asarray(np.sort(rng.integers(0, 3, (b, s)), axis=1))
+    if coin(0.4):
+        arrays["query_seq_lengths"] = jnp.asarray(rng.integers(0, t + 1, b), jnp.int32)
+    if coin(0.4):
+        arrays["key_value_seq_lengths"] = jnp.asarray(rng.integers(0, s + 1, b), jnp.int32)
+    if coin(0.3):
+        kwargs["dropout_rate"] = float(rng.choice([0.1, 0.4]))
+        kwargs["broadcast_dropout"] = coin(0.3)
+        arrays["dropout_rng"] = jax.random.key(seed)
+    pattern = BIAS_PATTERNS[rng.integers(len(BIAS_PATTERNS))]
+    bias = None
+    if pattern is not None:
+        shape = tuple(full if keep else 1 for keep, full in zip(pattern, (b, n, t, s),
+                                                                strict=True))
+        bias = random_bias(seed, shape, DTYPES[dtype])
+    shapes = dict(B=b, T=t, S=s, N=n, K=k, H=h, Hv=hv)
+    return dict(shapes=shapes, dtype=dtype, kwargs=kwargs, arrays=arrays, bias=bias)
+
+
+COMBINATION_SEEDS = list(range(100, 107))
+
+
+@pytest.mark.parametrize("seed", COMBINATION_SEEDS)
+def test_random_feature_combinations(seed):
+    combo = sample_combination(seed)
+    dtype = DTYPES[combo["dtype"]]
+    inputs = make_inputs(seed, dtype=dtype, **combo["shapes"])
+    keep = None
+    if combo["kwargs"].get("dropout_rate"):
+        sh = combo["shapes"]
+        keep = np.asarray(pallas_attn.dropout_keep_mask(
+            combo["arrays"]["dropout_rng"], batch=sh["B"], num_heads=sh["N"], q_len=sh["T"],
+            kv_len=sh["S"], rate=combo["kwargs"]["dropout_rate"],
+            broadcast_batch_heads=combo["kwargs"]["broadcast_dropout"]))
+    check_against_reference_and_oracle(inputs, bias=combo["bias"], arrays=combo["arrays"],
+                                       dtype=dtype, keep=keep, **combo["kwargs"])
+
+
+def test_combinations_cover_every_feature():
+    """The sampled combinations together use every feature at least once."""
+    used = set()
+    for seed in COMBINATION_SEEDS:
+        combo = sample_combination(seed)
+        used |= set(combo["kwargs"]) | set(combo["arrays"])
+        used |= {"bias"} if combo["bias"] is not None else set()
+        used |= {combo["dtype"]}
+        used |= {"gqa"} if combo["shapes"]["N"] > combo["shapes"]["K"] else set()
+    features = {"is_causal", "causal_alignment", "local_window_size", "scale", "logits_soft_cap",
+                "alibi_slopes", "mask", "q_segment_ids", "query_seq_lengths",
+                "key_value_seq_lengths", "dropout_rate", "bias", "bfloat16", "gqa"}
+    assert features <= used, features - used
+
+
+# ------------------------------------------------------------------------------ regression
+# A row whose every logit is at or below -1e30 (an additive bias of -1e30 or
+# finfo(float32).min) once came out as an empty row (out 0, lse -inf): -1e30 doubled
+# as the mask value. It is a proper softmax over its visible keys.
+def test_huge_negative_bias_row_is_not_an_empty_row():
+    inputs = make_inputs(81, B=1, T=16, S=16, N=1, H=8)
+    bias = np.zeros((1, 1, 16, 16), np.float32)
+    bias[0, 0, 5, :] = np.finfo(np.float32).min  # row 5: every key strongly penalised
+    args = (inputs["q"], inputs["k"], inputs["v"], jnp.asarray(bias))
+    out, lse = jit(lambda q, k, v, b: pallas_attn.dot_product_attention(
+        q, k, v, b, return_residual=True, **PALLAS))(*args)
+    ref_out, ref_lse = pallas_attn.dot_product_attention(*args, return_residual=True,
+                                                         implementation="xla")
+    np.testing.assert_allclose(np.asarray(ref_out[0, 5, 0]),
+                               np.asarray(inputs["v"][0, :, 0]).mean(0), rtol=1e-5, atol=1e-6)
+    assert np.isfinite(np.asarray(lse)).all()
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref_out), rtol=1e-5, atol=1e-5)
