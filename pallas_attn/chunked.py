@@ -61,11 +61,12 @@ from pallas_attn.spec import AttentionSpec, Operands
 # of the blockwise path.
 PREFER_CHUNKED_ELEMENTS = 1 << 22
 
-# Elements of one [chunk, G, block_q, block_k] float32 tile: 128 KiB, so the handful
-# of tiles live in a backward step stay in a CPU core's L2 cache. Measured on a
-# 2-core x86 VM: 64 x 512 tiles ran the backward ~1.4x faster than 128 x 512, and one
-# head per chunk ~1.4x faster than 16 heads per tile (benchmarks/CPU_RESULTS.md).
-TILE_ELEMENTS = 1 << 15
+# Elements of one [chunk, G, block_q, block_k] float32 tile (512 KiB). Large enough
+# that XLA splits each tile's elementwise work across cores (smaller tiles ran on one
+# core of two), small enough to stay near the cache; measured on a 2-core x86 VM,
+# 256 x 512 tiles of one head beat 64 x 512 ones by ~1.5x in wall time and 64 x 512
+# tiles of four heads by ~1.1x (benchmarks/CPU_RESULTS.md).
+TILE_ELEMENTS = 1 << 17
 _MIN_BLOCK_Q = 8
 _HIGHEST = lax.Precision.HIGHEST
 
@@ -86,13 +87,13 @@ def prefer_chunked(q_len: int, kv_len: int) -> bool:
 def choose_tiles(q_len: int, kv_len: int, group: int = 1) -> tuple[int, int]:
     """(block_q, block_k) by sequence length, like PyTorch's CPU flash attention.
 
-    Query tiles of 32 / 64 / 128 rows for T < 192 / < 768 / longer and key tiles of
-    256 / 512 for S < 1024 / longer, then block_q halves (down to 8) until the
-    `group` query heads sharing a key/value head fit TILE_ELEMENTS per tile: 128 x 256,
-    64 x 512, or 8 x 512 with G = 8. Never longer than the sequence.
+    Query tiles of 32 / 64 / 256 rows for T < 192 / < 768 / longer and key tiles of
+    512, then block_q halves (down to 8) until the `group` query heads sharing a
+    key/value head fit TILE_ELEMENTS per tile (G = 8: 32 x 512). Never longer than
+    the sequence.
     """
-    block_q = 32 if q_len < 192 else 64 if q_len < 768 else 128
-    block_k = 256 if kv_len < 1024 else 512
+    block_q = 32 if q_len < 192 else 64 if q_len < 768 else 256
+    block_k = 512
     while group * block_q * block_k > TILE_ELEMENTS and block_q > _MIN_BLOCK_Q:
         block_q //= 2
     return min(block_q, q_len), min(block_k, kv_len)

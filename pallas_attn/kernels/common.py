@@ -6,11 +6,13 @@ slope, sequence lengths, dropout key) and computes a [block_q, block_k] tile of
 scores and score gradients with the shared modifiers of `scores.py`, so the
 forward, dK/dV, dQ and dbias kernels cannot disagree on the semantics.
 
-Scores are natural-domain float32 logits with -inf for invisible entries;
-probabilities are exp2((s - m) * log2(e)), subtracting before scaling so that
-logits near the float32 minimum (a finfo.min bias) cannot overflow. The lse
-residual is natural-domain too, with +inf marking a row that sees no key, so
-every backward p = exp2((s - lse) * log2(e)) is 0 there without a select.
+Score units: probabilities are p = exp2((s - m) * problem.exp2_factor), with -inf
+for invisible entries. Plain scores (scale * q.k) are kept in log2 units (scale and
+log2(e) folded into one multiply, factor 1), as FlashAttention does. Scores with a
+bias, ALiBi or soft cap stay natural (factor log2(e)) and are converted after the
+subtraction, so logits near the float32 minimum (a finfo.min bias) cannot overflow.
+The lse residual is natural-domain, +inf marking a row that sees no key, so every
+backward p is 0 there without a select.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from pallas_attn.spec import AttentionSpec
 from pallas_attn.tuning import BlockSizes
 
 LOG2E = math.log2(math.e)
+LN2 = math.log(2.0)
 # NOTE: the running row maximum starts at, and never falls below, the most negative
 # finite float32: exp2((s - m) * log2(e)) then never sees inf - inf, a fully masked
 # row keeps zero probabilities (its s are -inf), and logits as low as finfo.min
@@ -78,6 +81,21 @@ class Problem:
     def precision(self) -> Any:
         # NOTE: float32 inputs get exact float32 products (Triton would default to tf32).
         return lax.Precision.HIGHEST if self.dtype == "float32" else None
+
+    @property
+    def modifies_logits(self) -> bool:
+        return (self.has("bias") or self.has("alibi_slopes")
+                or self.spec.logits_soft_cap is not None)
+
+    @property
+    def exp2_factor(self) -> float:
+        """Scores s give probabilities exp2((s - m) * exp2_factor) (see the module doc)."""
+        return LOG2E if self.modifies_logits else 1.0
+
+    def exp2_of(self, difference: jax.Array) -> jax.Array:
+        """exp2(difference * exp2_factor): probabilities from score differences."""
+        factor = self.exp2_factor
+        return jnp.exp2(difference if factor == 1.0 else difference * factor)
 
     @property
     def tanh(self) -> Any:
@@ -221,7 +239,7 @@ class TileContext:
 
     def scores(self, q: jax.Array, k: jax.Array, q0: Any, k0: Any, masked: bool
                ) -> tuple[jax.Array, jax.Array | None, jax.Array | None]:
-        """Natural-domain float32 logits [bq, bk] with invisible entries at -inf.
+        """Float32 scores [bq, bk] in the problem's units, invisible entries at -inf.
 
         Returns (scores, visible or None, soft-capped natural logits or None).
         masked=False skips the band masks (causal, window, lengths), for tiles the
@@ -233,7 +251,7 @@ class TileContext:
         rows = (q0 + lax.broadcasted_iota(jnp.int32, (block_q, 1), 0))
         cols = (k0 + lax.broadcasted_iota(jnp.int32, (1, block_k), 1))
         capped = None
-        if p.has("bias") or p.has("alibi_slopes") or spec.logits_soft_cap is not None:
+        if p.modifies_logits:
             bias = (self._load_broadcast("bias", spec.bias_shape, q0, k0, block_q, block_k)
                     if p.has("bias") else None)
             logits = scores.modify_logits(s * spec.scale, rows, cols, spec, p.offset,
@@ -242,7 +260,7 @@ class TileContext:
                 capped = logits
             s = logits
         else:
-            s = s * spec.scale
+            s = s * (spec.scale * LOG2E)  # log2 units
         mask = (self._load_broadcast("mask", spec.mask_shape, q0, k0, block_q, block_k)
                 if p.has("mask") else None)
         q_seg = kv_seg = None
@@ -275,7 +293,8 @@ class TileContext:
         """
         spec = self.p.spec
         s, _, capped = self.scores(q, k, q0, k0, masked)
-        prob = jnp.exp2((s - lse[:, None]) * LOG2E)
+        lse_units = lse if self.p.modifies_logits else lse * LOG2E
+        prob = self.p.exp2_of(s - lse_units[:, None])
         dp = plgpu.dot(do, v, trans_b=True, precision=self.p.precision)
         dropped = prob
         if spec.has_dropout:

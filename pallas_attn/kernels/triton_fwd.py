@@ -18,7 +18,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_attn.kernels.common import (
-    LOG2E,
+    LN2,
     MAX_FLOOR,
     OPTIONAL_INPUTS,
     Problem,
@@ -48,8 +48,8 @@ def forward_kernel(*refs, problem: Problem, names: tuple[str, ...]):
         k = r["k"][b, pl.ds(k0, block_k), kh, :]
         s, _, _ = ctx.scores(q, k, q0, k0, masked)
         m_next = jnp.maximum(m_prev, jnp.max(s, axis=1))  # stays >= MAX_FLOOR
-        alpha = jnp.exp2((m_prev - m_next) * LOG2E)
-        prob = jnp.exp2((s - m_next[:, None]) * LOG2E)  # invisible: s = -inf, prob = 0
+        alpha = problem.exp2_of(m_prev - m_next)
+        prob = problem.exp2_of(s - m_next[:, None])  # invisible: s = -inf, prob = 0
         l_next = l_prev * alpha + jnp.sum(prob, axis=1)
         if spec.has_dropout:
             prob = jnp.where(ctx.keep(q0, k0, block_q, block_k), prob, 0.0)
@@ -71,7 +71,9 @@ def forward_kernel(*refs, problem: Problem, names: tuple[str, ...]):
     scale = 1.0 / (1.0 - spec.dropout_rate) if spec.has_dropout else 1.0
     out = jnp.where(valid[:, None], acc * (scale / jnp.where(valid, l_sum, 1.0))[:, None], 0.0)
     r["out"][b, pl.ds(q0, block_q), n, :] = out.astype(r["out"].dtype)
-    lse = jnp.where(valid, m + jnp.log(jnp.where(valid, l_sum, 1.0)), jnp.inf)
+    # Natural-domain lse = (m * exp2_factor + log2(l)) * ln(2), whatever the score units.
+    log2_sum = jnp.log2(jnp.where(valid, l_sum, 1.0))
+    lse = jnp.where(valid, (m * problem.exp2_factor + log2_sum) * LN2, jnp.inf)
     r["lse"][b, n, pl.ds(q0, block_q)] = lse
 
 
