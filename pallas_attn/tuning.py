@@ -263,14 +263,21 @@ def kernel_fields(kernel: str) -> tuple[str, ...]:
     return _FIELDS[kernel]
 
 
+# Causal problems where the sweep preferred other rungs (BENCHMARKS.md): (width, kernel).
+_CAUSAL_LADDERS: dict[tuple[int, str], tuple[tuple[int, int, int, int], ...]] = {
+    (128, "forward"): ((128, 64, 8, 4), (128, 64, 8, 3), (128, 64, 4, 2), (64, 64, 4, 2),
+                       (64, 32, 4, 2)),
+}
 # Every ladder ends with these rungs, which fit any supported device and head dim.
 _SMALLEST = ((32, 32, 4, 1), (16, 16, 4, 1))
 
 
-def ladder(kernel: str, head_dim: int, value_head_dim: int | None = None
-           ) -> tuple[tuple[int, int, int, int], ...]:
-    width = padded_head_dim(max(head_dim, value_head_dim or head_dim))
-    entries = _LADDERS[min(max(width, 16), 256)][kernel]
+def ladder(kernel: str, head_dim: int, value_head_dim: int | None = None,
+           is_causal: bool = False) -> tuple[tuple[int, int, int, int], ...]:
+    width = min(max(padded_head_dim(max(head_dim, value_head_dim or head_dim)), 16), 256)
+    entries = _LADDERS[width][kernel]
+    if is_causal:
+        entries = _CAUSAL_LADDERS.get((width, kernel), entries)
     return entries + tuple(e for e in _SMALLEST if e not in entries)
 
 
@@ -321,7 +328,7 @@ def choose_block_sizes(head_dim: int, dtype: Any = jnp.bfloat16, *, q_len: int, 
                      "has_mask": bool(features.get("has_mask"))}
     chosen = BlockSizes()
     for kernel in _KERNELS:
-        entries = ladder(kernel, head_dim, value_head_dim)
+        entries = ladder(kernel, head_dim, value_head_dim, bool(features.get("is_causal")))
         for entry in entries:
             candidate = with_kernel(chosen, kernel, entry).clamp(q_len, kv_len)
             if _fits(candidate, kernel, head_dim, value_head_dim, dtype, budget,
