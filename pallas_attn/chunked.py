@@ -13,8 +13,8 @@ soft cap, segment ids, sequence lengths, GQA/MQA, Hv != H, dropout, any lengths)
 
 Loops, outermost first:
 
-* chunks: groups of (batch entry, key/value head) pairs, few enough that one
-  [chunk, G, block_q, block_k] tile stays cache-sized (`choose_chunk`);
+* chunks: groups of (batch entry, key/value head) pairs, as many as keep one
+  [chunk, G, block_q, block_k] tile near TILE_ELEMENTS (`choose_chunk`);
 * query tiles (forward) or key tiles (backward);
 * key tiles (forward, online softmax) or query tiles (backward).
 
@@ -56,9 +56,9 @@ from pallas_attn import dropout as dropout_lib
 from pallas_attn.kernels import scores
 from pallas_attn.spec import AttentionSpec, Operands
 
-# T * S at which the reference's [B, N, T, S] float32 intermediates (several of them,
-# 16 MiB each per batch entry and head at this size) cost more than the loop overhead
-# of the blockwise path.
+# T * S from which the blockwise path is the better CPU default: the reference's
+# [B, N, T, S] float32 intermediates (several) reach 16 MiB each per batch entry and
+# head. (It is faster from 1024 x 1024 on, but compiles ~1 s longer; CPU_RESULTS.md.)
 PREFER_CHUNKED_ELEMENTS = 1 << 22
 
 # Elements of one [chunk, G, block_q, block_k] float32 tile (512 KiB). Large enough
