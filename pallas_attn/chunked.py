@@ -55,6 +55,7 @@ from jax.custom_derivatives import SymbolicZero
 from pallas_attn import dropout as dropout_lib
 from pallas_attn.kernels import scores
 from pallas_attn.spec import AttentionSpec, Operands
+from pallas_attn.vjp import is_perturbed, primal_values
 
 # T * S from which the blockwise path is the better CPU default: the reference's
 # [B, N, T, S] float32 intermediates (several) reach 16 MiB each per batch entry and
@@ -616,20 +617,10 @@ def _attention(p: _Plan, q, k, v, bias, slopes, constants):
     return _forward(p, q, k, v, bias, slopes, constants)
 
 
-def _value(x):
-    return jax.tree.map(lambda leaf: leaf.value, x,
-                        is_leaf=lambda leaf: hasattr(leaf, "perturbed"))
-
-
-def _perturbed(x) -> bool:
-    return any(leaf.perturbed for leaf in jax.tree.leaves(
-        x, is_leaf=lambda leaf: hasattr(leaf, "perturbed")))
-
-
 def _attention_fwd(p: _Plan, q, k, v, bias, slopes, constants):
     # The pytree structure of `needs` carries the static "which optional gradients".
-    needs = {name: () for name, x in (("bias", bias), ("slopes", slopes)) if _perturbed(x)}
-    q, k, v, bias, slopes, constants = (_value(x) for x in (q, k, v, bias, slopes, constants))
+    needs = {name: () for name, x in (("bias", bias), ("slopes", slopes)) if is_perturbed(x)}
+    q, k, v, bias, slopes, constants = primal_values((q, k, v, bias, slopes, constants))
     out, lse = _forward(p, q, k, v, bias, slopes, constants)
     return (out, lse), (q, k, v, bias, slopes, constants, out, lse, needs)
 

@@ -62,6 +62,9 @@ def row_keys(key: jax.Array, rows: jax.Array) -> jax.Array:
 
 def keep(row_key: jax.Array, cols: jax.Array, rate: float) -> jax.Array:
     """Boolean keep decisions [rows, cols] from row keys [rows] and key positions [cols]."""
+    if row_key.ndim != 1 or jnp.ndim(cols) != 1:
+        raise ValueError(f"keep takes 1-D row keys and columns, got shapes {row_key.shape} "
+                         f"and {jnp.shape(cols)}")
     h = _fmix32(row_key[:, None] ^ (_u32(cols)[None, :] * jnp.uint32(_COL_MULTIPLIER)))
     return (h >> (32 - _KEEP_BITS)).astype(jnp.int32) >= keep_threshold(rate)
 

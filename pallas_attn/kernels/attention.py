@@ -22,6 +22,7 @@ from pallas_attn.kernels import triton_bwd, triton_fwd
 from pallas_attn.kernels.common import OPTIONAL_INPUTS, Problem
 from pallas_attn.spec import AttentionSpec, Operands
 from pallas_attn.tuning import BlockSizes, DeviceInfo
+from pallas_attn.vjp import is_perturbed, primal_values
 
 
 def _pad_axis(x: jax.Array, axis: int, size: int, value: Any = 0) -> jax.Array:
@@ -102,23 +103,13 @@ def _fused(problem: Problem, q, k, v, differentiable: dict, optional: dict):
     return triton_fwd.forward(problem, q, k, v, _operands(differentiable, optional))
 
 
-def _value(x):
-    return jax.tree.map(lambda leaf: leaf.value, x,
-                        is_leaf=lambda leaf: hasattr(leaf, "perturbed"))
-
-
-def _perturbed(x) -> bool:
-    return any(leaf.perturbed for leaf in jax.tree.leaves(
-        x, is_leaf=lambda leaf: hasattr(leaf, "perturbed")))
-
-
 def _fused_fwd(problem: Problem, q, k, v, differentiable, optional):
-    if _perturbed(optional.get("alibi_slopes")):
+    if is_perturbed(optional.get("alibi_slopes")):
         raise NotImplementedError(
             "the Pallas kernels treat alibi_slopes as constants and do not differentiate "
             "them; wrap them in jax.lax.stop_gradient or use implementation='xla'")
-    bias_grad = _perturbed(differentiable)
-    q, k, v, differentiable, optional = (_value(x) for x in (q, k, v, differentiable, optional))
+    bias_grad = is_perturbed(differentiable)
+    q, k, v, differentiable, optional = primal_values((q, k, v, differentiable, optional))
     out, lse = triton_fwd.forward(problem, q, k, v, _operands(differentiable, optional))
     # The pytree structure of this marker carries the static "bias needs a gradient".
     marker = (jnp.zeros((), jnp.int8),) if bias_grad else ()
