@@ -71,9 +71,11 @@ def forward_kernel(*refs, problem: Problem, names: tuple[str, ...]):
     scale = 1.0 / (1.0 - spec.dropout_rate) if spec.has_dropout else 1.0
     out = jnp.where(valid[:, None], acc * (scale / jnp.where(valid, l_sum, 1.0))[:, None], 0.0)
     r["out"][b, pl.ds(q0, block_q), n, :] = out.astype(r["out"].dtype)
-    # Natural-domain lse = (m * exp2_factor + log2(l)) * ln(2), whatever the score units.
+    # Natural-domain lse. Log2 units: (m + log2 l) * ln 2. Natural units: m + ln l, with
+    # m never scaled (a row max near finfo.min would overflow).
     log2_sum = jnp.log2(jnp.where(valid, l_sum, 1.0))
-    lse = jnp.where(valid, (m * problem.exp2_factor + log2_sum) * LN2, jnp.inf)
+    lse = (m + log2_sum) * LN2 if problem.exp2_factor == 1.0 else m + log2_sum * LN2
+    lse = jnp.where(valid, lse, jnp.inf)
     r["lse"][b, n, pl.ds(q0, block_q)] = lse
 
 
