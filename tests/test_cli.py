@@ -1,0 +1,31 @@
+"""python -m pallas_attn: the CPU behaviour of bench/check/tune and bad arguments."""
+
+import json
+
+import pytest
+
+from pallas_attn.__main__ import main
+
+
+def test_bench_on_cpu_runs_a_labelled_interpreter_check(capsys, tmp_path):
+    out = tmp_path / "check.json"
+    assert main(["bench", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "No GPU: checking the Pallas kernels in the Pallas interpreter" in text
+    assert "3 passed, 0 failed" in text
+    rows = json.loads(out.read_text())["rows"]
+    assert len(rows) == 3 and all(r["ok"] for r in rows)
+
+
+def test_tune_needs_a_gpu(capsys):
+    assert main(["tune", "--head-dim", "64"]) == 2
+    assert "NVIDIA GPU" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv", [[], ["frobnicate"], ["bench", "--set", "nope"],
+                                  ["tune", "--head-dim", "x"]])
+def test_bad_arguments_exit_with_usage(argv, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    assert "usage" in capsys.readouterr().err
