@@ -124,6 +124,9 @@ def whole_array_specs(arrays: Sequence[Any]) -> list[pl.BlockSpec]:
     return [spec(x) for x in arrays]
 
 
+# NOTE: kernel index arithmetic uses lax.div / lax.rem on non-negative ints, never jnp's
+# // and %: those add sign-fixing selects that the Triton lowering of JAX 0.11.2 types
+# wrongly (see _zero_unless).
 def cdiv(a: Any, b: int) -> Any:
     """Ceiling division of a non-negative traced int by a static int."""
     return lax.div(a + (b - 1), b)
