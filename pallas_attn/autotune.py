@@ -9,6 +9,7 @@ heuristic. A corrupt or stale file is ignored with a warning.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import pathlib
@@ -133,7 +134,8 @@ def tune(make_step: Callable[[Any], Callable[[], Any]], candidates: Iterable[Any
             seconds = time_call(make_step(candidate))
             results.append((candidate, seconds, ""))
         except Exception as e:  # noqa: BLE001 - any compile failure disqualifies it
-            results.append((candidate, None, f"{type(e).__name__}: {str(e)[:200]}"))
+            first_line = (str(e).splitlines() or [""])[0]
+            results.append((candidate, None, f"{type(e).__name__}: {first_line[:200]}"))
     timed = [r for r in results if r[1] is not None]
     if not timed:
         raise RuntimeError("no candidate block size compiled: " +
@@ -245,21 +247,17 @@ def tune_problem(*, batch: int, q_len: int, kv_len: int, heads: int, kv_heads: i
             futures = {e: pool.submit(runner, kernel,
                                       tuning.with_kernel(heuristic, fields_of, e))
                        for e in entries}
-        rows = []
-        for entry in progress(entries, desc=f"timing {kernel}"):
-            try:
-                seconds = time_call(futures[entry].result())
-                rows.append((entry, seconds, ""))
-            except Exception as e:  # noqa: BLE001 - a failing candidate is skipped
-                rows.append((entry, None, f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"))
+        try:
+            _, rows = tune(lambda e, done=futures: done[e].result(), entries,
+                           functools.partial(progress, desc=f"timing {kernel}"))
+        except RuntimeError as e:  # no candidate compiled
+            log(f"  {kernel}: {e}")
+            continue
         results[kernel] = rows
         for entry, _, error in rows:
             if error:
                 log(f"  {kernel} {entry}: {error}")
-        timed = [r for r in rows if r[1] is not None]
-        if not timed:
-            continue
-        winner = min(timed, key=lambda r: r[1])
+        winner = min((r for r in rows if r[1] is not None), key=lambda r: r[1])
         base = next((r[1] for r in rows if r[0] == current), None)
         if kernel != "dbias":
             best = tuning.with_kernel(best, kernel, winner[0])

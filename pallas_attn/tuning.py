@@ -286,19 +286,6 @@ def with_kernel(base: BlockSizes, kernel: str, entry: tuple[int, ...]) -> BlockS
     return dataclasses.replace(base, **dict(zip(_FIELDS[kernel], entry, strict=True)))
 
 
-def candidates(head_dim: int, value_head_dim: int | None = None) -> tuple[BlockSizes, ...]:
-    """Whole BlockSizes along the ladders, largest tiles first (rung i of every kernel)."""
-    rungs = max(len(ladder(k, head_dim, value_head_dim)) for k in _KERNELS)
-    out = []
-    for i in range(rungs):
-        b = BlockSizes()
-        for kernel in _KERNELS:
-            entries = ladder(kernel, head_dim, value_head_dim)
-            b = with_kernel(b, kernel, entries[min(i, len(entries) - 1)])
-        out.append(b)
-    return tuple(out)
-
-
 def choose_block_sizes(head_dim: int, dtype: Any = jnp.bfloat16, *, q_len: int, kv_len: int,
                        value_head_dim: int | None = None, device: DeviceInfo | None = None,
                        **features: Any) -> BlockSizes:

@@ -111,6 +111,10 @@ def test_choose_block_sizes_is_pure_and_validates():
         pallas_attn.choose_block_sizes(300, q_len=16, kv_len=16)
     with pytest.raises(ValueError, match="q_len"):
         pallas_attn.choose_block_sizes(64, q_len=0, kv_len=16)
+    with pytest.raises(ValueError, match="kv_len"):
+        pallas_attn.choose_block_sizes(64, q_len=16, kv_len=2.5)
+    with pytest.raises(ValueError, match="value_head_dim"):
+        pallas_attn.choose_block_sizes(64, q_len=16, kv_len=16, value_head_dim=512)
 
 
 def test_oversized_override_is_rejected_before_compiling():
