@@ -177,6 +177,17 @@ def test_keep_mask_fraction_and_independence(rate):
     # Neighbouring rows and columns are not correlated either.
     assert abs((mask[..., 1:, :] == mask[..., :-1, :]).mean() - agree) <= 5 * sigma
     assert abs((mask[..., :, 1:] == mask[..., :, :-1]).mean() - agree) <= 5 * sigma
+    # Four corners of random rectangles (distinct rows, distinct columns): their xor is
+    # odd as often as for independent bits. A hash keeping the xor structure of
+    # row key ^ column key would fail here.
+    sampler = np.random.default_rng(0)
+    rows = sampler.choice(length, size=(4000, 2), replace=True)
+    cols = sampler.choice(length, size=(4000, 2), replace=True)
+    ok = (rows[:, 0] != rows[:, 1]) & (cols[:, 0] != cols[:, 1])
+    (i, i2), (j, j2) = rows[ok].T, cols[ok].T
+    corners = slices[:, i, j] ^ slices[:, i2, j] ^ slices[:, i, j2] ^ slices[:, i2, j2]
+    odd = (1 - (1 - 2 * p) ** 4) / 2
+    assert abs(corners.mean() - odd) <= 5 * np.sqrt(odd * (1 - odd) / corners.size)
     # broadcast_batch_heads=True: one mask shared by every (b, n), same keep fraction.
     shared = np.asarray(pallas_attn.dropout_keep_mask(
         jax.random.key(12), batch=batch, num_heads=heads, q_len=length, kv_len=length,
