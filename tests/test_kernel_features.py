@@ -168,13 +168,17 @@ def test_alibi_slopes_gradient_raises_with_pallas():
         jax.grad(loss)(slopes)
 
 
-@pytest.mark.parametrize("cap", [1.0, 30.0])
-def test_logits_soft_cap_with_bias(cap):
+@pytest.mark.parametrize("cap,with_bias", [(1.0, True), (30.0, True), (2.0, False),
+                                          (30.0, False)])
+def test_logits_soft_cap(cap, with_bias):
+    """With a bias the cap applies to scale * q.k + bias; without one the kernels fold
+    the scale into the tanh's argument (two code paths)."""
     # cap 30 needs logits of that order to matter: scale the inputs up.
-    inputs = make_inputs(int(cap), B=1, T=40, S=23, N=2, H=16,
-                         scale_inputs=1.0 if cap == 1.0 else 3.0)
-    check_against_reference_and_oracle(inputs, bias=random_bias(51, (1, 2, 1, 23)),
-                                       logits_soft_cap=cap, is_causal=True)
+    inputs = make_inputs(int(cap) + with_bias, B=1, T=40, S=23, N=2, H=16,
+                         scale_inputs=1.0 if cap < 30 else 3.0)
+    bias = random_bias(51, (1, 2, 1, 23)) if with_bias else None
+    check_against_reference_and_oracle(inputs, bias=bias, logits_soft_cap=cap,
+                                       is_causal=True)
 
 
 # ------------------------------------------------------------------------------ segments, lengths

@@ -8,9 +8,11 @@ forward, dK/dV, dQ and dbias kernels cannot disagree on the semantics.
 
 Score units: probabilities are p = exp2((s - m) * problem.exp2_factor), with -inf
 for invisible entries. Plain scores (scale * q.k) are kept in log2 units (scale and
-log2(e) folded into one multiply, factor 1), as FlashAttention does. Scores with a
-bias, ALiBi or soft cap stay natural (factor log2(e)) and are converted after the
-subtraction, so logits near the float32 minimum (a finfo.min bias) cannot overflow.
+log2(e) folded into one multiply, factor 1), as FlashAttention does; so are
+soft-capped scores, which are bounded by the cap (cap * log2(e) folded into the
+multiply after the tanh). Scores with a bias or ALiBi and no cap stay natural
+(factor log2(e)) and are converted after the subtraction, so logits near the
+float32 minimum (a finfo.min bias) cannot overflow.
 The lse residual is natural-domain, +inf marking a row that sees no key, so every
 backward p is 0 there without a select.
 """
@@ -83,14 +85,14 @@ class Problem:
         return lax.Precision.HIGHEST if self.dtype == "float32" else None
 
     @property
-    def modifies_logits(self) -> bool:
-        return (self.has("bias") or self.has("alibi_slopes")
-                or self.spec.logits_soft_cap is not None)
+    def adds_logit_terms(self) -> bool:
+        return self.has("bias") or self.has("alibi_slopes")
 
     @property
     def exp2_factor(self) -> float:
         """Scores s give probabilities exp2((s - m) * exp2_factor) (see the module doc)."""
-        return LOG2E if self.modifies_logits else 1.0
+        natural = self.adds_logit_terms and self.spec.logits_soft_cap is None
+        return LOG2E if natural else 1.0
 
     def exp2_of(self, difference: jax.Array) -> jax.Array:
         """exp2(difference * exp2_factor): probabilities from score differences."""
@@ -244,7 +246,7 @@ class TileContext:
                ) -> tuple[jax.Array, jax.Array | None, jax.Array | None]:
         """Float32 scores [bq, bk] in the problem's units, invisible entries at -inf.
 
-        Returns (scores, visible or None, soft-capped natural logits or None).
+        Returns (scores, visible or None, tanh(logits / cap) or None).
         masked=False skips the band masks (causal, window, lengths), for tiles the
         caller proved fully inside the band.
         """
@@ -253,17 +255,20 @@ class TileContext:
         s = plgpu.dot(q, k, trans_b=True, precision=p.precision)
         rows = (q0 + lax.broadcasted_iota(jnp.int32, (block_q, 1), 0))
         cols = (k0 + lax.broadcasted_iota(jnp.int32, (1, block_k), 1))
-        capped = None
-        if p.modifies_logits:
+        cap, cap_tanh = spec.logits_soft_cap, None
+        if p.adds_logit_terms:
             bias = (self._load_broadcast("bias", spec.bias_shape, q0, k0, block_q, block_k)
                     if p.has("bias") else None)
-            logits = scores.modify_logits(s * spec.scale, rows, cols, spec, p.offset,
-                                          bias=bias, alibi_slope=self.slope, tanh=p.tanh)
-            if spec.logits_soft_cap is not None:
-                capped = logits
-            s = logits
+            s = scores.add_logit_terms(s * spec.scale, rows, cols, p.offset, bias=bias,
+                                       alibi_slope=self.slope)  # natural units
+            if cap is not None:
+                cap_tanh = scores.soft_cap_tanh(s, cap, p.tanh)
+        elif cap is not None:
+            cap_tanh = scores.soft_cap_tanh(s, cap / spec.scale, p.tanh)  # scale folded in
         else:
             s = s * (spec.scale * LOG2E)  # log2 units
+        if cap_tanh is not None:
+            s = cap_tanh * (cap * LOG2E)  # log2 units: capped scores are bounded
         mask = (self._load_broadcast("mask", spec.mask_shape, q0, k0, block_q, block_k)
                 if p.has("mask") else None)
         q_seg = kv_seg = None
@@ -278,7 +283,7 @@ class TileContext:
             kv_bound=p.kv_len if masked and p.kv_pad != p.kv_len else None)
         if visible is not None:
             s = jnp.where(visible, s, -jnp.inf)
-        return s, visible, capped
+        return s, visible, cap_tanh
 
     def keep(self, q0: Any, k0: Any, block_q: int, block_k: int) -> jax.Array:
         """Dropout keep decisions for the tile (same hash as the reference)."""
@@ -295,8 +300,8 @@ class TileContext:
         dS = P * (dP - delta) times the soft-cap derivative.
         """
         spec = self.p.spec
-        s, _, capped = self.scores(q, k, q0, k0, masked)
-        lse_units = lse if self.p.modifies_logits else lse * LOG2E
+        s, _, cap_tanh = self.scores(q, k, q0, k0, masked)
+        lse_units = lse * LOG2E if self.p.exp2_factor == 1.0 else lse
         prob = self.p.exp2_of(s - lse_units[:, None])
         dp = plgpu.dot(do, v, trans_b=True, precision=self.p.precision)
         dropped = prob
@@ -306,6 +311,6 @@ class TileContext:
             dropped = jnp.where(keep, prob * inv, 0.0)
             dp = jnp.where(keep, dp * inv, 0.0)
         ds = prob * (dp - delta[:, None])
-        if capped is not None:
-            ds = ds * scores.soft_cap_derivative(capped, spec.logits_soft_cap)
+        if cap_tanh is not None:
+            ds = ds * scores.soft_cap_slope(cap_tanh)
         return dropped, ds

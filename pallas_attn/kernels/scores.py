@@ -28,15 +28,37 @@ def alibi_bias(slope: Any, rows: Any, cols: Any, offset: int) -> jax.Array:
     return -slope * distance
 
 
+def soft_cap_tanh(logits: jax.Array, cap: float,
+                  tanh: Callable[[jax.Array], jax.Array] = jnp.tanh) -> jax.Array:
+    """t = tanh(logits / cap): the soft-capped logit is cap * t."""
+    return tanh(logits * (1.0 / cap))
+
+
 def soft_cap(logits: jax.Array, cap: float, tanh: Callable[[jax.Array], jax.Array] = jnp.tanh
              ) -> jax.Array:
-    return cap * tanh(logits * (1.0 / cap))
+    return cap * soft_cap_tanh(logits, cap, tanh)
+
+
+def soft_cap_slope(t: jax.Array) -> jax.Array:
+    """d(cap * tanh(x / cap)) / dx = 1 - t^2, from t = tanh(x / cap)."""
+    return 1.0 - t * t
 
 
 def soft_cap_derivative(capped: jax.Array, cap: float) -> jax.Array:
-    """d(cap * tanh(x / cap)) / dx expressed through the capped value."""
-    t = capped * (1.0 / cap)
-    return 1.0 - t * t
+    """The same derivative expressed through the capped value cap * t."""
+    return soft_cap_slope(capped * (1.0 / cap))
+
+
+def add_logit_terms(
+    logits: jax.Array, rows: Any, cols: Any, offset: int, *,
+    bias: jax.Array | None = None, alibi_slope: Any = None,
+) -> jax.Array:
+    """Adds the bias and the ALiBi term to scaled logits (float32)."""
+    if bias is not None:
+        logits = logits + bias.astype(jnp.float32)
+    if alibi_slope is not None:
+        logits = logits + alibi_bias(alibi_slope, rows, cols, offset)
+    return logits
 
 
 def modify_logits(
@@ -44,14 +66,8 @@ def modify_logits(
     bias: jax.Array | None = None, alibi_slope: Any = None,
     tanh: Callable[[jax.Array], jax.Array] = jnp.tanh,
 ) -> jax.Array:
-    """Adds bias and ALiBi to scaled logits (float32), then applies the soft cap.
-
-    tanh: kernels may pass a faster approximation for 16-bit inputs.
-    """
-    if bias is not None:
-        logits = logits + bias.astype(jnp.float32)
-    if alibi_slope is not None:
-        logits = logits + alibi_bias(alibi_slope, rows, cols, offset)
+    """Adds bias and ALiBi to scaled logits (float32), then applies the soft cap."""
+    logits = add_logit_terms(logits, rows, cols, offset, bias=bias, alibi_slope=alibi_slope)
     if spec.logits_soft_cap is not None:
         logits = soft_cap(logits, spec.logits_soft_cap, tanh)
     return logits
