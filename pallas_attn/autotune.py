@@ -213,11 +213,11 @@ def tune_problem(*, batch: int, q_len: int, kv_len: int, heads: int, kv_heads: i
     optional = {**optional, **differentiable}
     if problem.q_pad != q_len or problem.kv_pad != kv_len:
         raise ValueError(f"tune needs lengths that are multiples of 128, got {q_len}/{kv_len}")
-    out, lse = jax.jit(lambda q, k, v: triton_fwd.forward(
+    out, row_stats = jax.jit(lambda q, k, v: triton_fwd.forward(
         dataclasses.replace(problem, blocks=heuristic), q, k, v, optional))(qp, kp, vp)
     do = jax.random.normal(keys[3], out.shape, dtype)
     delta = jnp.einsum("btnh,btnh->bnt", do.astype(jnp.float32), out.astype(jnp.float32))
-    names, bwd_inputs = triton_bwd.backward_inputs(qp, kp, vp, optional, lse, do, delta)
+    names, bwd_inputs = triton_bwd.backward_inputs(qp, kp, vp, optional, row_stats, do, delta)
 
     def runner(kernel: str, blocks: Any):
         p = dataclasses.replace(problem, blocks=blocks)

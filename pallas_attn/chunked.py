@@ -4,8 +4,10 @@
 (out [B, T, N, Hv] in the query dtype, lse [B, N, T] float32, natural log, -inf and
 output 0 for a row that sees no key, zero gradients there), but no [T, S] array is
 ever built: the forward walks query tiles x key tiles with an online softmax in
-float32 and saves only the output and the logsumexp; the backward (a
-`jax.custom_vjp`) recomputes each tile's probabilities from the logsumexp.
+float32 and saves only the output and two per-row statistics, the row maximum m
+and ln(row sum) (lse = m + ln(sum) would lose the sum for rows of logits near
+-1e7 and below); the backward (a `jax.custom_vjp`) recomputes each tile's
+probabilities from them.
 
 Supported: everything the spec has (bias of any broadcast shape with its gradient,
 boolean mask, causal in both alignments, local window, ALiBi with slope gradients,
@@ -28,13 +30,13 @@ tile's global (b, n, i, j) indices, so results do not depend on tiles or chunks
 
 Backward, per key tile j (outer loop) and query tile i (inner loop):
 
-    P   = exp(logits - lse)                    recomputed, 0 where invisible
+    P   = exp(logits - m - ln(sum))            recomputed, 0 where invisible
     dP~ = dO V^T;  dP = dP~ * keep / (1 - rate)
     dS  = P * (dP - delta) * softcap'(logits)  delta = rowsum(dO * O) - dlse
     dV_j += P~^T dO;  dK_j += scale dS^T Q;  dQ_i += scale dS K   (dQ in a carried buffer)
     dbias += dS summed over the bias's broadcast dims;  dslope -= sum dS * |i + off - j|
 
-Memory: residuals are q, k, v, the optional inputs, out and lse (O(T)); the loops
+Memory: residuals are q, k, v, the optional inputs, out and the row stats (O(T)); the loops
 hold a few [chunk, G, block_q, block_k] tiles and O(T) accumulators. Ragged lengths
 are padded to tile multiples for q, k, v and the segment ids (O(T) copies); a bias
 or mask with a full T or S dim is never copied: ragged edge tiles are read (and the
@@ -502,13 +504,17 @@ def _forward(p: _Plan, q, k, v, bias, slopes, constants):
             seen = total > 0.0
             total = jnp.where(seen, total, 1.0)
             out = (acc / total[..., None]).astype(q.dtype)
-            lse = jnp.where(seen, m + jnp.log(total), -jnp.inf)
-            return out, lse
+            return out, jnp.where(seen, m, jnp.inf), jnp.log(total)
 
         return lax.map(query_tile, jnp.arange(p.num_q_tiles, dtype=jnp.int32))
 
-    out, lse = lax.map(chunk, jnp.arange(p.num_chunks, dtype=jnp.int32))
-    return _merge_rows(p, out), _merge_stats(p, lse)
+    out, row_max, log_sum = lax.map(chunk, jnp.arange(p.num_chunks, dtype=jnp.int32))
+    return _merge_rows(p, out), (_merge_stats(p, row_max), _merge_stats(p, log_sum))
+
+
+def _logsumexp(row_max: jax.Array, log_sum: jax.Array) -> jax.Array:
+    """lse [B, N, T] from the forward's row statistics; -inf for rows that see no key."""
+    return jnp.where(row_max == jnp.inf, -jnp.inf, row_max + log_sum)
 
 
 # -- backward -----------------------------------------------------------------------
@@ -524,20 +530,20 @@ def _reduce_to(ds: jax.Array, sizes: tuple[int, ...]) -> jax.Array:
     return jnp.sum(ds, axis=axes, keepdims=True) if axes else ds
 
 
-def _backward(p: _Plan, q, k, v, bias, slopes, constants, out, lse, d_out, d_lse,
+def _backward(p: _Plan, q, k, v, bias, slopes, constants, out, row_stats, d_out, d_lse,
               bias_grad: bool, slope_grad: bool):
     spec = p.spec
     q_all, k_all, v_all = _split_rows(p, q), _split_keys(p, k), _split_keys(p, v)
     do_all = _split_rows(p, d_out)
-    # Preprocess: delta = rowsum(dO * O) - dlse. A row with lse = -inf sees nothing;
-    # lse = +inf there makes its recomputed P = exp(s - inf) = 0 everywhere.
+    # Preprocess: delta = rowsum(dO * O) - dlse. A row that sees nothing has row max
+    # +inf, which makes its recomputed P = exp(s - inf) = 0 everywhere.
     delta = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
     delta = jnp.swapaxes(delta, 1, 2)  # [B, N, T]
-    dead = jnp.isneginf(lse)
+    row_max, log_sum = row_stats
     if d_lse is not None:
-        delta = delta - jnp.where(dead, 0.0, d_lse.astype(jnp.float32))
+        delta = delta - jnp.where(row_max == jnp.inf, 0.0, d_lse.astype(jnp.float32))
     delta_all = _split_stats(p, delta)
-    lse_all = _split_stats(p, jnp.where(dead, jnp.inf, lse))
+    max_all, log_sum_all = _split_stats(p, row_max), _split_stats(p, log_sum)
     inv_keep = 1.0 / (1.0 - spec.dropout_rate)
     mb, kb, G = p.tile_shape()
     H, Hv = q.shape[-1], v.shape[-1]
@@ -545,7 +551,7 @@ def _backward(p: _Plan, q, k, v, bias, slopes, constants, out, lse, d_out, d_lse
     def chunk(dbias, c):
         tiles = _Tiles(p, c, bias, slopes, constants)
         q_c, k_c, v_c, do_c = q_all[c], k_all[c], v_all[c], do_all[c]
-        lse_c, delta_c = lse_all[c], delta_all[c]
+        max_c, log_sum_c, delta_c = max_all[c], log_sum_all[c], delta_all[c]
 
         def key_tile(carry, j):
             dq, dbias, dslope = carry
@@ -559,7 +565,9 @@ def _backward(p: _Plan, q, k, v, bias, slopes, constants, out, lse, d_out, d_lse
                 do_i = do_c[i].astype(jnp.float32)
                 logits, visible = tiles.logits(q_i, k_j_t, i, j)
                 s = logits if visible is None else jnp.where(visible, logits, -jnp.inf)
-                prob = jnp.exp(s - lse_c[i][..., None])
+                # NOTE: from the row max and log-sum, never their sum: at logits near
+                # -1e7 and below, max + ln(sum) rounds to the max.
+                prob = jnp.exp((s - max_c[i][..., None]) - log_sum_c[i][..., None])
                 dp = jnp.einsum("bkgqd,bktd->bkgqt", do_i, v_j, precision=_HIGHEST)
                 dropped = prob
                 if spec.has_dropout:
@@ -614,26 +622,28 @@ def _backward(p: _Plan, q, k, v, bias, slopes, constants, out, lse, d_out, d_lse
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _attention(p: _Plan, q, k, v, bias, slopes, constants):
-    return _forward(p, q, k, v, bias, slopes, constants)
+    out, row_stats = _forward(p, q, k, v, bias, slopes, constants)
+    return out, _logsumexp(*row_stats)
 
 
 def _attention_fwd(p: _Plan, q, k, v, bias, slopes, constants):
     # The pytree structure of `needs` carries the static "which optional gradients".
     needs = {name: () for name, x in (("bias", bias), ("slopes", slopes)) if is_perturbed(x)}
     q, k, v, bias, slopes, constants = primal_values((q, k, v, bias, slopes, constants))
-    out, lse = _forward(p, q, k, v, bias, slopes, constants)
-    return (out, lse), (q, k, v, bias, slopes, constants, out, lse, needs)
+    out, row_stats = _forward(p, q, k, v, bias, slopes, constants)
+    residuals = (q, k, v, bias, slopes, constants, out, row_stats, needs)
+    return (out, _logsumexp(*row_stats)), residuals
 
 
 def _attention_bwd(p: _Plan, residuals, cotangents):
-    q, k, v, bias, slopes, constants, out, lse, needs = residuals
+    q, k, v, bias, slopes, constants, out, row_stats, needs = residuals
     d_out, d_lse = cotangents
     if isinstance(d_out, SymbolicZero):
         d_out = jnp.zeros(out.shape, out.dtype)
     if isinstance(d_lse, SymbolicZero):
         d_lse = None
     dq, dk, dv, dbias, dslope = _backward(
-        p, q, k, v, bias, slopes, constants, out, lse, d_out, d_lse,
+        p, q, k, v, bias, slopes, constants, out, row_stats, d_out, d_lse,
         bias_grad="bias" in needs, slope_grad="slopes" in needs)
     # None: a zero cotangent for an input that was not differentiated (or has none).
     return dq, dk, dv, dbias, dslope, jax.tree.map(lambda _: None, constants)

@@ -5,7 +5,8 @@ power of two (Triton tiles are powers of two); the kernels mask the padded keys
 and the padded rows are sliced off, so callers never pad. Padding copies q, k, v
 only when a length is ragged or a head dim is not a power of two: O(T) memory.
 
-Residuals: the (padded) inputs, the output and the logsumexp (+inf for empty rows).
+Residuals: the (padded) inputs, the output and the forward's per-row statistics
+(row maximum and log2 of the row sum, kernels/common.py), not just the logsumexp.
 """
 
 from __future__ import annotations
@@ -100,7 +101,8 @@ def _operands(differentiable: dict, optional: dict) -> dict:
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _fused(problem: Problem, q, k, v, differentiable: dict, optional: dict):
-    return triton_fwd.forward(problem, q, k, v, _operands(differentiable, optional))
+    out, row_stats = triton_fwd.forward(problem, q, k, v, _operands(differentiable, optional))
+    return out, problem.logsumexp(*row_stats)
 
 
 def _fused_fwd(problem: Problem, q, k, v, differentiable, optional):
@@ -110,10 +112,11 @@ def _fused_fwd(problem: Problem, q, k, v, differentiable, optional):
             "them; wrap them in jax.lax.stop_gradient or use implementation='xla'")
     bias_grad = is_perturbed(differentiable)
     q, k, v, differentiable, optional = primal_values((q, k, v, differentiable, optional))
-    out, lse = triton_fwd.forward(problem, q, k, v, _operands(differentiable, optional))
+    out, row_stats = triton_fwd.forward(problem, q, k, v, _operands(differentiable, optional))
     # The pytree structure of this marker carries the static "bias needs a gradient".
     marker = (jnp.zeros((), jnp.int8),) if bias_grad else ()
-    return (out, lse), (q, k, v, differentiable, optional, out, lse, marker)
+    residuals = (q, k, v, differentiable, optional, out, row_stats, marker)
+    return (out, problem.logsumexp(*row_stats)), residuals
 
 
 def _zeros_like_tangent(x: jax.Array) -> Any:
@@ -123,17 +126,17 @@ def _zeros_like_tangent(x: jax.Array) -> Any:
 
 
 def _fused_bwd(problem: Problem, residuals, cotangents):
-    q, k, v, differentiable, optional, out, lse, marker = residuals
+    q, k, v, differentiable, optional, out, row_stats, marker = residuals
     d_out, d_lse = cotangents
     if isinstance(d_out, SymbolicZero):
         d_out = jnp.zeros(out.shape, out.dtype)
     delta = jnp.einsum("btnh,btnh->bnt", d_out.astype(jnp.float32), out.astype(jnp.float32))
     if not isinstance(d_lse, SymbolicZero):
         # d lse / d logits = P, so an lse cotangent folds into delta as -d_lse (rows
-        # with lse = +inf have P = 0 and their cotangent is dropped).
-        delta = delta - jnp.where(lse == jnp.inf, 0.0, d_lse)
+        # that see no key, row max +inf, have P = 0 and their cotangent is dropped).
+        delta = delta - jnp.where(row_stats[0] == jnp.inf, 0.0, d_lse)
     operands = _operands(differentiable, optional)
-    dq, dk, dv, dbias = triton_bwd.backward(problem, q, k, v, operands, lse,
+    dq, dk, dv, dbias = triton_bwd.backward(problem, q, k, v, operands, row_stats,
                                             d_out.astype(q.dtype), delta,
                                             bias_grad=bool(marker))
     d_differentiable = {"bias": dbias} if dbias is not None else jax.tree.map(

@@ -13,8 +13,13 @@ soft-capped scores, which are bounded by the cap (cap * log2(e) folded into the
 multiply after the tanh). Scores with a bias or ALiBi and no cap stay natural
 (factor log2(e)) and are converted after the subtraction, so logits near the
 float32 minimum (a finfo.min bias) cannot overflow.
-The lse residual is natural-domain, +inf marking a row that sees no key, so every
-backward p is 0 there without a select.
+The forward keeps two per-row residuals instead of the logsumexp alone: the row
+maximum m (problem units) and log2 of the row sum l. The backward recomputes
+p = exp2((s - m) * exp2_factor - log2 l), so rows whose logits are all hugely
+negative (a row hidden by a finfo.min bias) keep exact gradients, where m + ln l
+would round to m. A row that sees no key has m = +inf (and log2 l = 0), so every
+backward p is 0 there without a select; its public lse is +inf until the API turns
+it into -inf.
 """
 
 from __future__ import annotations
@@ -98,6 +103,22 @@ class Problem:
         """exp2(difference * exp2_factor): probabilities from score differences."""
         factor = self.exp2_factor
         return jnp.exp2(difference if factor == 1.0 else difference * factor)
+
+    def probabilities(self, s: jax.Array, row_max: jax.Array, log2_sum: jax.Array
+                      ) -> jax.Array:
+        """Normalised probabilities of a score tile from the forward's row residuals."""
+        if self.exp2_factor == 1.0:
+            return jnp.exp2(s - (row_max + log2_sum)[:, None])
+        return jnp.exp2((s - row_max[:, None]) * self.exp2_factor - log2_sum[:, None])
+
+    def logsumexp(self, row_max: jax.Array, log2_sum: jax.Array) -> jax.Array:
+        """Natural-log lse from the row residuals (+inf for a row that sees no key).
+
+        Natural units add ln l to m without scaling m, which may lie near finfo.min.
+        """
+        if self.exp2_factor == 1.0:
+            return (row_max + log2_sum) * LN2
+        return row_max + log2_sum * LN2
 
     @property
     def tanh(self) -> Any:
@@ -292,17 +313,24 @@ class TileContext:
         return dropout_lib.keep(dropout_lib.row_keys(self.drop_key, rows), cols,
                                 self.p.spec.dropout_rate)
 
-    def score_gradient(self, q, k, v, do, lse, delta, q0, k0, masked
+    def row_residuals(self, q0: Any, block_q: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """(row_max, log2_sum, delta) of query rows [q0, q0 + block_q)."""
+        rows = pl.ds(q0, block_q)
+        return tuple(self.refs[name][self.b, self.n, rows]
+                     for name in ("row_max", "log2_sum", "delta"))
+
+    def score_gradient(self, q, k, v, do, residuals, q0, k0, masked
                        ) -> tuple[jax.Array, jax.Array]:
         """(dropped probabilities P~, score gradient dS) of one tile, float32.
 
-        P = exp(s - lse); dP~ = dO V^T; dP = dP~ * keep / (1 - rate);
-        dS = P * (dP - delta) times the soft-cap derivative.
+        residuals: row_residuals() of the tile's rows. P = exp(s - lse);
+        dP~ = dO V^T; dP = dP~ * keep / (1 - rate); dS = P * (dP - delta) times the
+        soft-cap derivative.
         """
         spec = self.p.spec
+        row_max, log2_sum, delta = residuals
         s, _, cap_tanh = self.scores(q, k, q0, k0, masked)
-        lse_units = lse * LOG2E if self.p.exp2_factor == 1.0 else lse
-        prob = self.p.exp2_of(s - lse_units[:, None])
+        prob = self.p.probabilities(s, row_max, log2_sum)
         dp = plgpu.dot(do, v, trans_b=True, precision=self.p.precision)
         dropped = prob
         if spec.has_dropout:

@@ -51,9 +51,8 @@ def dkdv_kernel(*refs, problem: Problem, names: tuple[str, ...]):
             q0 = t * block_q
             q = r["q"][b, pl.ds(q0, block_q), n, :]
             do = r["do"][b, pl.ds(q0, block_q), n, :]
-            lse = r["lse"][b, n, pl.ds(q0, block_q)]
-            delta = r["delta"][b, n, pl.ds(q0, block_q)]
-            dropped, ds = ctx.score_gradient(q, k, v, do, lse, delta, q0, k0, masked)
+            residuals = ctx.row_residuals(q0, block_q)
+            dropped, ds = ctx.score_gradient(q, k, v, do, residuals, q0, k0, masked)
             dv = dv + plgpu.dot(dropped.astype(do.dtype), do, trans_a=True,
                              precision=problem.precision)
             dk = dk + plgpu.dot(ds.astype(q.dtype), q, trans_a=True, precision=problem.precision)
@@ -79,14 +78,13 @@ def dq_kernel(*refs, problem: Problem, names: tuple[str, ...]):
     ctx = TileContext(problem, r, b, n)
     q = r["q"][b, pl.ds(q0, block_q), n, :]
     do = r["do"][b, pl.ds(q0, block_q), n, :]
-    lse = r["lse"][b, n, pl.ds(q0, block_q)]
-    delta = r["delta"][b, n, pl.ds(q0, block_q)]
+    residuals = ctx.row_residuals(q0, block_q)
 
     def body(t, dq, masked):
         k0 = t * block_k
         k = r["k"][b, pl.ds(k0, block_k), kh, :]
         v = r["v"][b, pl.ds(k0, block_k), kh, :]
-        _, ds = ctx.score_gradient(q, k, v, do, lse, delta, q0, k0, masked)
+        _, ds = ctx.score_gradient(q, k, v, do, residuals, q0, k0, masked)
         return dq + plgpu.dot(ds.astype(k.dtype), k, precision=problem.precision)
 
     dq = run_tile_loops(*ctx.key_tiles(q0, q0 + block_q, block_k), body,
@@ -123,11 +121,10 @@ def dbias_kernel(*refs, problem: Problem, names: tuple[str, ...]):
             q0, k0 = ti * block_q, tj * block_k
             q = r["q"][b, pl.ds(q0, block_q), n, :]
             do = r["do"][b, pl.ds(q0, block_q), n, :]
-            lse = r["lse"][b, n, pl.ds(q0, block_q)]
-            delta = r["delta"][b, n, pl.ds(q0, block_q)]
             k = r["k"][b, pl.ds(k0, block_k), kh, :]
             v = r["v"][b, pl.ds(k0, block_k), kh, :]
-            _, ds = ctx.score_gradient(q, k, v, do, lse, delta, q0, k0, True)
+            _, ds = ctx.score_gradient(q, k, v, do, ctx.row_residuals(q0, block_q), q0, k0,
+                                       True)
             if Tb == 1:
                 ds = jnp.sum(ds, axis=0, keepdims=True)
             if Sb == 1:
@@ -159,10 +156,11 @@ def _launch(kernel, problem: Problem, names_in: tuple[str, ...], inputs: list[ja
     )(*inputs)
 
 
-def backward_inputs(q, k, v, optional, lse, do, delta) -> tuple[tuple[str, ...], list]:
+def backward_inputs(q, k, v, optional, row_stats, do, delta) -> tuple[tuple[str, ...], list]:
+    """Kernel names and operands; row_stats: the forward's (row_max, log2_sum)."""
     present = [x for x in OPTIONAL_INPUTS if x in optional]
-    names = ("q", "k", "v", "do", "lse", "delta", *present)
-    return names, [q, k, v, do, lse, delta, *(optional[x] for x in present)]
+    names = ("q", "k", "v", "do", "row_max", "log2_sum", "delta", *present)
+    return names, [q, k, v, do, *row_stats, delta, *(optional[x] for x in present)]
 
 
 def dkdv(problem: Problem, names: tuple[str, ...], inputs: list) -> tuple[jax.Array, jax.Array]:
@@ -192,9 +190,9 @@ def dbias(problem: Problem, names: tuple[str, ...], inputs: list, bias: jax.Arra
     return out.astype(bias.dtype)
 
 
-def backward(problem: Problem, q, k, v, optional, lse, do, delta, bias_grad: bool):
+def backward(problem: Problem, q, k, v, optional, row_stats, do, delta, bias_grad: bool):
     """(dq, dk, dv, dbias or None) for padded inputs; delta [B, N, Tp] float32."""
-    names, inputs = backward_inputs(q, k, v, optional, lse, do, delta)
+    names, inputs = backward_inputs(q, k, v, optional, row_stats, do, delta)
     dk, dv = dkdv(problem, names, inputs)
     dq_ = dq(problem, names, inputs)
     dbias_ = dbias(problem, names, inputs, optional["bias"]) if bias_grad else None

@@ -4,7 +4,8 @@ Grid (query tile, batch, head). Each program keeps its query tile resident and
 loops over key/value tiles with an online softmax in float32: running row max m,
 running sum l, unnormalised accumulator acc. Key tiles outside the causal/window
 band or past the key length are skipped; tiles crossing the band edge are masked.
-Writes the output and the per-row logsumexp (+inf for rows that see no key).
+Writes the output and the per-row residuals: the row maximum (+inf for rows that
+see no key) and log2 of the row sum (common.py's module doc says why not the lse).
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_attn.kernels.common import (
-    LN2,
     MAX_FLOOR,
     OPTIONAL_INPUTS,
     Problem,
@@ -71,24 +71,21 @@ def forward_kernel(*refs, problem: Problem, names: tuple[str, ...]):
     scale = 1.0 / (1.0 - spec.dropout_rate) if spec.has_dropout else 1.0
     out = jnp.where(valid[:, None], acc * (scale / jnp.where(valid, l_sum, 1.0))[:, None], 0.0)
     r["out"][b, pl.ds(q0, block_q), n, :] = out.astype(r["out"].dtype)
-    # Natural-domain lse. Log2 units: (m + log2 l) * ln 2. Natural units: m + ln l, with
-    # m never scaled (a row max near finfo.min would overflow).
-    log2_sum = jnp.log2(jnp.where(valid, l_sum, 1.0))
-    lse = (m + log2_sum) * LN2 if problem.exp2_factor == 1.0 else m + log2_sum * LN2
-    lse = jnp.where(valid, lse, jnp.inf)
-    r["lse"][b, n, pl.ds(q0, block_q)] = lse
+    r["row_max"][b, n, pl.ds(q0, block_q)] = jnp.where(valid, m, jnp.inf)
+    r["log2_sum"][b, n, pl.ds(q0, block_q)] = jnp.log2(jnp.where(valid, l_sum, 1.0))
 
 
 def forward(problem: Problem, q: jax.Array, k: jax.Array, v: jax.Array,
-            optional: dict[str, jax.Array]) -> tuple[jax.Array, jax.Array]:
-    """out [B, Tp, N, Hvp] and lse [B, N, Tp] (+inf for empty rows) for padded inputs."""
-    names = ("q", "k", "v", *(x for x in OPTIONAL_INPUTS if x in optional), "out", "lse")
+            optional: dict[str, jax.Array]) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+    """(out [B, Tp, N, Hvp], (row_max, log2_sum) [B, N, Tp]) for padded inputs."""
+    names = ("q", "k", "v", *(x for x in OPTIONAL_INPUTS if x in optional), "out",
+             "row_max", "log2_sum")
     inputs = [q, k, v, *(optional[x] for x in OPTIONAL_INPUTS if x in optional)]
     B, Tp, N, _ = q.shape
-    out_shape = [jax.ShapeDtypeStruct((B, Tp, N, v.shape[-1]), q.dtype),
-                 jax.ShapeDtypeStruct((B, N, Tp), jnp.float32)]
+    row = jax.ShapeDtypeStruct((B, N, Tp), jnp.float32)
+    out_shape = [jax.ShapeDtypeStruct((B, Tp, N, v.shape[-1]), q.dtype), row, row]
     blocks = problem.blocks
-    return pl.pallas_call(
+    out, row_max, log2_sum = pl.pallas_call(
         functools.partial(forward_kernel, problem=problem, names=names),
         grid=(Tp // blocks.block_q, B, N),
         in_specs=whole_array_specs(inputs),
@@ -99,3 +96,4 @@ def forward(problem: Problem, q: jax.Array, k: jax.Array, v: jax.Array,
         interpret=problem.interpret,
         name="pallas_attn_forward",
     )(*inputs)
+    return out, (row_max, log2_sum)
