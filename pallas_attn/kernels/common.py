@@ -8,11 +8,11 @@ forward, dK/dV, dQ and dbias kernels cannot disagree on the semantics.
 
 Score units: probabilities are p = exp2((s - m) * problem.exp2_factor), with -inf
 for invisible entries. Plain scores (scale * q.k) are kept in log2 units (scale and
-log2(e) folded into one multiply, factor 1), as FlashAttention does; so are
-soft-capped scores, which are bounded by the cap (cap * log2(e) folded into the
-multiply after the tanh). Scores with a bias or ALiBi and no cap stay natural
-(factor log2(e)) and are converted after the subtraction, so logits near the
-float32 minimum (a finfo.min bias) cannot overflow.
+log2(e) folded into one multiply, factor 1), as FlashAttention does; so are ALiBi
+scores (slope * log2(e) folded likewise) and soft-capped scores, which are bounded
+by the cap (cap * log2(e) folded into the multiply after the tanh). Only scores
+with a bias and no cap stay natural (factor log2(e)) and are converted after the
+subtraction, so logits near the float32 minimum (a finfo.min bias) cannot overflow.
 The forward keeps two per-row residuals instead of the logsumexp alone: the row
 maximum m (problem units) and log2 of the row sum l. The backward recomputes
 p = exp2((s - m) * exp2_factor - log2 l), so rows whose logits are all hugely
@@ -90,13 +90,9 @@ class Problem:
         return lax.Precision.HIGHEST if self.dtype == "float32" else None
 
     @property
-    def adds_logit_terms(self) -> bool:
-        return self.has("bias") or self.has("alibi_slopes")
-
-    @property
     def exp2_factor(self) -> float:
         """Scores s give probabilities exp2((s - m) * exp2_factor) (see the module doc)."""
-        natural = self.adds_logit_terms and self.spec.logits_soft_cap is None
+        natural = self.has("bias") and self.spec.logits_soft_cap is None
         return LOG2E if natural else 1.0
 
     def exp2_of(self, difference: jax.Array) -> jax.Array:
@@ -200,7 +196,10 @@ class TileContext:
         self.b = b
         self.n = n
         spec = problem.spec
-        self.slope = refs["alibi_slopes"][b, n] if problem.has("alibi_slopes") else None
+        self.slope = self.slope_log2 = None
+        if problem.has("alibi_slopes"):
+            self.slope = refs["alibi_slopes"][b, n]
+            self.slope_log2 = self.slope * LOG2E
         self.kv_length = (refs["key_value_seq_lengths"][b]
                           if problem.has("key_value_seq_lengths") else None)
         self.q_length = (refs["query_seq_lengths"][b]
@@ -277,7 +276,7 @@ class TileContext:
         rows = (q0 + lax.broadcasted_iota(jnp.int32, (block_q, 1), 0))
         cols = (k0 + lax.broadcasted_iota(jnp.int32, (1, block_k), 1))
         cap, cap_tanh = spec.logits_soft_cap, None
-        if p.adds_logit_terms:
+        if p.has("bias") or (cap is not None and self.slope is not None):
             bias = (self._load_broadcast("bias", spec.bias_shape, q0, k0, block_q, block_k)
                     if p.has("bias") else None)
             s = scores.add_logit_terms(s * spec.scale, rows, cols, p.offset, bias=bias,
@@ -286,8 +285,9 @@ class TileContext:
                 cap_tanh = scores.soft_cap_tanh(s, cap, p.tanh)
         elif cap is not None:
             cap_tanh = scores.soft_cap_tanh(s, cap / spec.scale, p.tanh)  # scale folded in
-        else:
-            s = s * (spec.scale * LOG2E)  # log2 units
+        else:  # log2 units, log2(e) folded into the scale and the ALiBi slope
+            s = scores.add_logit_terms(s * (spec.scale * LOG2E), rows, cols, p.offset,
+                                       alibi_slope=self.slope_log2)
         if cap_tanh is not None:
             s = cap_tanh * (cap * LOG2E)  # log2 units: capped scores are bounded
         mask = (self._load_broadcast("mask", spec.mask_shape, q0, k0, block_q, block_k)
