@@ -13,6 +13,7 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--quick", action="store_true", help="head dim 128 only")
     bench.add_argument("--set", choices=["standard", "features", "all"], default="standard",
                        help="standard shapes (head dims 64/128/256), feature costs, or both")
+    bench.add_argument("--match", help="only shapes whose label matches this regex (re.search)")
     bench.add_argument("--json", help="write the rows to this file")
     bench.add_argument("--plot", help="write a TFLOP/s bar chart (PNG) to this file")
     check = sub.add_parser("check", help="kernel numerics vs the reference")
@@ -33,20 +34,21 @@ def main(argv: list[str] | None = None) -> int:
 
     from pallas_attn import bench as bench_lib
 
+    if args.command == "bench":
+        shapes = _bench_shapes(args, parser, bench_lib)
     gpu = bench_lib.on_gpu()
     if args.command == "check" or (args.command == "bench" and not gpu):
         if not gpu:
             print("No GPU: checking the Pallas kernels in the Pallas interpreter (CPU) against "
-                  "the reference at small sizes. Speed needs an NVIDIA GPU.")
+                  "the reference at small sizes. Speed needs an NVIDIA GPU"
+                  + (", and so do the shapes --set/--match select." if args.command == "bench"
+                     else "."))
         results = bench_lib.check(bench_lib.check_shapes(gpu), interpret=not gpu)
         ok = all(r["ok"] for r in results)
         print(f"{sum(r['ok'] for r in results)} passed, {sum(not r['ok'] for r in results)} failed")
         if getattr(args, "json", None):
             bench_lib.write_json(args.json, results)
         return 0 if ok else 1
-    shapes = [] if args.set == "features" else bench_lib.standard_shapes(args.quick)
-    if args.set != "standard":
-        shapes += bench_lib.feature_shapes()
     rows = bench_lib.benchmark(shapes)
     print(bench_lib.describe_device())
     print(bench_lib.format_table(rows))
@@ -55,6 +57,24 @@ def main(argv: list[str] | None = None) -> int:
     if args.plot:
         bench_lib.plot(rows, args.plot)
     return 0
+
+
+def _bench_shapes(args: argparse.Namespace, parser: argparse.ArgumentParser,
+                  bench_lib) -> list:
+    shapes = [] if args.set == "features" else bench_lib.standard_shapes(args.quick)
+    if args.set != "standard":
+        shapes += bench_lib.feature_shapes()
+    if args.match:
+        import re
+
+        try:
+            pattern = re.compile(args.match)
+        except re.error as e:
+            parser.error(f"--match {args.match!r} is not a regex: {e}")
+        shapes = [s for s in shapes if pattern.search(s.label)]
+        if not shapes:
+            parser.error(f"--match {args.match!r} selects no shape of --set {args.set}")
+    return shapes
 
 
 def _tune(args: argparse.Namespace) -> int:
