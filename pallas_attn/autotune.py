@@ -21,7 +21,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-CACHE_VERSION = 1
+CACHE_VERSION = 2  # 2: BlockSizes gained the dbias kernel's fields
 _FEATURES = ("is_causal", "has_bias", "has_dropout", "has_window")
 
 
@@ -151,24 +151,26 @@ SWEEP = {
     "dkdv": (((32, 128), (64, 128), (64, 64), (128, 128), (32, 64)), (4, 8), (1, 2, 3)),
     "dq": (((128, 64), (128, 32), (64, 64), (128, 128), (64, 128)), (4, 8), (1, 2, 3)),
 }
-SWEEP["dbias"] = SWEEP["dq"]  # the dbias kernel runs with the dQ kernel's tiles
+SWEEP["dbias"] = SWEEP["dq"]  # the same four tiles per step as the dQ kernel
 
 
 def sweep_entries(kernel: str, head_dim: int, value_head_dim: int, dtype: Any, budget: int,
-                  q_len: int, kv_len: int) -> list[tuple[int, int, int, int]]:
+                  q_len: int, kv_len: int, bias_dtype: Any = None
+                  ) -> list[tuple[int, int, int, int]]:
     from pallas_attn import tuning
 
     pairs, warps, stages = SWEEP[kernel]
-    fields_of = "dq" if kernel == "dbias" else kernel
     grid = [((bq, bk, w, st)) for (bq, bk) in pairs for w in warps for st in stages]
     entries = []
-    for entry in (*grid, *tuning.ladder(fields_of, head_dim, value_head_dim)):
+    for entry in (*grid, *tuning.ladder(kernel, head_dim, value_head_dim)):
         bq, bk = entry[:2]
         if entry in entries or bq > max(16, q_len) or bk > max(16, kv_len):
             continue
-        candidate = tuning.with_kernel(tuning.BlockSizes(), fields_of, entry)
-        if tuning.shared_memory_estimate(candidate, head_dim, value_head_dim,
-                                         dtype)[fields_of] <= budget:
+        candidate = tuning.with_kernel(tuning.BlockSizes(), kernel, entry)
+        estimate = tuning.shared_memory_estimate(
+            candidate, head_dim, value_head_dim, dtype,
+            bias_dtype=dtype if kernel == "dbias" and bias_dtype is None else bias_dtype)
+        if estimate[kernel] <= budget:
             entries.append(entry)
     return entries
 
@@ -237,15 +239,15 @@ def tune_problem(*, batch: int, q_len: int, kv_len: int, heads: int, kv_heads: i
     results: dict[str, list] = {}
     for kernel in kernels:
         entries = sweep_entries(kernel, head_dim, head_dim, dtype,
-                                device.max_shared_memory_per_block, q_len, kv_len)
-        fields_of = "dq" if kernel == "dbias" else kernel
-        current = tuple(getattr(heuristic, f) for f in tuning.kernel_fields(fields_of))
+                                device.max_shared_memory_per_block, q_len, kv_len,
+                                bias_dtype=features["bias_dtype"])
+        current = heuristic.tiles(kernel)
         if current not in entries:
             entries.insert(0, current)
         # Compile in parallel threads (compilation is CPU work), then time one by one.
         with ThreadPoolExecutor(workers) as pool:
             futures = {e: pool.submit(runner, kernel,
-                                      tuning.with_kernel(heuristic, fields_of, e))
+                                      tuning.with_kernel(heuristic, kernel, e))
                        for e in entries}
         try:
             _, rows = tune(lambda e, done=futures: done[e].result(), entries,
@@ -259,8 +261,7 @@ def tune_problem(*, batch: int, q_len: int, kv_len: int, heads: int, kv_heads: i
                 log(f"  {kernel} {entry}: {error}")
         winner = min((r for r in rows if r[1] is not None), key=lambda r: r[1])
         base = next((r[1] for r in rows if r[0] == current), None)
-        if kernel != "dbias":
-            best = tuning.with_kernel(best, kernel, winner[0])
+        best = tuning.with_kernel(best, kernel, winner[0])
         log(f"{kernel}: heuristic {current} {base * 1e3 if base else float('nan'):.3f} ms, "
             f"best {winner[0]} {winner[1] * 1e3:.3f} ms")
     if save:

@@ -104,16 +104,17 @@ def _is_tile(x: Any) -> bool:
     return isinstance(x, int) and x >= 16 and x & (x - 1) == 0
 
 
-_KERNELS = ("forward", "dkdv", "dq")
+_KERNELS = ("forward", "dkdv", "dq", "dbias")
 
 
 @dataclasses.dataclass(frozen=True)
 class BlockSizes:
-    """Tiles and launch parameters of the three kernels (forward, dK/dV, dQ).
+    """Tiles and launch parameters of the kernels: forward, dK/dV, dQ and dbias.
 
     Every tile is a power of two and at least 16 (Triton needs power-of-two blocks;
     16 is the smallest tensor-core operand). Results do not depend on the tiles.
-    The dbias kernel, when used, runs with the dQ kernel's tiles and parameters.
+    The dbias fields matter only when a bias is differentiated; its tiles are tiles
+    of the bias (query rows x keys).
     """
 
     block_q: int = 128
@@ -128,19 +129,23 @@ class BlockSizes:
     num_stages_dkv: int = 2
     num_warps_dq: int = 8
     num_stages_dq: int = 2
+    block_q_dbias: int = 64
+    block_k_dbias: int = 128
+    num_warps_dbias: int = 8
+    num_stages_dbias: int = 2
 
     def __post_init__(self):
         for field in ("block_q", "block_k", "block_q_dkv", "block_k_dkv", "block_q_dq",
-                      "block_k_dq"):
+                      "block_k_dq", "block_q_dbias", "block_k_dbias"):
             value = getattr(self, field)
             if not _is_tile(value):
                 raise ValueError(f"BlockSizes.{field} must be a power of two >= 16, got {value!r}")
-        for field in ("num_warps", "num_warps_dkv", "num_warps_dq"):
+        for field in ("num_warps", "num_warps_dkv", "num_warps_dq", "num_warps_dbias"):
             value = getattr(self, field)
             if not isinstance(value, int) or isinstance(value, bool) or value not in (
                     1, 2, 4, 8, 16):
                 raise ValueError(f"BlockSizes.{field} must be 1, 2, 4, 8 or 16, got {value!r}")
-        for field in ("num_stages", "num_stages_dkv", "num_stages_dq"):
+        for field in ("num_stages", "num_stages_dkv", "num_stages_dq", "num_stages_dbias"):
             value = getattr(self, field)
             if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= 8:
                 raise ValueError(f"BlockSizes.{field} must be an int in [1, 8], got {value!r}")
@@ -153,7 +158,13 @@ class BlockSizes:
             self,
             block_q=min(self.block_q, q_cap), block_k=min(self.block_k, k_cap),
             block_q_dkv=min(self.block_q_dkv, q_cap), block_k_dkv=min(self.block_k_dkv, k_cap),
-            block_q_dq=min(self.block_q_dq, q_cap), block_k_dq=min(self.block_k_dq, k_cap))
+            block_q_dq=min(self.block_q_dq, q_cap), block_k_dq=min(self.block_k_dq, k_cap),
+            block_q_dbias=min(self.block_q_dbias, q_cap),
+            block_k_dbias=min(self.block_k_dbias, k_cap))
+
+    def tiles(self, kernel: str) -> tuple[int, int, int, int]:
+        """(block_q, block_k, warps, stages) of one kernel."""
+        return tuple(getattr(self, f) for f in _FIELDS[kernel])
 
 
 def _next_power_of_2(x: int) -> int:
@@ -198,12 +209,12 @@ def shared_memory_estimate(block_sizes: BlockSizes, head_dim: int, value_head_di
           + tile_inputs(b.block_q_dq, b.block_k_dq, b.num_stages_dq))
     estimate = {"forward": forward, "dkdv": dkdv, "dq": dq}
     if bias_dtype is not None:
-        # The dbias kernel (dQ's tiles) loads Q, dO, K and V all inside its loop, so
-        # every one of them is multi-buffered (measured: 294912 bytes for 128 x 64
-        # tiles, head dim 128, 3 stages).
-        estimate["dbias"] = (b.num_stages_dq * (b.block_q_dq + b.block_k_dq) * (hd + hv) * size
-                             + b.block_q_dq * b.block_k_dq * size
-                             + tile_inputs(b.block_q_dq, b.block_k_dq, b.num_stages_dq))
+        # The dbias kernel loads Q, dO, K and V all inside its loop, so every one of
+        # them is multi-buffered; the bias tile is not staged. Measured on an H100 at
+        # head dim 128, bf16: exactly stages * (block_q + block_k) * 512 bytes for
+        # (128, 64, 3), (128, 32, 3) and (128, 128, 2), plus 512 with 4 warps.
+        estimate["dbias"] = (b.num_stages_dbias * (b.block_q_dbias + b.block_k_dbias)
+                             * (hd + hv) * size + 512)
     return estimate
 
 
@@ -223,14 +234,13 @@ def check_fits(block_sizes: BlockSizes, head_dim: int, value_head_dim: int, dtyp
 def _fits(candidate: BlockSizes, kernel: str, head_dim: int, value_head_dim: int, dtype: Any,
           budget: int, **features: Any) -> bool:
     estimate = shared_memory_estimate(candidate, head_dim, value_head_dim, dtype, **features)
-    users = (kernel, "dbias") if kernel == "dq" else (kernel,)  # dbias runs with dQ's tiles
-    return all(estimate.get(name, 0) <= budget for name in users)
+    return estimate.get(kernel, 0) <= budget  # no dbias entry without a bias
 
 
 # Per-kernel candidate ladders, best first, per padded head dim (the widest of H, Hv).
 # forward: (block_q, block_k, warps, stages); dkdv: (block_q_dkv, block_k_dkv, warps,
-# stages); dq: (block_q_dq, block_k_dq, warps, stages). The first entry of each that
-# fits the device's shared memory wins, independently per kernel.
+# stages); dq and dbias likewise. The first entry of each that fits the device's
+# shared memory wins, independently per kernel.
 _LADDERS: dict[int, dict[str, tuple[tuple[int, int, int, int], ...]]] = {
     16: {"forward": ((64, 64, 4, 3), (64, 64, 4, 2), (32, 32, 4, 2)),
          "dkdv": ((64, 64, 4, 3), (64, 64, 4, 2), (32, 32, 4, 2)),
@@ -246,7 +256,8 @@ _LADDERS: dict[int, dict[str, tuple[tuple[int, int, int, int], ...]]] = {
     128: {"forward": ((128, 64, 4, 3), (128, 64, 4, 2), (64, 64, 4, 2), (64, 32, 4, 2)),
           "dkdv": ((64, 64, 4, 2), (64, 64, 4, 1), (32, 64, 4, 1), (32, 32, 4, 1)),
           "dq": ((128, 64, 8, 3), (128, 64, 8, 2), (64, 64, 4, 2), (64, 32, 4, 2),
-                 (32, 32, 4, 1))},
+                 (32, 32, 4, 1)),
+          "dbias": ((64, 128, 8, 2), (64, 64, 4, 2), (64, 32, 4, 2), (32, 32, 4, 1))},
     256: {"forward": ((128, 64, 8, 2), (64, 64, 4, 3), (64, 64, 4, 2), (64, 32, 4, 2),
                       (32, 32, 4, 1), (16, 16, 4, 1)),
           "dkdv": ((64, 64, 8, 2), (32, 64, 8, 3), (32, 64, 8, 2), (32, 32, 4, 1),
@@ -255,29 +266,36 @@ _LADDERS: dict[int, dict[str, tuple[tuple[int, int, int, int], ...]]] = {
 }
 _FIELDS = {"forward": ("block_q", "block_k", "num_warps", "num_stages"),
            "dkdv": ("block_q_dkv", "block_k_dkv", "num_warps_dkv", "num_stages_dkv"),
-           "dq": ("block_q_dq", "block_k_dq", "num_warps_dq", "num_stages_dq")}
+           "dq": ("block_q_dq", "block_k_dq", "num_warps_dq", "num_stages_dq"),
+           "dbias": ("block_q_dbias", "block_k_dbias", "num_warps_dbias", "num_stages_dbias")}
 
 
-def kernel_fields(kernel: str) -> tuple[str, ...]:
-    """The BlockSizes fields of one kernel: (block_q, block_k, warps, stages) names."""
-    return _FIELDS[kernel]
-
-
-# Causal problems where the sweep preferred other rungs (BENCHMARKS.md): (width, kernel).
+# Causal problems, and problems with a bias, where the sweep preferred other rungs
+# (BENCHMARKS.md): (width, kernel). With a bias the 4-warp forward ran out of
+# registers (2.45 ms against 1.73 ms with 8 warps at d128).
+_EIGHT_WARP_FORWARD = ((128, 64, 8, 4), (128, 64, 8, 3), (128, 64, 4, 2), (64, 64, 4, 2),
+                       (64, 32, 4, 2))
 _CAUSAL_LADDERS: dict[tuple[int, str], tuple[tuple[int, int, int, int], ...]] = {
-    (128, "forward"): ((128, 64, 8, 4), (128, 64, 8, 3), (128, 64, 4, 2), (64, 64, 4, 2),
-                       (64, 32, 4, 2)),
+    (128, "forward"): _EIGHT_WARP_FORWARD,
+}
+_BIAS_LADDERS: dict[tuple[int, str], tuple[tuple[int, int, int, int], ...]] = {
+    (128, "forward"): _EIGHT_WARP_FORWARD,
 }
 # Every ladder ends with these rungs, which fit any supported device and head dim.
 _SMALLEST = ((32, 32, 4, 1), (16, 16, 4, 1))
 
 
 def ladder(kernel: str, head_dim: int, value_head_dim: int | None = None,
-           is_causal: bool = False) -> tuple[tuple[int, int, int, int], ...]:
+           is_causal: bool = False, has_bias: bool = False
+           ) -> tuple[tuple[int, int, int, int], ...]:
     width = min(max(padded_head_dim(max(head_dim, value_head_dim or head_dim)), 16), 256)
-    entries = _LADDERS[width][kernel]
+    # NOTE: dbias has its own swept ladder only at head dim 128; elsewhere it starts
+    # from the dQ kernel's, which reads the same four tiles per step.
+    entries = _LADDERS[width].get(kernel) or _LADDERS[width]["dq"]
     if is_causal:
         entries = _CAUSAL_LADDERS.get((width, kernel), entries)
+    if has_bias:
+        entries = _BIAS_LADDERS.get((width, kernel), entries)
     return entries + tuple(e for e in _SMALLEST if e not in entries)
 
 
@@ -315,7 +333,8 @@ def choose_block_sizes(head_dim: int, dtype: Any = jnp.bfloat16, *, q_len: int, 
                      "has_mask": bool(features.get("has_mask"))}
     chosen = BlockSizes()
     for kernel in _KERNELS:
-        entries = ladder(kernel, head_dim, value_head_dim, bool(features.get("is_causal")))
+        entries = ladder(kernel, head_dim, value_head_dim, bool(features.get("is_causal")),
+                         features.get("bias_dtype") is not None)
         for entry in entries:
             candidate = with_kernel(chosen, kernel, entry).clamp(q_len, kv_len)
             if _fits(candidate, kernel, head_dim, value_head_dim, dtype, budget,

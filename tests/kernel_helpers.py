@@ -29,11 +29,12 @@ jit = functools.partial(jax.jit, compiler_options=FAST_COMPILE)
 
 # The smallest legal tiles: many tiles even for tiny problems, so the tile loops,
 # the edge masking and the padding are all exercised.
-SMALL_BLOCKS = pallas_attn.BlockSizes(16, 16, 16, 16, 16, 16)
-# Alternatives for the tile-independence checks (forward / dK-dV / dQ tiles differ).
+SMALL_BLOCKS = pallas_attn.BlockSizes(16, 16, 16, 16, 16, 16, block_q_dbias=16,
+                                      block_k_dbias=16)
+# Alternatives for the tile-independence checks (forward / dK-dV / dQ / dbias tiles differ).
 OTHER_BLOCKS = (
-    pallas_attn.BlockSizes(32, 16, 16, 32, 32, 16),
-    pallas_attn.BlockSizes(16, 32, 32, 16, 16, 32),
+    pallas_attn.BlockSizes(32, 16, 16, 32, 32, 16, block_q_dbias=16, block_k_dbias=32),
+    pallas_attn.BlockSizes(16, 32, 32, 16, 16, 32, block_q_dbias=32, block_k_dbias=16),
 )
 
 # Tolerances, relative to the magnitude of the expected array (atol = tol * max(1, scale)).

@@ -190,7 +190,8 @@ def test_forward_does_not_depend_on_block_sizes():
         return to_numpy({"out": out, "lse": lse})
 
     base = forward(SMALL_BLOCKS)
-    for blocks in (*OTHER_BLOCKS, pallas_attn.BlockSizes(64, 32, 16, 16, 16, 16)):
+    for blocks in (*OTHER_BLOCKS, pallas_attn.BlockSizes(64, 32, 16, 16, 16, 16,
+                                                         block_q_dbias=16, block_k_dbias=16)):
         other = forward(blocks)
         for name in base:
             err = max_error(other[name], base[name])

@@ -27,7 +27,8 @@ FEATURES = ({}, {"bias_dtype": jnp.bfloat16, "has_bias": True}, {"has_mask": Tru
 
 
 def _area(b: BlockSizes) -> tuple[int, ...]:
-    return (b.block_q * b.block_k, b.block_q_dkv * b.block_k_dkv, b.block_q_dq * b.block_k_dq)
+    return (b.block_q * b.block_k, b.block_q_dkv * b.block_k_dkv, b.block_q_dq * b.block_k_dq,
+            b.block_q_dbias * b.block_k_dbias)
 
 
 @pytest.fixture(autouse=True)
@@ -55,7 +56,9 @@ def test_device_info_rejects_bad_values(bad):
 
 @pytest.mark.parametrize("field,value", [("block_q", 24), ("block_k", 8), ("block_q_dq", 0),
                                          ("num_warps", 3), ("num_stages", 0),
-                                         ("num_stages_dq", 9), ("num_warps_dkv", 32)])
+                                         ("num_stages_dq", 9), ("num_warps_dkv", 32),
+                                         ("block_k_dbias", 48), ("num_warps_dbias", 3),
+                                         ("num_stages_dbias", 0)])
 def test_block_sizes_validation_names_the_field(field, value):
     with pytest.raises(ValueError, match=f"BlockSizes.{field}"):
         BlockSizes(**{field: value})
@@ -97,8 +100,8 @@ def test_more_shared_memory_never_gives_smaller_tiles(dtype):
 def test_tiles_are_clamped_to_short_sequences():
     b = pallas_attn.choose_block_sizes(64, jnp.bfloat16, q_len=5, kv_len=20,
                                        device=DEVICES["sm90"])
-    assert max(b.block_q, b.block_q_dkv, b.block_q_dq) == 16
-    assert max(b.block_k, b.block_k_dkv, b.block_k_dq) <= 32
+    assert max(b.block_q, b.block_q_dkv, b.block_q_dq, b.block_q_dbias) == 16
+    assert max(b.block_k, b.block_k_dkv, b.block_k_dq, b.block_k_dbias) <= 32
 
 
 def test_choose_block_sizes_is_pure_and_validates():
@@ -178,6 +181,30 @@ def test_corrupt_or_stale_cache_is_ignored_with_a_warning():
         warnings.simplefilter("error")
         path.unlink()
         pallas_attn.choose_block_sizes(64, q_len=512, kv_len=512, device=device)
+
+
+def test_dbias_estimate_matches_the_measured_requests():
+    """Shared memory Triton requested on an H100 (d128, bf16), from RESOURCE_EXHAUSTED
+    messages: the estimate may be at most 512 bytes over, never under."""
+    measured = {(128, 64, 8, 3): 294912, (128, 64, 4, 3): 295424, (128, 32, 8, 3): 245760,
+                (128, 32, 4, 3): 246272, (128, 128, 8, 2): 262144, (128, 128, 4, 2): 262656}
+    for entry, request in measured.items():
+        b = tuning.with_kernel(BlockSizes(), "dbias", entry)
+        estimate = tuning.shared_memory_estimate(b, 128, 128, jnp.bfloat16,
+                                                 bias_dtype=jnp.bfloat16)["dbias"]
+        assert request <= estimate <= request + 512, (entry, estimate, request)
+
+
+def test_bias_problems_get_their_swept_tiles_on_an_h100():
+    b = pallas_attn.choose_block_sizes(128, jnp.bfloat16, q_len=4096, kv_len=4096,
+                                       device=DEVICES["sm90"], bias_dtype=jnp.bfloat16,
+                                       has_bias=True)
+    assert b.tiles("forward") == (128, 64, 8, 4)  # 8 warps: the 4-warp one spills
+    assert b.tiles("dq") == (128, 64, 8, 3)  # no longer shrunk to fit dbias's needs
+    assert b.tiles("dbias") == (64, 128, 8, 2)
+    plain = pallas_attn.choose_block_sizes(128, jnp.bfloat16, q_len=4096, kv_len=4096,
+                                           device=DEVICES["sm90"])
+    assert plain.tiles("forward") == (128, 64, 4, 3)
 
 
 def test_sweep_entries_respect_the_budget():

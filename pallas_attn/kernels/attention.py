@@ -56,8 +56,9 @@ def prepare(spec: AttentionSpec, ops: Operands, blocks: BlockSizes, interpret: b
     q, k, v = ops.query, ops.key, ops.value
     B, T, N, H = q.shape
     S, K, Hv = k.shape[1], k.shape[2], v.shape[-1]
-    q_tile = max(blocks.block_q, blocks.block_q_dkv, blocks.block_q_dq)
-    kv_tile = max(blocks.block_k, blocks.block_k_dkv, blocks.block_k_dq)
+    kernels = ("forward", "dkdv", "dq", *(("dbias",) if ops.bias is not None else ()))
+    q_tile = max(blocks.tiles(kernel)[0] for kernel in kernels)
+    kv_tile = max(blocks.tiles(kernel)[1] for kernel in kernels)
     q_pad = tuning.ceil_div(T, q_tile) * q_tile
     kv_pad = tuning.ceil_div(S, kv_tile) * kv_tile
     hp, hvp = tuning.padded_head_dim(H), tuning.padded_head_dim(Hv)

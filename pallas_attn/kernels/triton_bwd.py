@@ -97,7 +97,7 @@ def dbias_kernel(*refs, problem: Problem, names: tuple[str, ...]):
     r = name_refs(names, refs)
     Bb, Nb, Tb, Sb = problem.spec.bias_shape
     blocks = problem.blocks
-    block_q, block_k = blocks.block_q_dq, blocks.block_k_dq
+    block_q, block_k = blocks.block_q_dbias, blocks.block_k_dbias
     qt, kt, bn = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     bb, nb = lax.div(bn, Nb), lax.rem(bn, Nb)
     # Members: the (b, n) pairs this bias entry is broadcast to; tiles: the query
@@ -183,10 +183,11 @@ def dq(problem: Problem, names: tuple[str, ...], inputs: list) -> jax.Array:
 def dbias(problem: Problem, names: tuple[str, ...], inputs: list, bias: jax.Array) -> jax.Array:
     b = problem.blocks
     Bb, Nb, Tb, Sb = bias.shape
-    grid = (Tb // b.block_q_dq if Tb > 1 else 1, Sb // b.block_k_dq if Sb > 1 else 1, Bb * Nb)
+    grid = (Tb // b.block_q_dbias if Tb > 1 else 1, Sb // b.block_k_dbias if Sb > 1 else 1,
+            Bb * Nb)
     out = _launch(dbias_kernel, problem, names, inputs,
-                  [jax.ShapeDtypeStruct(bias.shape, jnp.float32)], grid, b.num_warps_dq,
-                  b.num_stages_dq, "pallas_attn_dbias")[0]
+                  [jax.ShapeDtypeStruct(bias.shape, jnp.float32)], grid, b.num_warps_dbias,
+                  b.num_stages_dbias, "pallas_attn_dbias")[0]
     return out.astype(bias.dtype)
 
 
