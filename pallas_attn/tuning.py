@@ -270,15 +270,16 @@ _FIELDS = {"forward": ("block_q", "block_k", "num_warps", "num_stages"),
            "dbias": ("block_q_dbias", "block_k_dbias", "num_warps_dbias", "num_stages_dbias")}
 
 
-# Causal problems, and problems with a bias, where the sweep preferred other rungs
-# (BENCHMARKS.md): (width, kernel). With a bias the 4-warp forward ran out of
-# registers (2.45 ms against 1.73 ms with 8 warps at d128).
+# Causal problems, and problems with extra per-score work (bias, dropout, soft cap),
+# where timings preferred other rungs (BENCHMARKS.md): (width, kernel). The extra
+# work raises register pressure and the 4-warp forward suffers: at d128 on an H100,
+# bias 2.45 -> 1.73 ms, dropout 2.29 -> 2.12 ms, soft cap 1.78 -> 1.70 ms with 8 warps.
 _EIGHT_WARP_FORWARD = ((128, 64, 8, 4), (128, 64, 8, 3), (128, 64, 4, 2), (64, 64, 4, 2),
                        (64, 32, 4, 2))
 _CAUSAL_LADDERS: dict[tuple[int, str], tuple[tuple[int, int, int, int], ...]] = {
     (128, "forward"): _EIGHT_WARP_FORWARD,
 }
-_BIAS_LADDERS: dict[tuple[int, str], tuple[tuple[int, int, int, int], ...]] = {
+_HEAVY_SCORE_LADDERS: dict[tuple[int, str], tuple[tuple[int, int, int, int], ...]] = {
     (128, "forward"): _EIGHT_WARP_FORWARD,
 }
 # Every ladder ends with these rungs, which fit any supported device and head dim.
@@ -286,16 +287,17 @@ _SMALLEST = ((32, 32, 4, 1), (16, 16, 4, 1))
 
 
 def ladder(kernel: str, head_dim: int, value_head_dim: int | None = None,
-           is_causal: bool = False, has_bias: bool = False
+           is_causal: bool = False, heavy_scores: bool = False
            ) -> tuple[tuple[int, int, int, int], ...]:
+    """Candidates of one kernel, best first; heavy_scores: a bias, dropout or soft cap."""
     width = min(max(padded_head_dim(max(head_dim, value_head_dim or head_dim)), 16), 256)
     # NOTE: dbias has its own swept ladder only at head dim 128; elsewhere it starts
     # from the dQ kernel's, which reads the same four tiles per step.
     entries = _LADDERS[width].get(kernel) or _LADDERS[width]["dq"]
     if is_causal:
         entries = _CAUSAL_LADDERS.get((width, kernel), entries)
-    if has_bias:
-        entries = _BIAS_LADDERS.get((width, kernel), entries)
+    if heavy_scores:
+        entries = _HEAVY_SCORE_LADDERS.get((width, kernel), entries)
     return entries + tuple(e for e in _SMALLEST if e not in entries)
 
 
@@ -333,8 +335,10 @@ def choose_block_sizes(head_dim: int, dtype: Any = jnp.bfloat16, *, q_len: int, 
                      "has_mask": bool(features.get("has_mask"))}
     chosen = BlockSizes()
     for kernel in _KERNELS:
+        heavy = (features.get("bias_dtype") is not None or bool(features.get("has_dropout"))
+                 or bool(features.get("has_soft_cap")))
         entries = ladder(kernel, head_dim, value_head_dim, bool(features.get("is_causal")),
-                         features.get("bias_dtype") is not None)
+                         heavy)
         for entry in entries:
             candidate = with_kernel(chosen, kernel, entry).clamp(q_len, kv_len)
             if _fits(candidate, kernel, head_dim, value_head_dim, dtype, budget,

@@ -195,7 +195,7 @@ def test_dbias_estimate_matches_the_measured_requests():
         assert request <= estimate <= request + 512, (entry, estimate, request)
 
 
-def test_bias_problems_get_their_swept_tiles_on_an_h100():
+def test_bias_dropout_and_soft_cap_problems_get_their_measured_tiles_on_an_h100():
     b = pallas_attn.choose_block_sizes(128, jnp.bfloat16, q_len=4096, kv_len=4096,
                                        device=DEVICES["sm90"], bias_dtype=jnp.bfloat16,
                                        has_bias=True)
@@ -205,6 +205,10 @@ def test_bias_problems_get_their_swept_tiles_on_an_h100():
     plain = pallas_attn.choose_block_sizes(128, jnp.bfloat16, q_len=4096, kv_len=4096,
                                            device=DEVICES["sm90"])
     assert plain.tiles("forward") == (128, 64, 4, 3)
+    for feature in ("has_dropout", "has_soft_cap"):  # extra per-score work, like a bias
+        b = pallas_attn.choose_block_sizes(128, jnp.bfloat16, q_len=4096, kv_len=4096,
+                                           device=DEVICES["sm90"], **{feature: True})
+        assert b.tiles("forward") == (128, 64, 8, 4), feature
 
 
 def test_sweep_entries_respect_the_budget():

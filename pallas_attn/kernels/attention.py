@@ -43,7 +43,8 @@ def resolve_block_sizes(spec: AttentionSpec, ops: Operands, block_sizes: BlockSi
                 has_mask=ops.mask is not None)
     if block_sizes is None:
         features = dict(smem, is_causal=spec.is_causal, has_bias=spec.has_bias,
-                        has_dropout=spec.has_dropout, has_window=spec.local_window is not None)
+                        has_dropout=spec.has_dropout, has_window=spec.local_window is not None,
+                        has_soft_cap=spec.logits_soft_cap is not None)
         return tuning.choose_block_sizes(H, ops.query.dtype, q_len=T, kv_len=S,
                                          value_head_dim=Hv, device=device, **features)
     if not interpret:
