@@ -90,6 +90,11 @@ class Problem:
         return lax.Precision.HIGHEST if self.dtype == "float32" else None
 
     @property
+    def dropout_scale(self) -> float:
+        """1 / (1 - rate): the weight of a kept entry (1.0 without dropout)."""
+        return 1.0 / (1.0 - self.spec.dropout_rate) if self.spec.has_dropout else 1.0
+
+    @property
     def exp2_factor(self) -> float:
         """Scores s give probabilities exp2((s - m) * exp2_factor) (see the module doc)."""
         natural = self.has("bias") and self.spec.logits_soft_cap is None
@@ -321,11 +326,13 @@ class TileContext:
 
     def score_gradient(self, q, k, v, do, residuals, q0, k0, masked
                        ) -> tuple[jax.Array, jax.Array]:
-        """(dropped probabilities P~, score gradient dS) of one tile, float32.
+        """(dropped probabilities P~, score gradient dS) of one tile, float32, both
+        divided by problem.dropout_scale: callers multiply what they accumulate from
+        them by it once, at the end, instead of every score.
 
         residuals: row_residuals() of the tile's rows. P = exp(s - lse);
         dP~ = dO V^T; dP = dP~ * keep / (1 - rate); dS = P * (dP - delta) times the
-        soft-cap derivative.
+        soft-cap derivative, computed as P * (dP~ * keep - delta * (1 - rate)).
         """
         spec = self.p.spec
         row_max, log2_sum, delta = residuals
@@ -335,9 +342,9 @@ class TileContext:
         dropped = prob
         if spec.has_dropout:
             keep = self.keep(q0, k0, q.shape[0], k.shape[0])
-            inv = 1.0 / (1.0 - spec.dropout_rate)
-            dropped = jnp.where(keep, prob * inv, 0.0)
-            dp = jnp.where(keep, dp * inv, 0.0)
+            dropped = jnp.where(keep, prob, 0.0)
+            dp = jnp.where(keep, dp, 0.0)
+            delta = delta * (1.0 - spec.dropout_rate)
         ds = prob * (dp - delta[:, None])
         if cap_tanh is not None:
             ds = ds * scores.soft_cap_slope(cap_tanh)

@@ -63,8 +63,10 @@ def dkdv_kernel(*refs, problem: Problem, names: tuple[str, ...]):
     init = (jnp.zeros((block_k, k.shape[-1]), jnp.float32),
             jnp.zeros((block_k, v.shape[-1]), jnp.float32))
     dk, dv = lax.fori_loop(0, problem.group, head_body, init)
-    r["dk"][b, pl.ds(k0, block_k), kh, :] = (dk * problem.spec.scale).astype(r["dk"].dtype)
-    r["dv"][b, pl.ds(k0, block_k), kh, :] = dv.astype(r["dv"].dtype)
+    keep_scale = problem.dropout_scale  # score_gradient leaves it out
+    r["dk"][b, pl.ds(k0, block_k), kh, :] = (
+        dk * (problem.spec.scale * keep_scale)).astype(r["dk"].dtype)
+    r["dv"][b, pl.ds(k0, block_k), kh, :] = (dv * keep_scale).astype(r["dv"].dtype)
 
 
 def dq_kernel(*refs, problem: Problem, names: tuple[str, ...]):
@@ -89,7 +91,8 @@ def dq_kernel(*refs, problem: Problem, names: tuple[str, ...]):
 
     dq = run_tile_loops(*ctx.key_tiles(q0, q0 + block_q, block_k), body,
                         jnp.zeros((block_q, q.shape[-1]), jnp.float32))
-    r["dq"][b, pl.ds(q0, block_q), n, :] = (dq * problem.spec.scale).astype(r["dq"].dtype)
+    dq = dq * (problem.spec.scale * problem.dropout_scale)  # score_gradient leaves it out
+    r["dq"][b, pl.ds(q0, block_q), n, :] = dq.astype(r["dq"].dtype)
 
 
 def dbias_kernel(*refs, problem: Problem, names: tuple[str, ...]):
@@ -136,6 +139,7 @@ def dbias_kernel(*refs, problem: Problem, names: tuple[str, ...]):
     acc = lax.fori_loop(0, members, member_body, jnp.zeros((out_q, out_k), jnp.float32))
     rows = pl.ds(qt * block_q, out_q)
     cols = pl.ds(kt * block_k, out_k)
+    acc = acc * problem.dropout_scale  # score_gradient leaves it out
     r["dbias"][bb, nb, rows, cols] = acc.astype(r["dbias"].dtype)
 
 

@@ -68,7 +68,7 @@ def forward_kernel(*refs, problem: Problem, names: tuple[str, ...]):
     valid = (l_sum > 0.0) & (rows < problem.q_len)
     if ctx.q_length is not None:
         valid = valid & (rows < ctx.q_length)
-    scale = 1.0 / (1.0 - spec.dropout_rate) if spec.has_dropout else 1.0
+    scale = problem.dropout_scale
     out = jnp.where(valid[:, None], acc * (scale / jnp.where(valid, l_sum, 1.0))[:, None], 0.0)
     r["out"][b, pl.ds(q0, block_q), n, :] = out.astype(r["out"].dtype)
     r["row_max"][b, n, pl.ds(q0, block_q)] = jnp.where(valid, m, jnp.inf)
