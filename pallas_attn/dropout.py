@@ -2,9 +2,9 @@
 
 The keep decision for attention weight (b, n, i, j) is a pure function of the
 seed and those four indices. A full 32-bit avalanche (MurmurHash3's finaliser)
-makes one key per (b, n), one per query row of it and one per key position;
-each score then costs only a short multiply-xorshift-multiply of the row key
-xor the column key, compared against the rate's threshold. Nothing depends on
+makes one key per (b, n), one per query row of it, and one odd multiplier per
+key position; each score then costs one 32-bit multiply of its row key by its
+column multiplier and one compare of the product against the rate's threshold. Nothing depends on
 tile sizes, so the forward kernel, the backward kernels and the reference
 regenerate the same mask, and nothing T x S is ever stored.
 
@@ -23,7 +23,7 @@ import jax.numpy as jnp
 _ROW_MULTIPLIER = 0x9E3779B1
 _COL_MULTIPLIER = 0x85EBCA77
 _HEAD_MULTIPLIER = 0x27D4EB2F
-_MIX_1 = 0x85EBCA6B
+_MIX_1 = 0x85EBCA6B  # MurmurHash3's finaliser constants
 _MIX_2 = 0xC2B2AE35
 _KEEP_BITS = 24  # the keep test compares the top 24 bits of the hash
 
@@ -64,24 +64,26 @@ def row_keys(key: jax.Array, rows: jax.Array) -> jax.Array:
     return _fmix32(key ^ (_u32(rows) * jnp.uint32(_ROW_MULTIPLIER)))
 
 
-def col_keys(cols: jax.Array) -> jax.Array:
-    """Per key position uint32 keys (seed-independent: the row keys carry the seed)."""
-    return _fmix32(_u32(cols) * jnp.uint32(_COL_MULTIPLIER))
+def col_multipliers(cols: jax.Array) -> jax.Array:
+    """Per key position odd uint32 multipliers (seed-independent: the row keys carry
+    the seed)."""
+    return _fmix32(_u32(cols) * jnp.uint32(_COL_MULTIPLIER)) | jnp.uint32(1)
 
 
 def keep(row_key: jax.Array, cols: jax.Array, rate: float) -> jax.Array:
     """Boolean keep decisions [rows, cols] from row keys [rows] and key positions [cols].
 
-    Row and column keys are both fully mixed, so their xor is already a distinct
-    pseudo-random word per column of a row; one multiply-xorshift-multiply breaks
-    the xor structure shared across rows (measured: no row-pair, neighbour or
-    four-corner correlation beyond sampling noise).
+    The row key is uniform and the column multiplier odd, so each product is
+    uniform (multiplying by an odd number permutes the 32-bit words), and a row's
+    products differ from column to column. Two rows' masks are correlated only when
+    their keys differ by a multiple of 2^24 or more (about one row pair in 2^24);
+    measured: no row-pair, column-pair, neighbour or four-corner correlation beyond
+    sampling noise. Two integer operations per score, the least a hash can cost.
     """
     if row_key.ndim != 1 or jnp.ndim(cols) != 1:
         raise ValueError(f"keep takes 1-D row keys and columns, got shapes {row_key.shape} "
                          f"and {jnp.shape(cols)}")
-    h = (row_key[:, None] ^ col_keys(cols)[None, :]) * jnp.uint32(_MIX_1)
-    h = (h ^ (h >> 15)) * jnp.uint32(_MIX_2)
+    h = row_key[:, None] * col_multipliers(cols)[None, :]
     # NOTE: one unsigned compare on the whole word, the same as comparing its top
     # _KEEP_BITS bits with the threshold.
     return h >= jnp.uint32(keep_threshold(rate) << (32 - _KEEP_BITS))
