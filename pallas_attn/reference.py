@@ -19,7 +19,7 @@ import jax.numpy as jnp
 
 from pallas_attn import dropout as dropout_lib
 from pallas_attn.kernels import scores
-from pallas_attn.spec import AttentionSpec, Operands, check_bool, normalize
+from pallas_attn.spec import AttentionSpec, Operands
 
 
 def logits_and_visibility(spec: AttentionSpec, ops: Operands) -> tuple[jax.Array, Any]:
@@ -82,49 +82,21 @@ def attention(spec: AttentionSpec, ops: Operands) -> tuple[jax.Array, jax.Array]
 
 
 def dot_product_attention(
-    query: Any,
-    key: Any,
-    value: Any,
-    bias: Any = None,
-    mask: Any = None,
-    *,
-    scale: float | None = None,
-    is_causal: bool = False,
-    query_seq_lengths: Any = None,
-    key_value_seq_lengths: Any = None,
-    local_window_size: int | tuple[int, int] | None = None,
-    implementation: str | None = None,
-    return_residual: bool = False,
-    causal_alignment: str = "top_left",
-    alibi_slopes: Any = None,
-    logits_soft_cap: float | None = None,
-    q_segment_ids: Any = None,
-    kv_segment_ids: Any = None,
-    dropout_rate: float = 0.0,
-    dropout_rng: Any = None,
-    broadcast_dropout: bool = False,
-    block_sizes: Any = None,
-    interpret: bool = False,
+    *args: Any, implementation: str | None = None, block_sizes: Any = None,
+    interpret: bool = False, **kwargs: Any,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
-    """The reference with the public signature (see pallas_attn.dot_product_attention).
+    """The reference through the public signature: pallas_attn.dot_product_attention
+    with implementation="xla" (same arguments, same checks).
 
-    implementation, block_sizes and interpret are accepted for signature parity
-    and must be None / "xla" / False.
+    implementation may only be None or "xla"; block_sizes and interpret do not apply.
     """
-    return_residual = check_bool("return_residual", return_residual)
     if implementation not in (None, "xla"):
         raise ValueError(f"the reference is implementation='xla', got {implementation!r}")
     if block_sizes is not None or interpret:
         raise ValueError("block_sizes and interpret do not apply to the reference")
-    spec, ops, batched = normalize(
-        query, key, value, bias, mask, scale=scale, is_causal=is_causal,
-        query_seq_lengths=query_seq_lengths, key_value_seq_lengths=key_value_seq_lengths,
-        local_window_size=local_window_size, causal_alignment=causal_alignment,
-        alibi_slopes=alibi_slopes, logits_soft_cap=logits_soft_cap,
-        q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
-        dropout_rate=dropout_rate, dropout_rng=dropout_rng, broadcast_dropout=broadcast_dropout)
-    out, lse = attention(spec, ops)
-    return finish(out, lse, batched, return_residual)
+    from pallas_attn import api  # api imports this module
+
+    return api.dot_product_attention(*args, implementation="xla", **kwargs)
 
 
 def finish(out: jax.Array, lse: jax.Array, batched: bool, return_residual: bool):
