@@ -100,41 +100,16 @@ class Problem:
         natural = self.has("bias") and self.spec.logits_soft_cap is None
         return LOG2E if natural else 1.0
 
-    @property
-    def score_unit(self) -> float:
-        """TileContext.scores returns s with s * score_unit in the problem's units.
-
-        NOTE: the last positive multiply of plain scores (scale * log2(e)) and of
-        soft-capped ones (cap * log2(e)) is deferred: the row max commutes with it,
-        and s * unit - max is one fused multiply-add, one multiply per score less.
-        """
-        cap = self.spec.logits_soft_cap
-        if cap is not None:
-            return cap * LOG2E
-        if self.has("bias") or self.has("alibi_slopes") or self.spec.scale <= 0:
-            return 1.0
-        return self.spec.scale * LOG2E
-
-    def row_max_of(self, s: jax.Array) -> jax.Array:
-        """Row maxima of a score tile, in the problem's units."""
-        m = jnp.max(s, axis=1)
-        return m if self.score_unit == 1.0 else m * self.score_unit
-
     def exp2_of(self, difference: jax.Array) -> jax.Array:
-        """exp2(difference * exp2_factor): probabilities from unit differences."""
+        """exp2(difference * exp2_factor): probabilities from score differences."""
         factor = self.exp2_factor
         return jnp.exp2(difference if factor == 1.0 else difference * factor)
-
-    def exp2_of_scores(self, s: jax.Array, shift: jax.Array) -> jax.Array:
-        """exp2((s * score_unit - shift) * exp2_factor) for a score tile from scores()."""
-        unit = self.score_unit  # exp2_factor is 1 whenever unit is not
-        return self.exp2_of(s - shift) if unit == 1.0 else jnp.exp2(s * unit - shift)
 
     def probabilities(self, s: jax.Array, row_max: jax.Array, log2_sum: jax.Array
                       ) -> jax.Array:
         """Normalised probabilities of a score tile from the forward's row residuals."""
         if self.exp2_factor == 1.0:
-            return self.exp2_of_scores(s, (row_max + log2_sum)[:, None])
+            return jnp.exp2(s - (row_max + log2_sum)[:, None])
         return jnp.exp2((s - row_max[:, None]) * self.exp2_factor - log2_sum[:, None])
 
     def logsumexp(self, row_max: jax.Array, log2_sum: jax.Array) -> jax.Array:
@@ -294,8 +269,7 @@ class TileContext:
 
     def scores(self, q: jax.Array, k: jax.Array, q0: Any, k0: Any, masked: bool
                ) -> tuple[jax.Array, jax.Array | None, jax.Array | None]:
-        """Float32 scores [bq, bk] (times problem.score_unit: the problem's units),
-        invisible entries at -inf.
+        """Float32 scores [bq, bk] in the problem's units, invisible entries at -inf.
 
         Returns (scores, visible or None, tanh(logits / cap) or None).
         masked=False skips the band masks (causal, window, lengths), for tiles the
@@ -316,11 +290,11 @@ class TileContext:
                 cap_tanh = scores.soft_cap_tanh(s, cap, p.tanh)
         elif cap is not None:
             cap_tanh = scores.soft_cap_tanh(s, cap / spec.scale, p.tanh)  # scale folded in
-        elif p.score_unit == 1.0:  # log2 units, log2(e) folded into scale and ALiBi slope
+        else:  # log2 units, log2(e) folded into the scale and the ALiBi slope
             s = scores.add_logit_terms(s * (spec.scale * LOG2E), rows, cols, p.offset,
                                        alibi_slope=self.slope_log2)
         if cap_tanh is not None:
-            s = cap_tanh  # log2 units once times cap * log2(e): capped scores are bounded
+            s = cap_tanh * (cap * LOG2E)  # log2 units: capped scores are bounded
         mask = (self._load_broadcast("mask", spec.mask_shape, q0, k0, block_q, block_k)
                 if p.has("mask") else None)
         q_seg = kv_seg = None

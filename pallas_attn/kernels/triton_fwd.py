@@ -47,9 +47,9 @@ def forward_kernel(*refs, problem: Problem, names: tuple[str, ...]):
         k0 = t * block_k
         k = r["k"][b, pl.ds(k0, block_k), kh, :]
         s, _, _ = ctx.scores(q, k, q0, k0, masked)
-        m_next = jnp.maximum(m_prev, problem.row_max_of(s))  # stays >= MAX_FLOOR
+        m_next = jnp.maximum(m_prev, jnp.max(s, axis=1))  # stays >= MAX_FLOOR
         alpha = problem.exp2_of(m_prev - m_next)
-        prob = problem.exp2_of_scores(s, m_next[:, None])  # invisible: s = -inf, prob = 0
+        prob = problem.exp2_of(s - m_next[:, None])  # invisible: s = -inf, prob = 0
         l_next = l_prev * alpha + jnp.sum(prob, axis=1)
         if spec.has_dropout:
             prob = jnp.where(ctx.keep(q0, k0, block_q, block_k), prob, 0.0)
