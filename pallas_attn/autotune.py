@@ -160,6 +160,8 @@ def sweep_entries(kernel: str, head_dim: int, value_head_dim: int, dtype: Any, b
     from pallas_attn import tuning
 
     pairs, warps, stages = SWEEP[kernel]
+    if kernel == "dbias" and bias_dtype is None:
+        bias_dtype = dtype  # the dbias kernel exists only with a bias
     grid = [((bq, bk, w, st)) for (bq, bk) in pairs for w in warps for st in stages]
     entries = []
     for entry in (*grid, *tuning.ladder(kernel, head_dim, value_head_dim)):
@@ -167,9 +169,8 @@ def sweep_entries(kernel: str, head_dim: int, value_head_dim: int, dtype: Any, b
         if entry in entries or bq > max(16, q_len) or bk > max(16, kv_len):
             continue
         candidate = tuning.with_kernel(tuning.BlockSizes(), kernel, entry)
-        estimate = tuning.shared_memory_estimate(
-            candidate, head_dim, value_head_dim, dtype,
-            bias_dtype=dtype if kernel == "dbias" and bias_dtype is None else bias_dtype)
+        estimate = tuning.shared_memory_estimate(candidate, head_dim, value_head_dim, dtype,
+                                                 bias_dtype=bias_dtype)
         if estimate[kernel] <= budget:
             entries.append(entry)
     return entries

@@ -281,6 +281,8 @@ class TileContext:
         rows = (q0 + lax.broadcasted_iota(jnp.int32, (block_q, 1), 0))
         cols = (k0 + lax.broadcasted_iota(jnp.int32, (1, block_k), 1))
         cap, cap_tanh = spec.logits_soft_cap, None
+        # Natural units where a bias may be near finfo.min, or where ALiBi must be added
+        # before the cap; otherwise log2 factors fold into the multiplies.
         if p.has("bias") or (cap is not None and self.slope is not None):
             bias = (self._load_broadcast("bias", spec.bias_shape, q0, k0, block_q, block_k)
                     if p.has("bias") else None)

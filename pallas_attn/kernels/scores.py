@@ -34,9 +34,8 @@ def soft_cap_tanh(logits: jax.Array, cap: float,
     return tanh(logits * (1.0 / cap))
 
 
-def soft_cap(logits: jax.Array, cap: float, tanh: Callable[[jax.Array], jax.Array] = jnp.tanh
-             ) -> jax.Array:
-    return cap * soft_cap_tanh(logits, cap, tanh)
+def soft_cap(logits: jax.Array, cap: float) -> jax.Array:
+    return cap * soft_cap_tanh(logits, cap)
 
 
 def soft_cap_slope(t: jax.Array) -> jax.Array:
@@ -64,12 +63,12 @@ def add_logit_terms(
 def modify_logits(
     logits: jax.Array, rows: Any, cols: Any, spec: AttentionSpec, offset: int, *,
     bias: jax.Array | None = None, alibi_slope: Any = None,
-    tanh: Callable[[jax.Array], jax.Array] = jnp.tanh,
 ) -> jax.Array:
-    """Adds bias and ALiBi to scaled logits (float32), then applies the soft cap."""
+    """Adds bias and ALiBi to scaled logits (float32), then applies the soft cap
+    (the jnp paths; the kernels compose the same pieces in log2 units)."""
     logits = add_logit_terms(logits, rows, cols, offset, bias=bias, alibi_slope=alibi_slope)
     if spec.logits_soft_cap is not None:
-        logits = soft_cap(logits, spec.logits_soft_cap, tanh)
+        logits = soft_cap(logits, spec.logits_soft_cap)
     return logits
 
 
