@@ -14,6 +14,8 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--set", choices=["standard", "features", "all"], default="standard",
                        help="standard shapes (head dims 64/128/256), feature costs, or both")
     bench.add_argument("--match", help="only shapes whose label matches this regex (re.search)")
+    bench.add_argument("--impl", nargs="+", metavar="NAME",
+                       help="only these implementations: pallas_attn, cudnn, xla")
     bench.add_argument("--json", help="write the rows to this file")
     bench.add_argument("--plot", help="write a TFLOP/s bar chart (PNG) to this file")
     check = sub.add_parser("check", help="kernel numerics vs the reference")
@@ -36,6 +38,7 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.command == "bench":
         shapes = _bench_shapes(args, parser, bench_lib)
+        only = _bench_implementations(args, parser, bench_lib)
     gpu = bench_lib.on_gpu()
     if args.command == "check" or (args.command == "bench" and not gpu):
         if not gpu:
@@ -49,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
         if getattr(args, "json", None):
             bench_lib.write_json(args.json, results)
         return 0 if ok else 1
-    rows = bench_lib.benchmark(shapes)
+    rows = bench_lib.benchmark(shapes, only=only)
     print(bench_lib.describe_device())
     print(bench_lib.format_table(rows))
     if args.json:
@@ -75,6 +78,17 @@ def _bench_shapes(args: argparse.Namespace, parser: argparse.ArgumentParser,
         if not shapes:
             parser.error(f"--match {args.match!r} selects no shape of --set {args.set}")
     return shapes
+
+
+def _bench_implementations(args: argparse.Namespace, parser: argparse.ArgumentParser,
+                           bench_lib) -> list[str] | None:
+    if not args.impl:
+        return None
+    names = {name.split()[-1]: name for name in bench_lib.IMPLEMENTATIONS}
+    unknown = [x for x in args.impl if x not in names]
+    if unknown:
+        parser.error(f"--impl {' '.join(unknown)}: choose from {', '.join(names)}")
+    return [names[x] for x in args.impl]
 
 
 def _tune(args: argparse.Namespace) -> int:

@@ -122,11 +122,13 @@ def dot_product_attention(
                 f"the Pallas kernels support head dims up to {MAX_KERNEL_HEAD_DIM}, got "
                 f"query/key {head_dims[0]} and value {head_dims[1]}; use implementation='xla'")
         from pallas_attn.kernels import attention as kernel_attention
-        from pallas_attn.tuning import BlockSizes
+        from pallas_attn.tuning import BlockSizes, check_fuse_dbias
 
         if block_sizes is not None and not isinstance(block_sizes, BlockSizes):
             raise TypeError(f"block_sizes must be a pallas_attn.BlockSizes, got "
                             f"{type(block_sizes).__name__}")
+        if block_sizes is not None:
+            check_fuse_dbias(block_sizes, spec.bias_shape)
         out, lse = kernel_attention.attention(spec, ops, block_sizes=block_sizes,
                                               interpret=interpret)
     return reference.finish(out, lse, batched, return_residual)

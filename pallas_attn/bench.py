@@ -121,6 +121,9 @@ def time_fn(fn: Callable[[], Any], *, min_seconds: float = 0.3, warmup: int = 2)
     return float(np.median(samples))
 
 
+IMPLEMENTATIONS = ("pallas_attn", "jax.nn cudnn", "jax.nn xla")
+
+
 def implementations(interpret: bool) -> dict[str, Callable[..., jax.Array]]:
     impls: dict[str, Callable[..., jax.Array]] = {
         "pallas_attn": lambda q, k, v, **kw: pallas_attn.dot_product_attention(
@@ -134,12 +137,16 @@ def implementations(interpret: bool) -> dict[str, Callable[..., jax.Array]]:
 
 
 def benchmark(shapes: Sequence[Shape], *, interpret: bool = False,
-              log: Callable[[str], None] = print) -> list[dict[str, Any]]:
+              log: Callable[[str], None] = print,
+              only: Sequence[str] | None = None) -> list[dict[str, Any]]:
+    """Rows of timings per shape and implementation (only: names of IMPLEMENTATIONS)."""
     rows = []
     for shape in shapes:
         args = make_inputs(shape)
         q, k, v = args["query"], args["key"], args["value"]
         for name, fn in implementations(interpret).items():
+            if only is not None and name not in only:
+                continue
             row: dict[str, Any] = {"shape": shape.label, "impl": name}
             kwargs = args["kwargs"]
             try:
@@ -289,6 +296,14 @@ def check_shapes(on_device: bool) -> list[Shape]:
               dtype="bfloat16"),
         Shape(2, 1024, 1024, 4, 4, 128, True, (("window", 256), ("segments", None)),
               dtype="bfloat16"),
+        # dbias fused into the dK/dV kernel (16 key tiles x 16 heads fill an H100): float32
+        # partial sums over the batch for a bfloat16 bias; a float32 bias summed in place
+        # under causal masking (skipped tiles zero-filled) with dropout.
+        Shape(2, 1024, 1024, 16, 16, 128, False, (("bias", None),), dtype="bfloat16"),
+        Shape(2, 1024, 1024, 16, 16, 64, True, (("bias", None), ("dropout", 0.1)),
+              dtype="float32"),
+        # A cap too large for the fixed row reference: lazily rescaled row maxima.
+        Shape(2, 1024, 1024, 4, 4, 128, False, (("softcap", 50.0),), dtype="bfloat16"),
     ]
     return shapes
 

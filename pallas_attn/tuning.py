@@ -115,6 +115,11 @@ class BlockSizes:
     16 is the smallest tensor-core operand). Results do not depend on the tiles.
     The dbias fields matter only when a bias is differentiated; its tiles are tiles
     of the bias (query rows x keys).
+
+    fuse_dbias: True: the dK/dV kernel writes dbias from the dS tiles it computes
+    anyway (a bias broadcast along keys cannot be fused: ValueError); False: a
+    separate dbias kernel recomputes dS; None (default): resolved by
+    `resolve_fuse_dbias` for the problem and device.
     """
 
     block_q: int = 128
@@ -133,6 +138,7 @@ class BlockSizes:
     block_k_dbias: int = 128
     num_warps_dbias: int = 8
     num_stages_dbias: int = 2
+    fuse_dbias: bool | None = None
 
     def __post_init__(self):
         for field in ("block_q", "block_k", "block_q_dkv", "block_k_dkv", "block_q_dq",
@@ -149,6 +155,9 @@ class BlockSizes:
             value = getattr(self, field)
             if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= 8:
                 raise ValueError(f"BlockSizes.{field} must be an int in [1, 8], got {value!r}")
+        if self.fuse_dbias is not None and not isinstance(self.fuse_dbias, bool):
+            raise ValueError(
+                f"BlockSizes.fuse_dbias must be True, False or None, got {self.fuse_dbias!r}")
 
     def clamp(self, q_len: int, kv_len: int) -> BlockSizes:
         """Shrinks tiles that are longer than the (power-of-two rounded) sequences."""
@@ -176,6 +185,34 @@ def padded_head_dim(head_dim: int) -> int:
     return max(16, _next_power_of_2(head_dim))
 
 
+def check_fuse_dbias(block_sizes: BlockSizes, bias_shape: tuple[int, ...] | None) -> None:
+    """ValueError if block_sizes asks for a fused dbias that this bias cannot have."""
+    if block_sizes.fuse_dbias is True and bias_shape is not None and bias_shape[-1] == 1:
+        raise ValueError(
+            f"BlockSizes.fuse_dbias=True needs a bias that varies along keys; this bias "
+            f"has shape {tuple(bias_shape)} (broadcast along keys): use fuse_dbias=None or False")
+
+
+def resolve_fuse_dbias(block_sizes: BlockSizes, bias_shape: tuple[int, int, int, int], *,
+                       batch: int, num_kv_heads: int, kv_len: int,
+                       device: DeviceInfo) -> BlockSizes:
+    """block_sizes with fuse_dbias decided (True or False) for a bias of bias_shape.
+
+    Automatic (None): fused unless the bias broadcasts along keys (its dbias sums
+    over every key tile, which no dK/dV program owns) or the fused dK/dV grid, whose
+    batch / kv-head axes shrink to 1 where the bias broadcasts over them, would have
+    fewer programs than the device has multiprocessors.
+    """
+    check_fuse_dbias(block_sizes, bias_shape)
+    Bb, Nb, _, Sb = bias_shape
+    if block_sizes.fuse_dbias is not None:
+        return block_sizes
+    programs = (ceil_div(kv_len, block_sizes.block_k_dkv) * (batch if Bb > 1 else 1)
+                * (num_kv_heads if Nb > 1 else 1))
+    fused = Sb > 1 and programs >= device.num_multiprocessors
+    return dataclasses.replace(block_sizes, fuse_dbias=fused)
+
+
 def shared_memory_estimate(block_sizes: BlockSizes, head_dim: int, value_head_dim: int | None,
                            dtype: Any, *, bias_dtype: Any = None,
                            has_mask: bool = False) -> dict[str, int]:
@@ -185,9 +222,9 @@ def shared_memory_estimate(block_sizes: BlockSizes, head_dim: int, value_head_di
 
     Counts what Triton stages through shared memory: tiles loaded inside the loop
     are multi-buffered num_stages deep (K, V in the forward and dQ kernels; Q, dO
-    and the bias/mask tiles in the dK/dV kernel), tiles loaded once stay resident,
-    and the [block_q, block_k] operand of a second matrix product (P or dS) is
-    staged once.
+    and the bias/mask tiles in the dK/dV kernel, and with a bias the float32 dbias
+    partial sums it may read back), tiles loaded once stay resident, and the
+    [block_q, block_k] operand of a second matrix product (P or dS) is staged once.
     """
     b = block_sizes
     hd = padded_head_dim(head_dim)
@@ -204,6 +241,8 @@ def shared_memory_estimate(block_sizes: BlockSizes, head_dim: int, value_head_di
     dkdv = (b.block_k_dkv * (hd + hv) * size + b.num_stages_dkv * b.block_q_dkv * (hd + hv) * size
             + 2 * b.block_q_dkv * b.block_k_dkv * size
             + tile_inputs(b.block_q_dkv, b.block_k_dkv, b.num_stages_dkv))
+    if bias_dtype is not None and b.fuse_dbias is not False:
+        dkdv += b.num_stages_dkv * b.block_q_dkv * b.block_k_dkv * 4
     dq = (b.block_q_dq * (hd + hv) * size + b.num_stages_dq * b.block_k_dq * (hd + hv) * size
           + b.block_q_dq * b.block_k_dq * size
           + tile_inputs(b.block_q_dq, b.block_k_dq, b.num_stages_dq))

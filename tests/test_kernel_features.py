@@ -8,6 +8,8 @@ of tests/kernel_helpers.py, which implements the semantics independently.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -65,16 +67,62 @@ BIAS_CASES = [
 ]
 
 
+@pytest.mark.parametrize("fuse_dbias", [False, True], ids=["dbias_kernel", "fused"])
 @pytest.mark.parametrize("bias_shape,kwargs", BIAS_CASES,
                          ids=["x".join(map(str, c[0])) for c in BIAS_CASES])
-def test_bias_broadcast_shapes_with_dbias(bias_shape, kwargs):
+def test_bias_broadcast_shapes_with_dbias(bias_shape, kwargs, fuse_dbias):
+    """dbias from the separate dbias kernel and from the dK/dV kernel (fused); a bias
+    broadcast along keys is never fused."""
+    if fuse_dbias and bias_shape[-1] == 1:
+        pytest.skip("a bias broadcast along keys has no fused dbias (test_validation.py)")
     inputs = make_inputs(len(bias_shape) + sum(bias_shape), B=B, T=T, S=S, N=N, K=K, H=16)
     bias = random_bias(sum(bias_shape), bias_shape)
-    kernel, exact = check_against_reference_and_oracle(inputs, bias=bias, **kwargs)
+    blocks = dataclasses.replace(SMALL_BLOCKS, fuse_dbias=fuse_dbias)
+    kernel, exact = check_against_reference_and_oracle(inputs, bias=bias, block_sizes=blocks,
+                                                       **kwargs)
     assert np.abs(kernel["dbias"]).max() > 0
     if kwargs.get("causal_alignment") == "bottom_right" and bias_shape[-2] == T:
         # bias rows of queries that see no key get exactly zero gradient
         assert np.all(kernel["dbias"][..., : T - S, :] == 0.0)
+
+
+FUSED = dataclasses.replace(SMALL_BLOCKS, fuse_dbias=True)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("bias_shape", [(1, N, 40, 23), (1, 1, 40, 23), (1, N, 1, 23)],
+                         ids=["1xNxTxS", "1x1xTxS", "1xNx1xS"])
+def test_fused_dbias_sums_over_batch_and_heads_with_ragged_ranges(bias_shape, dtype):
+    """dbias summed inside the dK/dV kernel over batch entries and heads (float32 partial
+    sums; the last contribution writes the bias's dtype), where the contributions skip
+    different tiles: per-entry lengths (one entry sees nothing), a causal band, GQA
+    and dropout. The interpreter fills outputs with NaN, so an unwritten tile fails."""
+    batch = 3
+    inputs = make_inputs(81, B=batch, T=40, S=23, N=N, K=K, H=16, dtype=DTYPES[dtype])
+    bias = random_bias(82, bias_shape, DTYPES[dtype])
+    arrays = {"query_seq_lengths": jnp.asarray([40, 17, 0], jnp.int32),
+              "key_value_seq_lengths": jnp.asarray([9, 23, 23], jnp.int32),
+              "dropout_rng": jax.random.key(83)}
+    kwargs = dict(is_causal=True, causal_alignment="bottom_right", dropout_rate=0.25)
+    fused, reference = pallas_and_reference(inputs, bias=bias, arrays=arrays,
+                                            block_sizes=FUSED, **kwargs)
+    unfused, _ = pallas_and_reference(inputs, bias=bias, arrays=arrays,
+                                      block_sizes=SMALL_BLOCKS, **kwargs)
+    assert fused["dbias"].dtype == unfused["dbias"].dtype
+    assert np.isfinite(fused["dbias"]).all() and np.abs(fused["dbias"]).max() > 0
+    assert_results_close(fused, reference, DTYPES[dtype], label="fused vs reference: ")
+    assert_results_close(fused, unfused, DTYPES[dtype], label="fused vs dbias kernel: ")
+    if bias_shape[2] > 1:  # bottom_right, T - S = 17: rows 0..16 see no key in any entry
+        assert np.all(fused["dbias"][..., :17, :] == 0.0)
+
+
+def test_fused_dbias_is_deterministic():
+    inputs = make_inputs(84, B=3, T=40, S=40, N=4, K=2, H=16)
+    bias = random_bias(85, (1, 1, 40, 40))
+    runs = [pallas_and_reference(inputs, bias=bias, block_sizes=FUSED, is_causal=True)[0]
+            for _ in range(2)]
+    for name in runs[0]:
+        np.testing.assert_array_equal(runs[0][name], runs[1][name], err_msg=name)
 
 
 def test_bias_without_gradient_still_gives_qkv_gradients():
@@ -169,16 +217,32 @@ def test_alibi_slopes_gradient_raises_with_pallas():
 
 
 @pytest.mark.parametrize("cap,with_bias", [(1.0, True), (30.0, True), (2.0, False),
-                                          (30.0, False)])
+                                          (30.0, False), (50.0, False)])
 def test_logits_soft_cap(cap, with_bias):
     """With a bias the cap applies to scale * q.k + bias; without one the kernels fold
-    the scale into the tanh's argument (two code paths)."""
+    the scale into the tanh's argument (two code paths). Caps up to 50 / log2(e)
+    use the cap as a fixed row reference, 50 the lazily rescaled row maximum."""
     # cap 30 needs logits of that order to matter: scale the inputs up.
     inputs = make_inputs(int(cap) + with_bias, B=1, T=40, S=23, N=2, H=16,
                          scale_inputs=1.0 if cap < 30 else 3.0)
     bias = random_bias(51, (1, 2, 1, 23)) if with_bias else None
     check_against_reference_and_oracle(inputs, bias=bias, logits_soft_cap=cap,
                                        is_causal=True)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+def test_soft_cap_rows_far_below_the_cap(dtype):
+    """Rows whose every logit sits near -cap: against the fixed reference +cap their
+    probabilities are about 2**-83 (float32, bfloat16); float16 keeps the row maximum."""
+    inputs = make_inputs(57, B=1, T=24, S=40, N=2, H=16)
+    q, k = np.array(inputs["q"]), np.array(inputs["k"])
+    q[:, :8, :, 0] = -12.0  # rows 0..7: logits about -0.25 * 12 * 12 = -36 before the cap
+    k[..., 0] = 12.0 + k[..., 0]
+    inputs = dict(inputs, q=jnp.asarray(q, DTYPES[dtype]), k=jnp.asarray(k, DTYPES[dtype]),
+                  v=inputs["v"].astype(DTYPES[dtype]), ct=inputs["ct"].astype(DTYPES[dtype]))
+    kernel, exact = check_against_reference_and_oracle(inputs, logits_soft_cap=30.0,
+                                                       dtype=DTYPES[dtype])
+    assert np.all(exact["lse"][0, :8] < -20.0)
 
 
 # ------------------------------------------------------------------------------ segments, lengths

@@ -61,6 +61,9 @@ FLOAT32_CASES = [
     ("head_dim_80_96", dict(B=1, T=17, S=20, N=2, K=1, H=80, Hv=96), dict(is_causal=True)),
     ("head_dim_256", dict(B=1, T=20, S=17, N=1, H=256),
      dict(is_causal=True, causal_alignment="bottom_right")),
+    # Causal programs take a tile and its mirror: 5 query and 5 key tiles (the middle
+    # one alone) here, 4 and 3 in no_padding_T64_S48_H16.
+    ("causal_paired_odd_tiles", dict(B=1, T=80, S=80, N=2, H=16), dict(is_causal=True)),
 ]
 
 
@@ -80,6 +83,32 @@ def test_forward_lse_and_gradients_float32(shapes, kwargs):
     if kwargs.get("causal_alignment") == "bottom_right" and T > shapes["S"]:
         assert empty_rows(exact).sum() == B * N * (T - shapes["S"])
         assert np.all(kernel["dq"][:, : T - shapes["S"]] == 0.0)
+
+
+def _tile_staircase(inputs: dict, step: float) -> dict:
+    """Adds step * (key tile index - 1) along one direction of q and k, so each 16-key
+    tile's logits sit about 0.25 * 8 * step above (step > 0) or below the previous's."""
+    q, k = np.array(inputs["q"]), np.array(inputs["k"])
+    q[..., 0] += 8.0
+    k[..., 0] += step * (np.arange(k.shape[1]) // 16 - 1)[None, :, None]
+    return dict(inputs, q=jnp.asarray(q), k=jnp.asarray(k))
+
+
+@pytest.mark.parametrize("with_bias", [False, True], ids=["log2_units", "natural_units"])
+@pytest.mark.parametrize("step", [30.0, -30.0], ids=["rising", "falling"])
+def test_lazy_rescaling_when_row_maxima_jump(step, with_bias):
+    """The forward moves a row's reference only when a key tile's maximum passes it by
+    more than 2**8. Rising tiles (about 87 log2 units apart: without the rescale the
+    third tile's probabilities would overflow float32) move it in every tile; falling
+    ones never after the first."""
+    inputs = _tile_staircase(make_inputs(91, B=1, T=20, S=48, N=2, H=16), step)
+    bias = (jnp.asarray(np.random.default_rng(92).standard_normal((1, 2, 20, 48)), jnp.float32)
+            if with_bias else None)
+    kernel, reference = pallas_and_reference(inputs, bias=bias, bias_grad=False)
+    exact = oracle(inputs, bias=bias)
+    assert np.ptp(exact["lse"]) > 0 and np.abs(exact["lse"]).max() > 50
+    assert_results_close(kernel, reference, jnp.float32, factor=4.0, label="vs reference: ")
+    assert_results_close(kernel, exact, jnp.float32, factor=4.0, label="vs float64: ")
 
 
 HEAD_DIMS = [(8, 8), (40, 40), (80, 24), (96, 96), (160, 160), (192, 64), (256, 256)]

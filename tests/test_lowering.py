@@ -12,6 +12,8 @@ import jax
 import jax.numpy as jnp
 import pytest
 
+import pallas_attn
+
 _TOOL = pathlib.Path(__file__).parent.parent / "tools" / "lower_for_gpu.py"
 _spec = importlib.util.spec_from_file_location("lower_for_gpu", _TOOL)
 lower_for_gpu = importlib.util.module_from_spec(_spec)
@@ -34,6 +36,15 @@ CASES = {
     "bias_full": dict(bias=jnp.ones((2, 4, 256, 256), jnp.bfloat16)),
     "bias_heads_keys": dict(bias=jnp.ones((1, 4, 1, 256), jnp.float32), is_causal=True),
     "bias_queries": dict(bias=jnp.ones((1, 1, 256, 1), jnp.float32)),
+    # dbias written by the dK/dV kernel: float32 partial sums over batch entries (a
+    # bfloat16 bias), and a float32 per-key bias summed over rows and heads (GQA).
+    "bias_fused_batch_broadcast": dict(bias=jnp.ones((1, 4, 256, 256), jnp.bfloat16),
+                                       is_causal=True, dropout_rate=0.1,
+                                       dropout_rng=jax.random.key(0),
+                                       block_sizes=pallas_attn.BlockSizes(fuse_dbias=True)),
+    "bias_fused_keys_gqa": dict(bias=jnp.ones((2, 1, 1, 256), jnp.float32), K=2,
+                                key_value_seq_lengths=jnp.array([100, 256]),
+                                block_sizes=pallas_attn.BlockSizes(fuse_dbias=True)),
 }
 
 

@@ -433,6 +433,22 @@ def test_invalid_block_sizes_fields(field, value):
         pallas_attn.BlockSizes(**{field: value})
 
 
+@pytest.mark.parametrize("value", ["yes", 1, 0.0])
+def test_invalid_fuse_dbias(value):
+    with pytest.raises(ValueError, match=r"BlockSizes\.fuse_dbias must be True, False or None"):
+        pallas_attn.BlockSizes(fuse_dbias=value)
+
+
+def test_fuse_dbias_true_rejects_a_bias_broadcast_along_keys():
+    bias = jnp.zeros((1, 1, 8, 1), jnp.float32)
+    with pytest.raises(ValueError, match=r"fuse_dbias=True needs a bias that varies along "
+                                         r"keys; this bias has shape \(1, 1, 8, 1\)"):
+        pallas_attn.dot_product_attention(
+            jnp.zeros((1, 8, 2, 16)), jnp.zeros((1, 8, 2, 16)), jnp.zeros((1, 8, 2, 16)), bias,
+            implementation="pallas", interpret=True,
+            block_sizes=pallas_attn.BlockSizes(fuse_dbias=True))
+
+
 # Regression (fixed): BlockSizes accepts num_warps=4.0 and num_warps=True because the
 # check is `value not in (1, 2, 4, 8, 16)` (4.0 == 4, True == 1); num_stages already
 # rejects floats and bools. These tests fail until num_warps gets the same int check.

@@ -45,10 +45,14 @@ def resolve_block_sizes(spec: AttentionSpec, ops: Operands, block_sizes: BlockSi
         features = dict(smem, is_causal=spec.is_causal, has_bias=spec.has_bias,
                         has_dropout=spec.has_dropout, has_window=spec.local_window is not None,
                         has_soft_cap=spec.logits_soft_cap is not None)
-        return tuning.choose_block_sizes(H, ops.query.dtype, q_len=T, kv_len=S,
-                                         value_head_dim=Hv, device=device, **features)
-    if not interpret:
+        block_sizes = tuning.choose_block_sizes(H, ops.query.dtype, q_len=T, kv_len=S,
+                                                value_head_dim=Hv, device=device, **features)
+    elif not interpret:
         tuning.check_fits(block_sizes, H, Hv, ops.query.dtype, device, **smem)
+    if ops.bias is not None:
+        block_sizes = tuning.resolve_fuse_dbias(block_sizes, ops.bias.shape, batch=B,
+                                                num_kv_heads=ops.key.shape[2], kv_len=S,
+                                                device=device)
     return block_sizes
 
 

@@ -14,12 +14,20 @@ by the cap (cap * log2(e) folded into the multiply after the tanh). Only scores
 with a bias and no cap stay natural (factor log2(e)) and are converted after the
 subtraction, so logits near the float32 minimum (a finfo.min bias) cannot overflow.
 The forward keeps two per-row residuals instead of the logsumexp alone: the row
-maximum m (problem units) and log2 of the row sum l. The backward recomputes
-p = exp2((s - m) * exp2_factor - log2 l), so rows whose logits are all hugely
-negative (a row hidden by a finfo.min bias) keep exact gradients, where m + ln l
-would round to m. A row that sees no key has m = +inf (and log2 l = 0), so every
-backward p is 0 there without a select; its public lse is +inf until the API turns
-it into -inf.
+reference m (problem units) and log2 of the row sum l taken against it. The
+backward recomputes p = exp2((s - m) * exp2_factor - log2 l), so rows whose logits
+are all hugely negative (a row hidden by a finfo.min bias) keep exact gradients,
+where m + ln l would round to m. A row that sees no key has m = +inf (and
+log2 l = 0), so every backward p is 0 there without a select; its public lse is
++inf until the API turns it into -inf.
+
+The reference m is not always the exact row maximum (FlashAttention-4's lazy
+rescaling): the forward moves it only when a key tile's maximum exceeds it by more
+than RESCALE_THRESHOLD_LOG2 (log2 units), so probabilities stay below
+2**RESCALE_THRESHOLD_LOG2 and the float32 accumulator is rescaled in the few tiles
+where some row's maximum jumps, not in every tile. Soft-capped scores are bounded
+by cap * log2(e), and where that bound is small enough (Problem.fixed_row_reference)
+the bound itself is every row's reference: no row maximum, no rescaling at all.
 """
 
 from __future__ import annotations
@@ -47,6 +55,14 @@ LN2 = math.log(2.0)
 # row keeps zero probabilities (its s are -inf), and logits as low as finfo.min
 # still form a proper softmax.
 MAX_FLOOR = float(jnp.finfo(jnp.float32).min)
+# NOTE: lazy rescaling (module doc): probabilities may reach 2**8 = 256 against a stale
+# reference, which float32 sums and bfloat16/float16 operands of P @ V hold exactly as
+# well as values below 1 (same relative precision, far from overflow).
+RESCALE_THRESHOLD_LOG2 = 8.0
+# NOTE: a fixed reference (the soft cap's bound) leaves probabilities as small as
+# 2**(-2 * bound); a bound up to 50 keeps them above 2**-100, normal in float32 and
+# bfloat16. float16 P (min normal 2**-14) never uses the fixed reference.
+FIXED_REFERENCE_MAX_LOG2 = 50.0
 
 # Names of the optional operands, in the order kernels receive them.
 OPTIONAL_INPUTS = ("bias", "mask", "alibi_slopes", "q_segment_ids", "kv_segment_ids",
@@ -122,6 +138,33 @@ class Problem:
         return row_max + log2_sum * LN2
 
     @property
+    def rescale_threshold(self) -> float:
+        """RESCALE_THRESHOLD_LOG2 in the problem's score units."""
+        return RESCALE_THRESHOLD_LOG2 / self.exp2_factor
+
+    @property
+    def fixed_row_reference(self) -> float | None:
+        """A constant row reference when every score is bounded, else None.
+
+        Soft-capped scores lie in [-cap * log2(e), cap * log2(e)] (log2 units), so
+        exp2(s - cap * log2(e)) <= 1 for every row without a row maximum, as long as
+        the smallest probability, 2**(-2 * cap * log2(e)), stays a normal number of
+        P's dtype (not float16, cap * log2(e) <= FIXED_REFERENCE_MAX_LOG2).
+        """
+        cap = self.spec.logits_soft_cap
+        if cap is None or self.dtype == "float16":
+            return None
+        bound = cap * LOG2E
+        return bound if bound <= FIXED_REFERENCE_MAX_LOG2 else None
+
+    @property
+    def pairs_tiles(self) -> bool:
+        """Causal attention without a window: a query tile's work grows linearly with
+        its index (a key tile's shrinks), so each program takes tile i and its mirror
+        num_tiles - 1 - i, and every program does the same work (schedule_tiles)."""
+        return self.spec.is_causal and self.spec.local_window is None
+
+    @property
     def tanh(self) -> Any:
         # NOTE: 16-bit inputs on the GPU use the hardware tanh.approx.f32 (relative error
         # about 2^-11, below bfloat16/float16 rounding) for the soft cap; float32 inputs
@@ -179,6 +222,35 @@ def _zero_unless(condition: Any, value: Any) -> Any:
     select like its boolean predicate (i1), which breaks the arithmetic after it.
     """
     return value * condition.astype(jnp.int32)
+
+
+def scheduled_grid_size(num_tiles: int, paired: bool) -> int:
+    """Programs along grid axis 0 for num_tiles tiles (see schedule_tiles)."""
+    return (num_tiles + 1) // 2 if paired else num_tiles
+
+
+def schedule_tiles(num_tiles: int, paired: bool, heavy_last: bool,
+                   tile_body: Callable[[Any], None]) -> None:
+    """Runs tile_body(tile) for the tiles of this program (grid axis 0), heavy first.
+
+    heavy_last: the tiles of higher index do more work (query tiles under causal
+    masking; key tiles are the other way round). Unpaired, program p takes one tile,
+    the heaviest programs first so the launch ends on light ones. Paired, program p
+    takes tile p and its mirror num_tiles - 1 - p (the middle tile alone when
+    num_tiles is odd): under causal masking every program then does the same work.
+    """
+    pid = pl.program_id(0)
+    if not paired:
+        tile_body(num_tiles - 1 - pid if heavy_last else pid)
+        return
+    mirror = num_tiles - 1 - pid
+    heavy, light = (mirror, pid) if heavy_last else (pid, mirror)
+
+    def step(slot, carry):
+        tile_body(heavy + slot * (light - heavy))
+        return carry
+
+    lax.fori_loop(0, 1 + (pid < mirror).astype(jnp.int32), step, 0)
 
 
 def run_tile_loops(first: Any, stop: Any, full_first: Any, full_stop: Any,

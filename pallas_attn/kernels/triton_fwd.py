@@ -1,11 +1,15 @@
 """Forward kernel (Pallas, Triton backend): FlashAttention-2 algorithm 1.
 
-Grid (query tile, batch, head). Each program keeps its query tile resident and
-loops over key/value tiles with an online softmax in float32: running row max m,
-running sum l, unnormalised accumulator acc. Key tiles outside the causal/window
-band or past the key length are skipped; tiles crossing the band edge are masked.
-Writes the output and the per-row residuals: the row maximum (+inf for rows that
-see no key) and log2 of the row sum (common.py's module doc says why not the lse).
+Grid (query tile, batch, head); under causal masking each program takes a query
+tile and its mirror (common.schedule_tiles), so every program does the same work.
+A program keeps its query tile resident and loops over key/value tiles with an
+online softmax in float32: row reference m, running sum l, unnormalised
+accumulator acc. The reference moves lazily (common.py's module doc): the
+accumulator is rescaled only in tiles where some row's maximum jumps past it, and
+soft-capped scores use their bound as a fixed reference. Key tiles outside the
+causal/window band or past the key length are skipped; tiles crossing the band
+edge are masked. Writes the output and the per-row residuals: the reference (+inf
+for rows that see no key) and log2 of the row sum (common.py says why not the lse).
 """
 
 from __future__ import annotations
@@ -25,41 +29,60 @@ from pallas_attn.kernels.common import (
     TileContext,
     name_refs,
     run_tile_loops,
+    schedule_tiles,
+    scheduled_grid_size,
     whole_array_specs,
 )
 
 
 def forward_kernel(*refs, problem: Problem, names: tuple[str, ...]):
     r = name_refs(names, refs)
+    b, n = pl.program_id(1), pl.program_id(2)
+    num_tiles = problem.q_pad // problem.blocks.block_q
+    schedule_tiles(num_tiles, problem.pairs_tiles, True,
+                   lambda i: _forward_tile(problem, r, TileContext(problem, r, b, n), i))
+
+
+def _forward_tile(problem: Problem, r: dict, ctx: TileContext, i) -> None:
+    """Output rows and row residuals of query tile i."""
     spec, blocks = problem.spec, problem.blocks
     block_q, block_k = blocks.block_q, blocks.block_k
-    # NOTE: query tiles run last-first: under causal masking the late tiles do the most
-    # work, and starting them first keeps the tail of the launch short.
-    i = pl.num_programs(0) - 1 - pl.program_id(0)
-    b, n = pl.program_id(1), pl.program_id(2)
+    b, n = ctx.b, ctx.n
     kh = lax.div(n, problem.group)
     q0 = i * block_q
-    ctx = TileContext(problem, r, b, n)
     q = r["q"][b, pl.ds(q0, block_q), n, :]
+    fixed = problem.fixed_row_reference
+    threshold = problem.rescale_threshold
 
     def body(t, carry, masked):
         acc, m_prev, l_prev = carry
         k0 = t * block_k
         k = r["k"][b, pl.ds(k0, block_k), kh, :]
         s, _, _ = ctx.scores(q, k, q0, k0, masked)
-        m_next = jnp.maximum(m_prev, jnp.max(s, axis=1))  # stays >= MAX_FLOOR
-        alpha = problem.exp2_of(m_prev - m_next)
-        prob = problem.exp2_of(s - m_next[:, None])  # invisible: s = -inf, prob = 0
-        l_next = l_prev * alpha + jnp.sum(prob, axis=1)
+        if fixed is not None:  # bounded scores: the bound is every row's reference
+            m_next = m_prev
+            prob = jnp.exp2(s - fixed)  # invisible: s = -inf, prob = 0
+            l_next = l_prev + jnp.sum(prob, axis=1)
+        else:
+            # Lazy rescaling: a row's reference moves only when its tile maximum passes
+            # it by more than the threshold; acc is rescaled only if some row moved.
+            m_tile = jnp.max(s, axis=1)
+            jump = m_tile - m_prev  # -inf for rows this tile hides
+            m_next = jnp.where(jump > threshold, m_tile, m_prev)  # stays >= MAX_FLOOR
+            alpha = problem.exp2_of(m_prev - m_next)  # 1 where the reference stayed
+            prob = problem.exp2_of(s - m_next[:, None])  # invisible: s = -inf, prob = 0
+            l_next = l_prev * alpha + jnp.sum(prob, axis=1)
+            acc = lax.cond(jnp.max(jump) > threshold, lambda a: a * alpha[:, None],
+                           lambda a: a, acc)
         if spec.has_dropout:
             prob = jnp.where(ctx.keep(q0, k0, block_q, block_k), prob, 0.0)
         v = r["v"][b, pl.ds(k0, block_k), kh, :]
-        acc = acc * alpha[:, None] + plgpu.dot(prob.astype(v.dtype), v, precision=problem.precision)
+        acc = acc + plgpu.dot(prob.astype(v.dtype), v, precision=problem.precision)
         return acc, m_next, l_next
 
     init = (
         jnp.zeros((block_q, r["v"].shape[-1]), jnp.float32),
-        jnp.full((block_q,), MAX_FLOOR, jnp.float32),
+        jnp.full((block_q,), MAX_FLOOR if fixed is None else fixed, jnp.float32),
         jnp.zeros((block_q,), jnp.float32),
     )
     acc, m, l_sum = run_tile_loops(*ctx.key_tiles(q0, q0 + block_q, block_k), body, init)
@@ -87,7 +110,7 @@ def forward(problem: Problem, q: jax.Array, k: jax.Array, v: jax.Array,
     blocks = problem.blocks
     out, row_max, log2_sum = pl.pallas_call(
         functools.partial(forward_kernel, problem=problem, names=names),
-        grid=(Tp // blocks.block_q, B, N),
+        grid=(scheduled_grid_size(Tp // blocks.block_q, problem.pairs_tiles), B, N),
         in_specs=whole_array_specs(inputs),
         out_specs=whole_array_specs(out_shape),
         out_shape=out_shape,

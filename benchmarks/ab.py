@@ -1,0 +1,108 @@
+"""Time two source trees of pallas_attn in one GPU session: before/after a change.
+
+Run-to-run spread on the GPU machines (4-15%, BENCHMARKS.md) is as large as most
+changes, so a change is judged against its parent measured minutes apart on the
+same machine, not against last session's table. Each tree runs in its own process
+(`PYTHONPATH=<tree>`), through that tree's own `pallas_attn.bench` (the shapes,
+inputs and timer of `python -m pallas_attn bench`), pallas_attn rows only; the
+trees run in turn, `--rounds` times, and the table keeps each row's best time.
+
+Usage (repository root, on the GPU machine):
+
+    git archive <commit> pallas_attn | tar -x -C /tmp/base     # the "before" tree
+    python benchmarks/ab.py /tmp/base . --set all --match "H128" --json out/ab.json
+
+The table lists, per shape, each tree's forward and forward+backward milliseconds
+and the ratio of the last tree to the first (below 1: the last tree is faster).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+
+_WORKER = r"""
+import json, re, sys
+from pallas_attn import bench
+which, pattern = sys.argv[1], sys.argv[2]
+shapes = {"standard": bench.standard_shapes(), "features": bench.feature_shapes(),
+          "all": bench.standard_shapes() + bench.feature_shapes()}[which]
+shapes = [s for s in shapes if re.search(pattern, s.label)]
+implementations = bench.implementations
+bench.implementations = lambda interpret: {
+    k: v for k, v in implementations(interpret).items() if k == "pallas_attn"}
+rows = bench.benchmark(shapes, log=lambda line: None)
+print("ROWS " + json.dumps(rows))
+"""
+
+
+def run_tree(tree: str, which: str, pattern: str) -> list[dict]:
+    env = dict(os.environ, PYTHONPATH=os.path.abspath(tree))
+    result = subprocess.run([sys.executable, "-c", _WORKER, which, pattern], env=env,
+                            capture_output=True, text=True, check=False)
+    for line in result.stdout.splitlines():
+        if line.startswith("ROWS "):
+            return json.loads(line[5:])
+    raise RuntimeError(f"tree {tree} failed:\n{result.stderr[-4000:]}")
+
+
+def best(rows_per_round: list[list[dict]]) -> dict[str, dict]:
+    """Per shape label: the best forward and forward+backward time over the rounds."""
+    table: dict[str, dict] = {}
+    for rows in rows_per_round:
+        for row in rows:
+            entry = table.setdefault(row["shape"], {})
+            if "error" in row:
+                entry.setdefault("error", row["error"])
+                continue
+            for key in ("fwd_ms", "fwdbwd_ms"):
+                entry[key] = min(entry.get(key, float("inf")), row[key])
+    return table
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("trees", nargs="+", help="source trees (directories holding pallas_attn/)")
+    parser.add_argument("--set", choices=["standard", "features", "all"], default="standard")
+    parser.add_argument("--match", default="", help="regex over shape labels")
+    parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--json", help="write every round's rows here")
+    args = parser.parse_args(argv)
+    if len(args.trees) < 2:
+        parser.error("give at least two trees")
+    re.compile(args.match)
+    rounds: dict[str, list[list[dict]]] = {tree: [] for tree in args.trees}
+    for _ in range(args.rounds):
+        for tree in args.trees:
+            rounds[tree].append(run_tree(tree, args.set, args.match))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rounds, f, indent=1)
+    tables = {tree: best(r) for tree, r in rounds.items()}
+    first, last = args.trees[0], args.trees[-1]
+    header = " | ".join(f"{t} fwd ms | {t} fwd+bwd ms" for t in args.trees)
+    print(f"| shape | {header} | fwd ratio | fwd+bwd ratio |")
+    print("|---" * (3 + 2 * len(args.trees)) + "|")
+    for shape in tables[first]:
+        cells, ok = [], True
+        for tree in args.trees:
+            entry = tables[tree].get(shape, {})
+            if "fwd_ms" not in entry or "fwdbwd_ms" not in entry:
+                cells.append(f"fails: {entry.get('error', 'missing')[:60]} | ")
+                ok = False
+            else:
+                cells.append(f"{entry['fwd_ms']:.3f} | {entry['fwdbwd_ms']:.3f}")
+        ratios = " | "
+        if ok:
+            a, b = tables[first][shape], tables[last][shape]
+            ratios = f"{b['fwd_ms'] / a['fwd_ms']:.3f} | {b['fwdbwd_ms'] / a['fwdbwd_ms']:.3f}"
+        print(f"| {shape} | {' | '.join(cells)} | {ratios} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
