@@ -176,28 +176,19 @@ def sweep_entries(kernel: str, head_dim: int, value_head_dim: int, dtype: Any, b
     return entries
 
 
-def tune_problem(*, batch: int, q_len: int, kv_len: int, heads: int, kv_heads: int,
-                 head_dim: int, dtype: Any = jnp.bfloat16, is_causal: bool = False,
-                 bias: bool = False,
-                 kernels: tuple[str, ...] = ("forward", "dkdv", "dq"), save: bool = True,
-                 log: Callable[[str], None] = print, workers: int = 8) -> dict[str, Any]:
-    """Times every sweep candidate of each kernel alone on the current GPU.
+def kernel_runner(*, batch: int, q_len: int, kv_len: int, heads: int, kv_heads: int,
+                  head_dim: int, dtype: Any = jnp.bfloat16, is_causal: bool = False,
+                  bias: bool = False) -> tuple[Any, Callable[[str, Any], Callable[[], Any]]]:
+    """(heuristic BlockSizes, runner) for one problem on the current GPU.
 
-    Returns {"best": BlockSizes, "heuristic": BlockSizes, "results": {kernel: [...]}}
-    and (save=True) stores the winner in the cache for this problem's key.
+    runner(kernel, blocks) compiles one kernel alone ("forward", "dkdv", "dkdv_dbias"
+    (dK/dV writing dbias), "dq" or "dbias") with those tiles on random inputs and
+    returns a function that runs it once.
     """
-    from concurrent.futures import ThreadPoolExecutor
-
     from pallas_attn import tuning
     from pallas_attn.kernels import attention as kernel_attention
     from pallas_attn.kernels import triton_bwd, triton_fwd
     from pallas_attn.spec import normalize
-
-    try:
-        from tqdm import tqdm as progress
-    except ImportError:  # pragma: no cover - tqdm is in the example/test extras
-        def progress(x, **_):
-            return x
 
     device = tuning.DeviceInfo.current()
     keys = jax.random.split(jax.random.key(0), 5)
@@ -215,19 +206,21 @@ def tune_problem(*, batch: int, q_len: int, kv_len: int, heads: int, kv_heads: i
         spec, ops, tuning.BlockSizes(*(128,) * 6), interpret=False)
     optional = {**optional, **differentiable}
     if problem.q_pad != q_len or problem.kv_pad != kv_len:
-        raise ValueError(f"tune needs lengths that are multiples of 128, got {q_len}/{kv_len}")
+        raise ValueError(f"kernel timings need lengths that are multiples of 128, got "
+                         f"{q_len}/{kv_len}")
     out, row_stats = jax.jit(lambda q, k, v: triton_fwd.forward(
         dataclasses.replace(problem, blocks=heuristic), q, k, v, optional))(qp, kp, vp)
     do = jax.random.normal(keys[3], out.shape, dtype)
     delta = jnp.einsum("btnh,btnh->bnt", do.astype(jnp.float32), out.astype(jnp.float32))
     names, bwd_inputs = triton_bwd.backward_inputs(qp, kp, vp, optional, row_stats, do, delta)
 
-    def runner(kernel: str, blocks: Any):
+    def runner(kernel: str, blocks: Any) -> Callable[[], Any]:
         p = dataclasses.replace(problem, blocks=blocks)
         if kernel == "forward":
             fn, args = (lambda q, k, v: triton_fwd.forward(p, q, k, v, optional)), (qp, kp, vp)
-        elif kernel == "dkdv":
-            fn, args = (lambda *a: triton_bwd.dkdv(p, names, list(a))), bwd_inputs
+        elif kernel in ("dkdv", "dkdv_dbias"):
+            fused = optional["bias"] if kernel == "dkdv_dbias" else None
+            fn, args = (lambda *a: triton_bwd.dkdv(p, names, list(a), fused)), bwd_inputs
         elif kernel == "dq":
             fn, args = (lambda *a: triton_bwd.dq(p, names, list(a))), bwd_inputs
         else:
@@ -235,6 +228,36 @@ def tune_problem(*, batch: int, q_len: int, kv_len: int, heads: int, kv_heads: i
                 bwd_inputs
         compiled = jax.jit(fn).lower(*args).compile()
         return lambda: compiled(*args)
+
+    return heuristic, runner
+
+
+def tune_problem(*, batch: int, q_len: int, kv_len: int, heads: int, kv_heads: int,
+                 head_dim: int, dtype: Any = jnp.bfloat16, is_causal: bool = False,
+                 bias: bool = False,
+                 kernels: tuple[str, ...] = ("forward", "dkdv", "dq"), save: bool = True,
+                 log: Callable[[str], None] = print, workers: int = 8) -> dict[str, Any]:
+    """Times every sweep candidate of each kernel alone on the current GPU.
+
+    Returns {"best": BlockSizes, "heuristic": BlockSizes, "results": {kernel: [...]}}
+    and (save=True) stores the winner in the cache for this problem's key.
+    """
+    from concurrent.futures import ThreadPoolExecutor
+
+    from pallas_attn import tuning
+
+    try:
+        from tqdm import tqdm as progress
+    except ImportError:  # pragma: no cover - tqdm is in the example/test extras
+        def progress(x, **_):
+            return x
+
+    device = tuning.DeviceInfo.current()
+    heuristic, runner = kernel_runner(
+        batch=batch, q_len=q_len, kv_len=kv_len, heads=heads, kv_heads=kv_heads,
+        head_dim=head_dim, dtype=dtype, is_causal=is_causal, bias=bias)
+    bias_dtype = jnp.dtype(dtype) if bias else None
+    features = {"is_causal": is_causal, "has_bias": bias, "bias_dtype": bias_dtype}
 
     best = heuristic
     results: dict[str, list] = {}

@@ -1,0 +1,62 @@
+"""Where the time of one problem goes: each Pallas kernel timed alone (GPU only).
+
+For a problem (bf16 by default, B x N heads, T = S), prints the heuristic tiles and
+the milliseconds of the forward, dK/dV, dQ and (with --bias) both ways of getting
+dbias: the dK/dV kernel writing it (fused) and the separate dbias kernel; then the
+end-to-end jitted forward and forward+backward of `python -m pallas_attn bench`
+for the same shape, so the kernels' sum can be checked against the whole.
+
+    PYTHONPATH=. python benchmarks/kernel_times.py --head-dim 128 --bias
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import sys
+
+import jax
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--seq-len", type=int, default=4096)
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--heads", type=int, default=16)
+    parser.add_argument("--causal", action="store_true")
+    parser.add_argument("--bias", action="store_true", help="a [1, N, T, S] bias with dbias")
+    args = parser.parse_args(argv)
+    if jax.devices()[0].platform != "gpu":
+        print("kernel_times needs an NVIDIA GPU", file=sys.stderr)
+        return 2
+
+    from pallas_attn import autotune, bench
+
+    heuristic, runner = autotune.kernel_runner(
+        batch=args.batch, q_len=args.seq_len, kv_len=args.seq_len, heads=args.heads,
+        kv_heads=args.heads, head_dim=args.head_dim, is_causal=args.causal, bias=args.bias)
+    kernels = ["forward", "dkdv", "dq"] + (["dkdv_dbias", "dbias"] if args.bias else [])
+    print(f"tiles: {heuristic}")
+    print("| kernel | tiles | ms |\n|---|---|---|")
+    for kernel in kernels:
+        blocks = heuristic
+        if kernel == "dkdv_dbias":
+            blocks = dataclasses.replace(heuristic, fuse_dbias=True)
+        tiles = heuristic.tiles("dkdv" if kernel == "dkdv_dbias" else kernel)
+        try:
+            ms = autotune.time_call(runner(kernel, blocks)) * 1e3
+            print(f"| {kernel} | {tiles} | {ms:.3f} |")
+        except Exception as e:  # noqa: BLE001 - report and go on with the others
+            print(f"| {kernel} | {tiles} | fails: {type(e).__name__}: {str(e)[:200]} |")
+    features = ((("bias", None),) if args.bias else ())
+    shape = bench.Shape(args.batch, args.seq_len, args.seq_len, args.heads, args.heads,
+                        args.head_dim, args.causal, features)
+    row = bench.benchmark([shape], log=functools.partial(print, "end to end:"),
+                          only=["pallas_attn"])
+    return 0 if "error" not in row[0] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
