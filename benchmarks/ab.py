@@ -26,8 +26,10 @@ import subprocess
 import sys
 
 _WORKER = r"""
-import json, re, sys
+import json, os, re, sys
+import pallas_attn
 from pallas_attn import bench
+assert os.path.dirname(os.path.dirname(pallas_attn.__file__)) == os.getcwd(), pallas_attn.__file__
 which, pattern = sys.argv[1], sys.argv[2]
 shapes = {"standard": bench.standard_shapes(), "features": bench.feature_shapes(),
           "all": bench.standard_shapes() + bench.feature_shapes()}[which]
@@ -41,9 +43,12 @@ print("ROWS " + json.dumps(rows))
 
 
 def run_tree(tree: str, which: str, pattern: str) -> list[dict]:
-    env = dict(os.environ, PYTHONPATH=os.path.abspath(tree))
+    # NOTE: `python -c` puts the working directory first on sys.path, ahead of
+    # PYTHONPATH: the worker runs inside the tree, so each tree imports its own code.
+    tree = os.path.abspath(tree)
+    env = dict(os.environ, PYTHONPATH=tree)
     result = subprocess.run([sys.executable, "-c", _WORKER, which, pattern], env=env,
-                            capture_output=True, text=True, check=False)
+                            cwd=tree, capture_output=True, text=True, check=False)
     for line in result.stdout.splitlines():
         if line.startswith("ROWS "):
             return json.loads(line[5:])

@@ -27,16 +27,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--heads", type=int, default=16)
     parser.add_argument("--causal", action="store_true")
     parser.add_argument("--bias", action="store_true", help="a [1, N, T, S] bias with dbias")
+    parser.add_argument("--bias-per-batch", action="store_true",
+                        help="with --bias: a [B, N, T, S] bias")
     args = parser.parse_args(argv)
     if jax.devices()[0].platform != "gpu":
         print("kernel_times needs an NVIDIA GPU", file=sys.stderr)
         return 2
 
+    import pallas_attn
     from pallas_attn import autotune, bench
 
     heuristic, runner = autotune.kernel_runner(
         batch=args.batch, q_len=args.seq_len, kv_len=args.seq_len, heads=args.heads,
-        kv_heads=args.heads, head_dim=args.head_dim, is_causal=args.causal, bias=args.bias)
+        kv_heads=args.heads, head_dim=args.head_dim, is_causal=args.causal, bias=args.bias,
+        bias_per_batch=args.bias_per_batch)
     kernels = ["forward", "dkdv", "dq"] + (["dkdv_dbias", "dbias"] if args.bias else [])
     print(f"tiles: {heuristic}")
     print("| kernel | tiles | ms |\n|---|---|---|")
@@ -50,12 +54,27 @@ def main(argv: list[str] | None = None) -> int:
             print(f"| {kernel} | {tiles} | {ms:.3f} |")
         except Exception as e:  # noqa: BLE001 - report and go on with the others
             print(f"| {kernel} | {tiles} | fails: {type(e).__name__}: {str(e)[:200]} |")
-    features = ((("bias", None),) if args.bias else ())
+    # End to end: one jitted forward+backward (as `bench` times it), for a bias both
+    # ways of computing dbias.
     shape = bench.Shape(args.batch, args.seq_len, args.seq_len, args.heads, args.heads,
-                        args.head_dim, args.causal, features)
-    row = bench.benchmark([shape], log=functools.partial(print, "end to end:"),
-                          only=["pallas_attn"])
-    return 0 if "error" not in row[0] else 1
+                        args.head_dim, args.causal)
+    inputs = bench.make_inputs(shape)
+    if args.bias:
+        bias_shape = ((args.batch if args.bias_per_batch else 1), args.heads, args.seq_len,
+                      args.seq_len)
+        inputs["kwargs"]["bias"] = jax.random.normal(jax.random.key(9), bias_shape,
+                                                     inputs["query"].dtype)
+    for fuse in (False, True) if args.bias else (None,):
+        blocks = dataclasses.replace(heuristic, fuse_dbias=fuse)
+        attention = functools.partial(pallas_attn.dot_product_attention,
+                                      implementation="pallas", block_sizes=blocks)
+        step = bench._loss_and_grad(attention, inputs)
+        seconds = bench.time_fn(lambda step=step: step(
+            inputs["query"], inputs["key"], inputs["value"], inputs["kwargs"].get("bias"),
+            inputs["cotangent"]))
+        label = "" if fuse is None else f", fuse_dbias={fuse}"
+        print(f"end to end forward+backward{label}: {seconds * 1e3:.3f} ms")
+    return 0
 
 
 if __name__ == "__main__":

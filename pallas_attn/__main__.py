@@ -19,6 +19,7 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--json", help="write the rows to this file")
     bench.add_argument("--plot", help="write a TFLOP/s bar chart (PNG) to this file")
     check = sub.add_parser("check", help="kernel numerics vs the reference")
+    check.add_argument("--match", help="only shapes whose label matches this regex (re.search)")
     check.add_argument("--json", help="write the results to this file")
     tune = sub.add_parser("tune", help="time tile candidates on the GPU and cache the best")
     tune.add_argument("--head-dim", type=int, nargs="+", default=[64, 128, 256])
@@ -46,7 +47,10 @@ def main(argv: list[str] | None = None) -> int:
                   "the reference at small sizes. Speed needs an NVIDIA GPU"
                   + (", and so do the shapes --set/--match select." if args.command == "bench"
                      else "."))
-        results = bench_lib.check(bench_lib.check_shapes(gpu), interpret=not gpu)
+        shapes = bench_lib.check_shapes(gpu)
+        if args.command == "check":
+            shapes = _matching(shapes, args.match, parser, "check's shapes")
+        results = bench_lib.check(shapes, interpret=not gpu)
         ok = all(r["ok"] for r in results)
         print(f"{sum(r['ok'] for r in results)} passed, {sum(not r['ok'] for r in results)} failed")
         if getattr(args, "json", None):
@@ -67,16 +71,23 @@ def _bench_shapes(args: argparse.Namespace, parser: argparse.ArgumentParser,
     shapes = [] if args.set == "features" else bench_lib.standard_shapes(args.quick)
     if args.set != "standard":
         shapes += bench_lib.feature_shapes()
-    if args.match:
-        import re
+    return _matching(shapes, args.match, parser, f"--set {args.set}")
 
-        try:
-            pattern = re.compile(args.match)
-        except re.error as e:
-            parser.error(f"--match {args.match!r} is not a regex: {e}")
-        shapes = [s for s in shapes if pattern.search(s.label)]
-        if not shapes:
-            parser.error(f"--match {args.match!r} selects no shape of --set {args.set}")
+
+def _matching(shapes: list, match: str | None, parser: argparse.ArgumentParser,
+              where: str) -> list:
+    """The shapes whose label (dtype included) matches the regex (all when None)."""
+    if not match:
+        return shapes
+    import re
+
+    try:
+        pattern = re.compile(match)
+    except re.error as e:
+        parser.error(f"--match {match!r} is not a regex: {e}")
+    shapes = [s for s in shapes if pattern.search(f"{s.label} {s.dtype}")]
+    if not shapes:
+        parser.error(f"--match {match!r} selects no shape of {where}")
     return shapes
 
 

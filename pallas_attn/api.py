@@ -128,7 +128,8 @@ def dot_product_attention(
             raise TypeError(f"block_sizes must be a pallas_attn.BlockSizes, got "
                             f"{type(block_sizes).__name__}")
         if block_sizes is not None:
-            check_fuse_dbias(block_sizes, spec.bias_shape)
+            check_fuse_dbias(block_sizes, spec.bias_shape, batch=ops.query.shape[0],
+                             num_heads=ops.query.shape[2])
         out, lse = kernel_attention.attention(spec, ops, block_sizes=block_sizes,
                                               interpret=interpret)
     return reference.finish(out, lse, batched, return_residual)

@@ -178,8 +178,11 @@ def sweep_entries(kernel: str, head_dim: int, value_head_dim: int, dtype: Any, b
 
 def kernel_runner(*, batch: int, q_len: int, kv_len: int, heads: int, kv_heads: int,
                   head_dim: int, dtype: Any = jnp.bfloat16, is_causal: bool = False,
-                  bias: bool = False) -> tuple[Any, Callable[[str, Any], Callable[[], Any]]]:
+                  bias: bool = False, bias_per_batch: bool = False
+                  ) -> tuple[Any, Callable[[str, Any], Callable[[], Any]]]:
     """(heuristic BlockSizes, runner) for one problem on the current GPU.
+
+    bias: a [1, N, T, S] bias ([B, N, T, S] with bias_per_batch).
 
     runner(kernel, blocks) compiles one kernel alone ("forward", "dkdv", "dkdv_dbias"
     (dK/dV writing dbias), "dq" or "dbias") with those tiles on random inputs and
@@ -195,8 +198,8 @@ def kernel_runner(*, batch: int, q_len: int, kv_len: int, heads: int, kv_heads: 
     q = jax.random.normal(keys[0], (batch, q_len, heads, head_dim), dtype)
     k = jax.random.normal(keys[1], (batch, kv_len, kv_heads, head_dim), dtype)
     v = jax.random.normal(keys[2], (batch, kv_len, kv_heads, head_dim), dtype)
-    bias_array = (jax.random.normal(keys[4], (1, heads, q_len, kv_len), dtype) if bias
-                  else None)
+    bias_array = (jax.random.normal(keys[4], (batch if bias_per_batch else 1, heads, q_len,
+                                              kv_len), dtype) if bias else None)
     spec, ops, _ = normalize(q, k, v, bias_array, is_causal=is_causal)
     features = {"is_causal": is_causal, "has_bias": bias,
                 "bias_dtype": None if bias_array is None else bias_array.dtype}

@@ -117,9 +117,9 @@ class BlockSizes:
     of the bias (query rows x keys).
 
     fuse_dbias: True: the dK/dV kernel writes dbias from the dS tiles it computes
-    anyway (a bias broadcast along keys cannot be fused: ValueError); False: a
-    separate dbias kernel recomputes dS; None (default): resolved by
-    `resolve_fuse_dbias` for the problem and device.
+    anyway (only for a bias with its own entry per batch entry, head and key,
+    `fusable_dbias`; else ValueError); False: a separate dbias kernel recomputes dS;
+    None (default): decided by `resolve_fuse_dbias` for the problem and device.
     """
 
     block_q: int = 128
@@ -185,31 +185,41 @@ def padded_head_dim(head_dim: int) -> int:
     return max(16, _next_power_of_2(head_dim))
 
 
-def check_fuse_dbias(block_sizes: BlockSizes, bias_shape: tuple[int, ...] | None) -> None:
+def fusable_dbias(bias_shape: tuple[int, ...], *, batch: int, num_heads: int) -> bool:
+    """Whether the dK/dV kernel can write dbias: each dbias element must belong to one
+    dK/dV program, so the bias varies along keys, and over batch entries and heads
+    (where there are several). A per-key bias (one row) is summed in registers."""
+    Bb, Nb, _, Sb = (1,) * (4 - len(bias_shape)) + tuple(bias_shape)
+    return Sb > 1 and (Bb > 1 or batch == 1) and (Nb > 1 or num_heads == 1)
+
+
+def check_fuse_dbias(block_sizes: BlockSizes, bias_shape: tuple[int, ...] | None, *,
+                     batch: int, num_heads: int) -> None:
     """ValueError if block_sizes asks for a fused dbias that this bias cannot have."""
-    if block_sizes.fuse_dbias is True and bias_shape is not None and bias_shape[-1] == 1:
+    if (block_sizes.fuse_dbias is True and bias_shape is not None
+            and not fusable_dbias(bias_shape, batch=batch, num_heads=num_heads)):
         raise ValueError(
-            f"BlockSizes.fuse_dbias=True needs a bias that varies along keys; this bias "
-            f"has shape {tuple(bias_shape)} (broadcast along keys): use fuse_dbias=None or False")
+            f"BlockSizes.fuse_dbias=True needs a bias with its own entry for every batch "
+            f"entry, head and key ({batch}, {num_heads}, T or 1, S); this bias has shape "
+            f"{tuple(bias_shape)}: use fuse_dbias=None or False")
 
 
 def resolve_fuse_dbias(block_sizes: BlockSizes, bias_shape: tuple[int, int, int, int], *,
-                       batch: int, num_kv_heads: int, kv_len: int,
+                       batch: int, num_heads: int, num_kv_heads: int, kv_len: int,
                        device: DeviceInfo) -> BlockSizes:
     """block_sizes with fuse_dbias decided (True or False) for a bias of bias_shape.
 
-    Automatic (None): fused unless the bias broadcasts along keys (its dbias sums
-    over every key tile, which no dK/dV program owns) or the fused dK/dV grid, whose
-    batch / kv-head axes shrink to 1 where the bias broadcasts over them, would have
-    fewer programs than the device has multiprocessors.
+    Automatic (None): fused where `fusable_dbias` allows and the dK/dV grid has at
+    least one program per multiprocessor; else the separate dbias kernel. (Summing a
+    broadcast bias's dS inside the dK/dV kernel through float32 partial sums in
+    memory was measured 1.7x slower end to end than the dbias kernel, BENCHMARKS.md.)
     """
-    check_fuse_dbias(block_sizes, bias_shape)
-    Bb, Nb, _, Sb = bias_shape
+    check_fuse_dbias(block_sizes, bias_shape, batch=batch, num_heads=num_heads)
     if block_sizes.fuse_dbias is not None:
         return block_sizes
-    programs = (ceil_div(kv_len, block_sizes.block_k_dkv) * (batch if Bb > 1 else 1)
-                * (num_kv_heads if Nb > 1 else 1))
-    fused = Sb > 1 and programs >= device.num_multiprocessors
+    programs = ceil_div(kv_len, block_sizes.block_k_dkv) * batch * num_kv_heads
+    fused = (fusable_dbias(bias_shape, batch=batch, num_heads=num_heads)
+             and programs >= device.num_multiprocessors)
     return dataclasses.replace(block_sizes, fuse_dbias=fused)
 
 
@@ -222,8 +232,7 @@ def shared_memory_estimate(block_sizes: BlockSizes, head_dim: int, value_head_di
 
     Counts what Triton stages through shared memory: tiles loaded inside the loop
     are multi-buffered num_stages deep (K, V in the forward and dQ kernels; Q, dO
-    and the bias/mask tiles in the dK/dV kernel, and with a bias the float32 dbias
-    partial sums it may read back), tiles loaded once stay resident, and the
+    and the bias/mask tiles in the dK/dV kernel), tiles loaded once stay resident, and the
     [block_q, block_k] operand of a second matrix product (P or dS) is staged once.
     """
     b = block_sizes
@@ -241,8 +250,6 @@ def shared_memory_estimate(block_sizes: BlockSizes, head_dim: int, value_head_di
     dkdv = (b.block_k_dkv * (hd + hv) * size + b.num_stages_dkv * b.block_q_dkv * (hd + hv) * size
             + 2 * b.block_q_dkv * b.block_k_dkv * size
             + tile_inputs(b.block_q_dkv, b.block_k_dkv, b.num_stages_dkv))
-    if bias_dtype is not None and b.fuse_dbias is not False:
-        dkdv += b.num_stages_dkv * b.block_q_dkv * b.block_k_dkv * 4
     dq = (b.block_q_dq * (hd + hv) * size + b.num_stages_dq * b.block_k_dq * (hd + hv) * size
           + b.block_q_dq * b.block_k_dq * size
           + tile_inputs(b.block_q_dq, b.block_k_dq, b.num_stages_dq))

@@ -25,7 +25,8 @@ def test_tune_needs_a_gpu(capsys):
 @pytest.mark.parametrize("argv", [[], ["frobnicate"], ["bench", "--set", "nope"],
                                   ["tune", "--head-dim", "x"], ["bench", "--match", "("],
                                   ["bench", "--set", "features", "--match", "H999"],
-                                  ["bench", "--impl", "cudnn", "flash"]])
+                                  ["bench", "--impl", "cudnn", "flash"],
+                                  ["check", "--match", "H999"]])
 def test_bad_arguments_exit_with_usage(argv, capsys):
     with pytest.raises(SystemExit) as e:
         main(argv)

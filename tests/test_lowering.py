@@ -36,13 +36,13 @@ CASES = {
     "bias_full": dict(bias=jnp.ones((2, 4, 256, 256), jnp.bfloat16)),
     "bias_heads_keys": dict(bias=jnp.ones((1, 4, 1, 256), jnp.float32), is_causal=True),
     "bias_queries": dict(bias=jnp.ones((1, 1, 256, 1), jnp.float32)),
-    # dbias written by the dK/dV kernel: float32 partial sums over batch entries (a
-    # bfloat16 bias), and a float32 per-key bias summed over rows and heads (GQA).
-    "bias_fused_batch_broadcast": dict(bias=jnp.ones((1, 4, 256, 256), jnp.bfloat16),
-                                       is_causal=True, dropout_rate=0.1,
-                                       dropout_rng=jax.random.key(0),
-                                       block_sizes=pallas_attn.BlockSizes(fuse_dbias=True)),
-    "bias_fused_keys_gqa": dict(bias=jnp.ones((2, 1, 1, 256), jnp.float32), K=2,
+    # dbias written by the dK/dV kernel: a bfloat16 bias per batch entry and head under
+    # causal masking with dropout, and a float32 per-key bias summed over rows (GQA).
+    "bias_fused_per_batch": dict(bias=jnp.ones((2, 4, 256, 256), jnp.bfloat16),
+                                 is_causal=True, dropout_rate=0.1,
+                                 dropout_rng=jax.random.key(0),
+                                 block_sizes=pallas_attn.BlockSizes(fuse_dbias=True)),
+    "bias_fused_keys_gqa": dict(bias=jnp.ones((2, 4, 1, 256), jnp.float32), K=2,
                                 key_value_seq_lengths=jnp.array([100, 256]),
                                 block_sizes=pallas_attn.BlockSizes(fuse_dbias=True)),
 }

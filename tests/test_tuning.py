@@ -1,6 +1,7 @@
 """Tile choice: DeviceInfo, BlockSizes validation, shared-memory fit, the autotune cache."""
 
 import dataclasses
+import functools
 import json
 import warnings
 
@@ -212,37 +213,29 @@ def test_bias_dropout_and_soft_cap_problems_get_their_measured_tiles_on_an_h100(
 
 
 @pytest.mark.parametrize("bias_shape,batch,kv_heads,kv_len,expected", [
-    ((1, 16, 4096, 4096), 4, 16, 4096, True),   # 32 key tiles x 16 heads: 512 programs
-    ((4, 16, 4096, 4096), 4, 16, 4096, True),
-    ((1, 1, 4096, 4096), 4, 16, 4096, False),   # 32 programs for 132 multiprocessors
-    ((1, 1, 1, 4096), 4, 16, 4096, False),
+    ((4, 16, 4096, 4096), 4, 16, 4096, True),   # 32 key tiles x 4 x 16: 2048 programs
+    ((4, 16, 4096, 4096), 4, 8, 4096, True),    # GQA: each program owns 2 heads' tiles
     ((4, 16, 1, 4096), 4, 16, 4096, True),      # per-key bias: a sum over rows, in registers
-    ((1, 16, 4096, 1), 4, 16, 4096, False),     # along keys: no dK/dV program owns the sum
-    ((4, 16, 512, 512), 4, 16, 512, True),      # 4 key tiles x 4 x 16
-    ((1, 16, 512, 512), 4, 8, 512, False),      # 4 key tiles x 8 kv heads
+    ((1, 16, 4096, 4096), 1, 16, 4096, True),   # batch 1: nothing to sum
+    ((1, 16, 4096, 4096), 4, 16, 4096, False),  # sums over the batch: the dbias kernel
+    ((4, 1, 4096, 4096), 4, 16, 4096, False),   # sums over heads
+    ((1, 16, 4096, 1), 1, 16, 4096, False),     # sums along keys
+    ((4, 16, 256, 256), 4, 4, 256, False),      # 2 key tiles x 4 x 4: 32 programs
 ])
 def test_resolve_fuse_dbias(bias_shape, batch, kv_heads, kv_len, expected):
     blocks = tuning.with_kernel(BlockSizes(), "dkdv", (64, 128, 4, 2))
-    got = tuning.resolve_fuse_dbias(blocks, bias_shape, batch=batch, num_kv_heads=kv_heads,
-                                    kv_len=kv_len, device=DEVICES["sm90"])
+    resolve = functools.partial(tuning.resolve_fuse_dbias, bias_shape=bias_shape, batch=batch,
+                                num_heads=16, num_kv_heads=kv_heads, kv_len=kv_len,
+                                device=DEVICES["sm90"])
+    got = resolve(blocks)
     assert got.fuse_dbias is expected
     assert dataclasses.replace(got, fuse_dbias=None) == blocks
-    # An explicit choice is kept (False always; True where the bias varies along keys).
-    for choice in (False, True) if bias_shape[-1] > 1 else (False,):
-        kept = tuning.resolve_fuse_dbias(dataclasses.replace(blocks, fuse_dbias=choice),
-                                         bias_shape, batch=batch, num_kv_heads=kv_heads,
-                                         kv_len=kv_len, device=DEVICES["sm90"])
-        assert kept.fuse_dbias is choice
-
-
-def test_fused_dbias_counts_its_partial_sums_in_the_dkdv_estimate():
-    blocks = tuning.with_kernel(BlockSizes(), "dkdv", (64, 64, 4, 2))
-    without = tuning.shared_memory_estimate(dataclasses.replace(blocks, fuse_dbias=False),
-                                            128, 128, jnp.bfloat16, bias_dtype=jnp.bfloat16)
-    fused = tuning.shared_memory_estimate(dataclasses.replace(blocks, fuse_dbias=True),
-                                          128, 128, jnp.bfloat16, bias_dtype=jnp.bfloat16)
-    assert fused["dkdv"] - without["dkdv"] == 2 * 64 * 64 * 4  # two stages of float32 tiles
-    assert fused["dkdv"] <= DEVICES["sm90"].max_shared_memory_per_block
+    fusable = tuning.fusable_dbias(bias_shape, batch=batch, num_heads=16)
+    for choice in (False, True) if fusable else (False,):  # an explicit choice is kept
+        assert resolve(dataclasses.replace(blocks, fuse_dbias=choice)).fuse_dbias is choice
+    if not fusable:
+        with pytest.raises(ValueError, match="fuse_dbias=True needs a bias with its own"):
+            resolve(dataclasses.replace(blocks, fuse_dbias=True))
 
 
 def test_sweep_entries_respect_the_budget():

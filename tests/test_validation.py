@@ -439,14 +439,14 @@ def test_invalid_fuse_dbias(value):
         pallas_attn.BlockSizes(fuse_dbias=value)
 
 
-def test_fuse_dbias_true_rejects_a_bias_broadcast_along_keys():
-    bias = jnp.zeros((1, 1, 8, 1), jnp.float32)
-    with pytest.raises(ValueError, match=r"fuse_dbias=True needs a bias that varies along "
-                                         r"keys; this bias has shape \(1, 1, 8, 1\)"):
-        pallas_attn.dot_product_attention(
-            jnp.zeros((1, 8, 2, 16)), jnp.zeros((1, 8, 2, 16)), jnp.zeros((1, 8, 2, 16)), bias,
-            implementation="pallas", interpret=True,
-            block_sizes=pallas_attn.BlockSizes(fuse_dbias=True))
+@pytest.mark.parametrize("bias_shape", [(2, 2, 8, 1), (1, 2, 8, 8), (2, 1, 8, 8), (8, 8)])
+def test_fuse_dbias_true_rejects_a_bias_it_cannot_fuse(bias_shape):
+    """Fused dbias needs one entry per batch entry, head and key (no sum across programs)."""
+    _bad(API, ValueError, r"fuse_dbias=True needs a bias with its own entry for every batch "
+         r"entry, head and key \(2, 2, T or 1, S\); this bias has shape",
+         jnp.zeros((2, 8, 2, 16)), jnp.zeros((2, 8, 2, 16)), jnp.zeros((2, 8, 2, 16)),
+         jnp.zeros(bias_shape), implementation="pallas", interpret=True,
+         block_sizes=pallas_attn.BlockSizes(fuse_dbias=True))
 
 
 # Regression (fixed): BlockSizes accepts num_warps=4.0 and num_warps=True because the

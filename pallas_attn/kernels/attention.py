@@ -51,8 +51,8 @@ def resolve_block_sizes(spec: AttentionSpec, ops: Operands, block_sizes: BlockSi
         tuning.check_fits(block_sizes, H, Hv, ops.query.dtype, device, **smem)
     if ops.bias is not None:
         block_sizes = tuning.resolve_fuse_dbias(block_sizes, ops.bias.shape, batch=B,
-                                                num_kv_heads=ops.key.shape[2], kv_len=S,
-                                                device=device)
+                                                num_heads=N, num_kv_heads=ops.key.shape[2],
+                                                kv_len=S, device=device)
     return block_sizes
 
 
