@@ -2,9 +2,9 @@
 
 For a problem (bf16 by default, B x N heads, T = S), prints the heuristic tiles and
 the milliseconds of the forward, dK/dV, dQ and (with --bias) both ways of getting
-dbias: the dK/dV kernel writing it (fused) and the separate dbias kernel; then the
-end-to-end jitted forward and forward+backward of `python -m pallas_attn bench`
-for the same shape, so the kernels' sum can be checked against the whole.
+dbias: the dK/dV kernel writing it (fused) and the separate dbias kernel; then one
+jitted forward+backward as `python -m pallas_attn bench` times it (with a bias,
+both ways), so the kernels' sum can be checked against the whole.
 
     PYTHONPATH=. python benchmarks/kernel_times.py --head-dim 128 --bias
 """
@@ -29,6 +29,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--bias", action="store_true", help="a [1, N, T, S] bias with dbias")
     parser.add_argument("--bias-per-batch", action="store_true",
                         help="with --bias: a [B, N, T, S] bias")
+    parser.add_argument("--end-to-end-only", action="store_true",
+                        help="skip the per-kernel timings")
     args = parser.parse_args(argv)
     if jax.devices()[0].platform != "gpu":
         print("kernel_times needs an NVIDIA GPU", file=sys.stderr)
@@ -42,6 +44,8 @@ def main(argv: list[str] | None = None) -> int:
         kv_heads=args.heads, head_dim=args.head_dim, is_causal=args.causal, bias=args.bias,
         bias_per_batch=args.bias_per_batch)
     kernels = ["forward", "dkdv", "dq"] + (["dkdv_dbias", "dbias"] if args.bias else [])
+    if args.end_to_end_only:
+        kernels = []
     print(f"tiles: {heuristic}")
     print("| kernel | tiles | ms |\n|---|---|---|")
     for kernel in kernels:

@@ -71,8 +71,9 @@ def make_inputs(shape: Shape, seed: int = 0) -> dict[str, Any]:
         kwargs=dict(is_causal=shape.causal),
     )
     for name, value in shape.features:
-        if name == "bias":
-            args["kwargs"]["bias"] = jax.random.normal(keys[4], (1, N, T, S), dtype)
+        if name in ("bias", "bias_per_batch"):  # [1, N, T, S] or [B, N, T, S]
+            rows = B if name == "bias_per_batch" else 1
+            args["kwargs"]["bias"] = jax.random.normal(keys[4], (rows, N, T, S), dtype)
         elif name == "window":
             args["kwargs"]["local_window_size"] = (value, 0 if shape.causal else value)
         elif name == "alibi":
@@ -266,6 +267,7 @@ def feature_shapes() -> list[Shape]:
     return [
         Shape(**base),
         Shape(**base, features=(("bias", None),)),
+        Shape(**base, features=(("bias_per_batch", None),)),
         Shape(**base, features=(("alibi", None),)),
         Shape(**base, features=(("softcap", 30.0),)),
         Shape(**base, features=(("dropout", 0.1),)),
@@ -296,10 +298,10 @@ def check_shapes(on_device: bool) -> list[Shape]:
               dtype="bfloat16"),
         Shape(2, 1024, 1024, 4, 4, 128, True, (("window", 256), ("segments", None)),
               dtype="bfloat16"),
-        # dbias fused into the dK/dV kernel (16 key tiles x 16 heads fill an H100): float32
-        # partial sums over the batch for a bfloat16 bias; a float32 bias summed in place
-        # under causal masking (skipped tiles zero-filled) with dropout.
-        Shape(2, 1024, 1024, 16, 16, 128, False, (("bias", None),), dtype="bfloat16"),
+        # dbias written by the dK/dV kernel (a bias per batch entry and head; causal, so
+        # skipped tiles are zero-filled), and by the dbias kernel for a float32 bias.
+        Shape(2, 1024, 1024, 16, 16, 128, True, (("bias_per_batch", None),),
+              dtype="bfloat16"),
         Shape(2, 1024, 1024, 16, 16, 64, True, (("bias", None), ("dropout", 0.1)),
               dtype="float32"),
         # A cap too large for the fixed row reference: lazily rescaled row maxima.

@@ -94,14 +94,16 @@ def _tile_staircase(inputs: dict, step: float) -> dict:
     return dict(inputs, q=jnp.asarray(q), k=jnp.asarray(k))
 
 
+@pytest.mark.parametrize("head_dim", [32, 16], ids=["lazy", "every_tile"])
 @pytest.mark.parametrize("with_bias", [False, True], ids=["log2_units", "natural_units"])
 @pytest.mark.parametrize("step", [30.0, -30.0], ids=["rising", "falling"])
-def test_lazy_rescaling_when_row_maxima_jump(step, with_bias):
-    """The forward moves a row's reference only when a key tile's maximum passes it by
-    more than 2**8. Rising tiles (about 87 log2 units apart: without the rescale the
-    third tile's probabilities would overflow float32) move it in every tile; falling
-    ones never after the first."""
-    inputs = _tile_staircase(make_inputs(91, B=1, T=20, S=48, N=2, H=16), step)
+def test_lazy_rescaling_when_row_maxima_jump(step, with_bias, head_dim):
+    """With Hv >= 2 * block_k (32 and 16 here) the forward moves a row's reference only
+    when a key tile's maximum passes it by more than 2**8; else it rescales every tile.
+    Rising tiles (about 87 log2 units apart: without the rescale the third tile's
+    probabilities would overflow float32) move it in every tile; falling ones never
+    after the first."""
+    inputs = _tile_staircase(make_inputs(91, B=1, T=20, S=48, N=2, H=head_dim), step)
     bias = (jnp.asarray(np.random.default_rng(92).standard_normal((1, 2, 20, 48)), jnp.float32)
             if with_bias else None)
     kernel, reference = pallas_and_reference(inputs, bias=bias, bias_grad=False)

@@ -46,7 +46,7 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_attn import dropout as dropout_lib
 from pallas_attn.kernels import scores
 from pallas_attn.spec import AttentionSpec
-from pallas_attn.tuning import BlockSizes
+from pallas_attn.tuning import BlockSizes, padded_head_dim
 
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
@@ -158,10 +158,20 @@ class Problem:
         return bound if bound <= FIXED_REFERENCE_MAX_LOG2 else None
 
     @property
-    def pairs_tiles(self) -> bool:
+    def lazy_rescale(self) -> bool:
+        """Whether the forward rescales lazily (module doc). Rescaling every tile costs
+        Hv / block_k multiplies per score; the lazy test costs a reduction over the
+        tile's rows. Measured on an H100 (BENCHMARKS.md): 5% faster causal d128
+        forward (Hv = 2 block_k), 9% slower causal d64 (Hv = block_k)."""
+        return padded_head_dim(self.value_head_dim) >= 2 * self.blocks.block_k
+
+    @property
+    def pairs_query_tiles(self) -> bool:
         """Causal attention without a window: a query tile's work grows linearly with
-        its index (a key tile's shrinks), so each program takes tile i and its mirror
-        num_tiles - 1 - i, and every program does the same work (schedule_tiles)."""
+        its index, so each forward program takes tile i and its mirror
+        num_tiles - 1 - i and every program does the same work (schedule_tiles).
+        Measured (BENCHMARKS.md): 5% faster causal d128 forward; the backward kernels
+        gained nothing from it and keep one tile per program."""
         return self.spec.is_causal and self.spec.local_window is None
 
     @property

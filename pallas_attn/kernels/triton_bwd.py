@@ -14,7 +14,7 @@
    heads or keys, whose gradient sums dS across programs): grid over the bias's own
    tiles; recomputes dS and sums it over the axes the bias broadcasts along.
 
-Under causal masking the dK/dV and dQ programs take a tile and its mirror
+The dK/dV and dQ programs take one tile each, heaviest first
 (common.schedule_tiles). Every output element is written by exactly one program,
 with a fixed loop order: gradients are bitwise deterministic.
 """
@@ -37,7 +37,6 @@ from pallas_attn.kernels.common import (
     name_refs,
     run_tile_loops,
     schedule_tiles,
-    scheduled_grid_size,
     whole_array_specs,
 )
 
@@ -59,7 +58,7 @@ def dkdv_kernel(*refs, problem: Problem, names: tuple[str, ...], fused_dbias: bo
     r = name_refs(names, refs)
     num_tiles = problem.kv_pad // problem.blocks.block_k_dkv
     b, kh = pl.program_id(1), pl.program_id(2)
-    schedule_tiles(num_tiles, problem.pairs_tiles, False,
+    schedule_tiles(num_tiles, False, False,
                    lambda j: _dkdv_tile(problem, r, fused_dbias, j, b, kh))
 
 
@@ -125,7 +124,7 @@ def dq_kernel(*refs, problem: Problem, names: tuple[str, ...]):
     r = name_refs(names, refs)
     b, n = pl.program_id(1), pl.program_id(2)
     num_tiles = problem.q_pad // problem.blocks.block_q_dq
-    schedule_tiles(num_tiles, problem.pairs_tiles, True,
+    schedule_tiles(num_tiles, False, True,
                    lambda i: _dq_tile(problem, r, TileContext(problem, r, b, n), i))
 
 
@@ -233,8 +232,7 @@ def dkdv(problem: Problem, names: tuple[str, ...], inputs: list,
     if bias is not None:
         outputs.append(jax.ShapeDtypeStruct(bias.shape, bias.dtype))
         out_names.append("dbias")
-    grid = (scheduled_grid_size(problem.kv_pad // b.block_k_dkv, problem.pairs_tiles),
-            problem.batch, problem.num_kv_heads)
+    grid = (problem.kv_pad // b.block_k_dkv, problem.batch, problem.num_kv_heads)
     results = _launch(dkdv_kernel, problem, (*names, *out_names), inputs, outputs, grid,
                       b.num_warps_dkv, b.num_stages_dkv, "pallas_attn_dkdv",
                       fused_dbias=bias is not None)
@@ -244,8 +242,7 @@ def dkdv(problem: Problem, names: tuple[str, ...], inputs: list,
 def dq(problem: Problem, names: tuple[str, ...], inputs: list) -> jax.Array:
     b = problem.blocks
     q = inputs[0]
-    grid = (scheduled_grid_size(problem.q_pad // b.block_q_dq, problem.pairs_tiles),
-            problem.batch, problem.num_heads)
+    grid = (problem.q_pad // b.block_q_dq, problem.batch, problem.num_heads)
     return _launch(dq_kernel, problem, (*names, "dq"), inputs,
                    [jax.ShapeDtypeStruct(q.shape, q.dtype)], grid, b.num_warps_dq,
                    b.num_stages_dq, "pallas_attn_dq")[0]

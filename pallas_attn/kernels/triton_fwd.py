@@ -4,9 +4,11 @@ Grid (query tile, batch, head); under causal masking each program takes a query
 tile and its mirror (common.schedule_tiles), so every program does the same work.
 A program keeps its query tile resident and loops over key/value tiles with an
 online softmax in float32: row reference m, running sum l, unnormalised
-accumulator acc. The reference moves lazily (common.py's module doc): the
-accumulator is rescaled only in tiles where some row's maximum jumps past it, and
-soft-capped scores use their bound as a fixed reference. Key tiles outside the
+accumulator acc. Where the value head dim is at least twice the key tile
+(Problem.lazy_rescale), the reference moves lazily (common.py's module doc): the
+accumulator is rescaled only in tiles where some row's maximum jumps past it;
+otherwise it is the running maximum. Soft-capped scores use their bound as a
+fixed reference. Key tiles outside the
 causal/window band or past the key length are skipped; tiles crossing the band
 edge are masked. Writes the output and the per-row residuals: the reference (+inf
 for rows that see no key) and log2 of the row sum (common.py says why not the lse).
@@ -39,7 +41,7 @@ def forward_kernel(*refs, problem: Problem, names: tuple[str, ...]):
     r = name_refs(names, refs)
     b, n = pl.program_id(1), pl.program_id(2)
     num_tiles = problem.q_pad // problem.blocks.block_q
-    schedule_tiles(num_tiles, problem.pairs_tiles, True,
+    schedule_tiles(num_tiles, problem.pairs_query_tiles, True,
                    lambda i: _forward_tile(problem, r, TileContext(problem, r, b, n), i))
 
 
@@ -63,7 +65,7 @@ def _forward_tile(problem: Problem, r: dict, ctx: TileContext, i) -> None:
             m_next = m_prev
             prob = jnp.exp2(s - fixed)  # invisible: s = -inf, prob = 0
             l_next = l_prev + jnp.sum(prob, axis=1)
-        else:
+        elif problem.lazy_rescale:
             # Lazy rescaling: a row's reference moves only when its tile maximum passes
             # it by more than the threshold; acc is rescaled only if some row moved.
             m_tile = jnp.max(s, axis=1)
@@ -74,6 +76,12 @@ def _forward_tile(problem: Problem, r: dict, ctx: TileContext, i) -> None:
             l_next = l_prev * alpha + jnp.sum(prob, axis=1)
             acc = lax.cond(jnp.max(jump) > threshold, lambda a: a * alpha[:, None],
                            lambda a: a, acc)
+        else:  # the reference is the running row maximum, acc rescaled every tile
+            m_next = jnp.maximum(m_prev, jnp.max(s, axis=1))  # stays >= MAX_FLOOR
+            alpha = problem.exp2_of(m_prev - m_next)
+            prob = problem.exp2_of(s - m_next[:, None])  # invisible: s = -inf, prob = 0
+            l_next = l_prev * alpha + jnp.sum(prob, axis=1)
+            acc = acc * alpha[:, None]
         if spec.has_dropout:
             prob = jnp.where(ctx.keep(q0, k0, block_q, block_k), prob, 0.0)
         v = r["v"][b, pl.ds(k0, block_k), kh, :]
@@ -110,7 +118,7 @@ def forward(problem: Problem, q: jax.Array, k: jax.Array, v: jax.Array,
     blocks = problem.blocks
     out, row_max, log2_sum = pl.pallas_call(
         functools.partial(forward_kernel, problem=problem, names=names),
-        grid=(scheduled_grid_size(Tp // blocks.block_q, problem.pairs_tiles), B, N),
+        grid=(scheduled_grid_size(Tp // blocks.block_q, problem.pairs_query_tiles), B, N),
         in_specs=whole_array_specs(inputs),
         out_specs=whole_array_specs(out_shape),
         out_shape=out_shape,
