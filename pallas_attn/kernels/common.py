@@ -21,13 +21,10 @@ where m + ln l would round to m. A row that sees no key has m = +inf (and
 log2 l = 0), so every backward p is 0 there without a select; its public lse is
 +inf until the API turns it into -inf.
 
-The reference m is not always the exact row maximum (FlashAttention-4's lazy
-rescaling): the forward moves it only when a key tile's maximum exceeds it by more
-than RESCALE_THRESHOLD_LOG2 (log2 units), so probabilities stay below
-2**RESCALE_THRESHOLD_LOG2 and the float32 accumulator is rescaled in the few tiles
-where some row's maximum jumps, not in every tile. Soft-capped scores are bounded
-by cap * log2(e), and where that bound is small enough (Problem.fixed_row_reference)
-the bound itself is every row's reference: no row maximum, no rescaling at all.
+The reference m is the running row maximum, except for soft-capped scores: they
+are bounded by cap * log2(e), and where that bound is small enough
+(Problem.fixed_row_reference) the bound itself is every row's reference, so the
+forward needs no row maximum and never rescales its accumulator.
 """
 
 from __future__ import annotations
@@ -46,7 +43,7 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_attn import dropout as dropout_lib
 from pallas_attn.kernels import scores
 from pallas_attn.spec import AttentionSpec
-from pallas_attn.tuning import BlockSizes, padded_head_dim
+from pallas_attn.tuning import BlockSizes
 
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
@@ -55,10 +52,6 @@ LN2 = math.log(2.0)
 # row keeps zero probabilities (its s are -inf), and logits as low as finfo.min
 # still form a proper softmax.
 MAX_FLOOR = float(jnp.finfo(jnp.float32).min)
-# NOTE: lazy rescaling (module doc): probabilities may reach 2**8 = 256 against a stale
-# reference, which float32 sums and bfloat16/float16 operands of P @ V hold exactly as
-# well as values below 1 (same relative precision, far from overflow).
-RESCALE_THRESHOLD_LOG2 = 8.0
 # NOTE: a fixed reference (the soft cap's bound) leaves probabilities as small as
 # 2**(-2 * bound); a bound up to 50 keeps them above 2**-100, normal in float32 and
 # bfloat16. float16 P (min normal 2**-14) never uses the fixed reference.
@@ -138,11 +131,6 @@ class Problem:
         return row_max + log2_sum * LN2
 
     @property
-    def rescale_threshold(self) -> float:
-        """RESCALE_THRESHOLD_LOG2 in the problem's score units."""
-        return RESCALE_THRESHOLD_LOG2 / self.exp2_factor
-
-    @property
     def fixed_row_reference(self) -> float | None:
         """A constant row reference when every score is bounded, else None.
 
@@ -156,14 +144,6 @@ class Problem:
             return None
         bound = cap * LOG2E
         return bound if bound <= FIXED_REFERENCE_MAX_LOG2 else None
-
-    @property
-    def lazy_rescale(self) -> bool:
-        """Whether the forward rescales lazily (module doc). Rescaling every tile costs
-        Hv / block_k multiplies per score; the lazy test costs a reduction over the
-        tile's rows. Measured on an H100 (BENCHMARKS.md): 5% faster causal d128
-        forward (Hv = 2 block_k), 9% slower causal d64 (Hv = block_k)."""
-        return padded_head_dim(self.value_head_dim) >= 2 * self.blocks.block_k
 
     @property
     def pairs_query_tiles(self) -> bool:

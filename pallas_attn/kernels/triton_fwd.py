@@ -4,11 +4,8 @@ Grid (query tile, batch, head); under causal masking each program takes a query
 tile and its mirror (common.schedule_tiles), so every program does the same work.
 A program keeps its query tile resident and loops over key/value tiles with an
 online softmax in float32: row reference m, running sum l, unnormalised
-accumulator acc. Where the value head dim is at least twice the key tile
-(Problem.lazy_rescale), the reference moves lazily (common.py's module doc): the
-accumulator is rescaled only in tiles where some row's maximum jumps past it;
-otherwise it is the running maximum. Soft-capped scores use their bound as a
-fixed reference. Key tiles outside the
+accumulator acc. The row reference is the running maximum, or, for soft-capped
+scores, the cap's bound (common.py's module doc): no maximum, no rescaling. Key tiles outside the
 causal/window band or past the key length are skipped; tiles crossing the band
 edge are masked. Writes the output and the per-row residuals: the reference (+inf
 for rows that see no key) and log2 of the row sum (common.py says why not the lse).
@@ -54,7 +51,6 @@ def _forward_tile(problem: Problem, r: dict, ctx: TileContext, i) -> None:
     q0 = i * block_q
     q = r["q"][b, pl.ds(q0, block_q), n, :]
     fixed = problem.fixed_row_reference
-    threshold = problem.rescale_threshold
 
     def body(t, carry, masked):
         acc, m_prev, l_prev = carry
@@ -65,17 +61,6 @@ def _forward_tile(problem: Problem, r: dict, ctx: TileContext, i) -> None:
             m_next = m_prev
             prob = jnp.exp2(s - fixed)  # invisible: s = -inf, prob = 0
             l_next = l_prev + jnp.sum(prob, axis=1)
-        elif problem.lazy_rescale:
-            # Lazy rescaling: a row's reference moves only when its tile maximum passes
-            # it by more than the threshold; acc is rescaled only if some row moved.
-            m_tile = jnp.max(s, axis=1)
-            jump = m_tile - m_prev  # -inf for rows this tile hides
-            m_next = jnp.where(jump > threshold, m_tile, m_prev)  # stays >= MAX_FLOOR
-            alpha = problem.exp2_of(m_prev - m_next)  # 1 where the reference stayed
-            prob = problem.exp2_of(s - m_next[:, None])  # invisible: s = -inf, prob = 0
-            l_next = l_prev * alpha + jnp.sum(prob, axis=1)
-            acc = lax.cond(jnp.max(jump) > threshold, lambda a: a * alpha[:, None],
-                           lambda a: a, acc)
         else:  # the reference is the running row maximum, acc rescaled every tile
             m_next = jnp.maximum(m_prev, jnp.max(s, axis=1))  # stays >= MAX_FLOOR
             alpha = problem.exp2_of(m_prev - m_next)
