@@ -149,7 +149,7 @@ class Problem:
     def pairs_query_tiles(self) -> bool:
         """Causal attention without a window: a query tile's work grows linearly with
         its index, so each forward program takes tile i and its mirror
-        num_tiles - 1 - i and every program does the same work (schedule_tiles).
+        num_tiles - 1 - i and every program does the same work (schedule_query_tiles).
         Measured (BENCHMARKS.md): 5% faster causal d128 forward; the backward kernels
         gained nothing from it and keep one tile per program."""
         return self.spec.is_causal and self.spec.local_window is None
@@ -215,32 +215,30 @@ def _zero_unless(condition: Any, value: Any) -> Any:
 
 
 def scheduled_grid_size(num_tiles: int, paired: bool) -> int:
-    """Programs along grid axis 0 for num_tiles tiles (see schedule_tiles)."""
+    """Programs along grid axis 0 for num_tiles query tiles (see schedule_query_tiles)."""
     return (num_tiles + 1) // 2 if paired else num_tiles
 
 
-def schedule_tiles(num_tiles: int, paired: bool, heavy_last: bool,
-                   tile_body: Callable[[Any], None]) -> None:
-    """Runs tile_body(tile) for the tiles of this program (grid axis 0), heavy first.
+def schedule_query_tiles(num_tiles: int, paired: bool,
+                         tile_body: Callable[[Any], None]) -> None:
+    """Runs tile_body(tile) for the query tiles of this program (grid axis 0).
 
-    heavy_last: the tiles of higher index do more work (query tiles under causal
-    masking; key tiles are the other way round). Unpaired, program p takes one tile,
-    the heaviest programs first so the launch ends on light ones. Paired, program p
-    takes tile p and its mirror num_tiles - 1 - p (the middle tile alone when
-    num_tiles is odd): under causal masking every program then does the same work.
+    Under causal masking a query tile's work grows with its index. Unpaired, program
+    p takes tile num_tiles - 1 - p: the heavy tiles start first and the launch ends
+    on light ones. Paired, program p takes tile num_tiles - 1 - p, then its mirror p
+    (the middle tile alone when num_tiles is odd): every program does the same work.
     """
     pid = pl.program_id(0)
+    heavy = num_tiles - 1 - pid
     if not paired:
-        tile_body(num_tiles - 1 - pid if heavy_last else pid)
+        tile_body(heavy)
         return
-    mirror = num_tiles - 1 - pid
-    heavy, light = (mirror, pid) if heavy_last else (pid, mirror)
 
     def step(slot, carry):
-        tile_body(heavy + slot * (light - heavy))
+        tile_body(heavy + slot * (pid - heavy))
         return carry
 
-    lax.fori_loop(0, 1 + (pid < mirror).astype(jnp.int32), step, 0)
+    lax.fori_loop(0, 1 + (pid < heavy).astype(jnp.int32), step, 0)
 
 
 def run_tile_loops(first: Any, stop: Any, full_first: Any, full_stop: Any,

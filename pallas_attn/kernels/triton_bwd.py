@@ -14,9 +14,8 @@
    heads or keys, whose gradient sums dS across programs): grid over the bias's own
    tiles; recomputes dS and sums it over the axes the bias broadcasts along.
 
-The dK/dV and dQ programs take one tile each, heaviest first
-(common.schedule_tiles). Every output element is written by exactly one program,
-with a fixed loop order: gradients are bitwise deterministic.
+Every output element is written by exactly one program, with a fixed loop order:
+gradients are bitwise deterministic.
 """
 
 from __future__ import annotations
@@ -36,7 +35,6 @@ from pallas_attn.kernels.common import (
     TileContext,
     name_refs,
     run_tile_loops,
-    schedule_tiles,
     whole_array_specs,
 )
 
@@ -55,19 +53,12 @@ def _store_dbias_outside(r: dict, bb, nb, cols, tiles: tuple[tuple[Any, Any], ..
 
 
 def dkdv_kernel(*refs, problem: Problem, names: tuple[str, ...], fused_dbias: bool):
+    """dK, dV of one key tile; with fused_dbias also its dbias columns (the bias has its
+    own entry for every (b, n) then, so each dbias element is written once, here)."""
     r = name_refs(names, refs)
-    num_tiles = problem.kv_pad // problem.blocks.block_k_dkv
-    b, kh = pl.program_id(1), pl.program_id(2)
-    schedule_tiles(num_tiles, False, False,
-                   lambda j: _dkdv_tile(problem, r, fused_dbias, j, b, kh))
-
-
-def _dkdv_tile(problem: Problem, r: dict, fused_dbias: bool, j, b, kh) -> None:
-    """dK, dV of key tile j for batch entry b and kv head kh; with fused_dbias also the
-    dbias columns of key tile j (the bias has its own entry for every (b, n) here, so
-    each dbias element is written once, by this program)."""
     blocks = problem.blocks
     block_q, block_k = blocks.block_q_dkv, blocks.block_k_dkv
+    j, b, kh = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     k0 = j * block_k
     cols = pl.ds(k0, block_k)
     k = r["k"][b, cols, kh, :]
@@ -122,18 +113,13 @@ def _dkdv_tile(problem: Problem, r: dict, fused_dbias: bool, j, b, kh) -> None:
 
 def dq_kernel(*refs, problem: Problem, names: tuple[str, ...]):
     r = name_refs(names, refs)
-    b, n = pl.program_id(1), pl.program_id(2)
-    num_tiles = problem.q_pad // problem.blocks.block_q_dq
-    schedule_tiles(num_tiles, False, True,
-                   lambda i: _dq_tile(problem, r, TileContext(problem, r, b, n), i))
-
-
-def _dq_tile(problem: Problem, r: dict, ctx: TileContext, i) -> None:
     blocks = problem.blocks
     block_q, block_k = blocks.block_q_dq, blocks.block_k_dq
-    b, n = ctx.b, ctx.n
+    i = pl.num_programs(0) - 1 - pl.program_id(0)  # heavy (late) query tiles first
+    b, n = pl.program_id(1), pl.program_id(2)
     kh = lax.div(n, problem.group)
     q0 = i * block_q
+    ctx = TileContext(problem, r, b, n)
     q = r["q"][b, pl.ds(q0, block_q), n, :]
     do = r["do"][b, pl.ds(q0, block_q), n, :]
     residuals = ctx.row_residuals(q0, block_q)

@@ -1,13 +1,14 @@
 """Forward kernel (Pallas, Triton backend): FlashAttention-2 algorithm 1.
 
 Grid (query tile, batch, head); under causal masking each program takes a query
-tile and its mirror (common.schedule_tiles), so every program does the same work.
+tile and its mirror (common.schedule_query_tiles), so every program does the same
+work.
 A program keeps its query tile resident and loops over key/value tiles with an
 online softmax in float32: row reference m, running sum l, unnormalised
 accumulator acc. The row reference is the running maximum, or, for soft-capped
-scores, the cap's bound (common.py's module doc): no maximum, no rescaling. Key tiles outside the
-causal/window band or past the key length are skipped; tiles crossing the band
-edge are masked. Writes the output and the per-row residuals: the reference (+inf
+scores, the cap's bound (common.py's module doc): no maximum, no rescaling. Key
+tiles outside the causal/window band or past the key length are skipped; tiles
+crossing the band edge are masked. Writes the output and the per-row residuals: the reference (+inf
 for rows that see no key) and log2 of the row sum (common.py says why not the lse).
 """
 
@@ -28,7 +29,7 @@ from pallas_attn.kernels.common import (
     TileContext,
     name_refs,
     run_tile_loops,
-    schedule_tiles,
+    schedule_query_tiles,
     scheduled_grid_size,
     whole_array_specs,
 )
@@ -38,8 +39,8 @@ def forward_kernel(*refs, problem: Problem, names: tuple[str, ...]):
     r = name_refs(names, refs)
     b, n = pl.program_id(1), pl.program_id(2)
     num_tiles = problem.q_pad // problem.blocks.block_q
-    schedule_tiles(num_tiles, problem.pairs_query_tiles, True,
-                   lambda i: _forward_tile(problem, r, TileContext(problem, r, b, n), i))
+    schedule_query_tiles(num_tiles, problem.pairs_query_tiles,
+                         lambda i: _forward_tile(problem, r, TileContext(problem, r, b, n), i))
 
 
 def _forward_tile(problem: Problem, r: dict, ctx: TileContext, i) -> None:
