@@ -1,10 +1,11 @@
 """Where the time of one problem goes: each Pallas kernel timed alone (GPU only).
 
 For a problem (bf16 by default, B x N heads, T = S), prints the heuristic tiles and
-the milliseconds of the forward, dK/dV, dQ and (with --bias) both ways of getting
-dbias: the dK/dV kernel writing it (fused) and the separate dbias kernel; then one
-jitted forward+backward as `python -m pallas_attn bench` times it (with a bias,
-both ways), so the kernels' sum can be checked against the whole.
+the milliseconds of the forward, dK/dV, dQ and (with --bias) dbias kernels, and for
+a bias per batch entry and head (--bias-per-batch) the dK/dV kernel writing dbias
+itself; then one jitted forward+backward as `python -m pallas_attn bench` times it
+(for a per-batch bias both ways), so the kernels' sum can be checked against the
+whole.
 
     PYTHONPATH=. python benchmarks/kernel_times.py --head-dim 128 --bias
 """
@@ -28,10 +29,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--causal", action="store_true")
     parser.add_argument("--bias", action="store_true", help="a [1, N, T, S] bias with dbias")
     parser.add_argument("--bias-per-batch", action="store_true",
-                        help="with --bias: a [B, N, T, S] bias")
+                        help="a [B, N, T, S] bias instead (implies --bias)")
     parser.add_argument("--end-to-end-only", action="store_true",
                         help="skip the per-kernel timings")
     args = parser.parse_args(argv)
+    args.bias = args.bias or args.bias_per_batch
     if jax.devices()[0].platform != "gpu":
         print("kernel_times needs an NVIDIA GPU", file=sys.stderr)
         return 2
@@ -43,7 +45,9 @@ def main(argv: list[str] | None = None) -> int:
         batch=args.batch, q_len=args.seq_len, kv_len=args.seq_len, heads=args.heads,
         kv_heads=args.heads, head_dim=args.head_dim, is_causal=args.causal, bias=args.bias,
         bias_per_batch=args.bias_per_batch)
-    kernels = ["forward", "dkdv", "dq"] + (["dkdv_dbias", "dbias"] if args.bias else [])
+    kernels = ["forward", "dkdv", "dq"] + (["dbias"] if args.bias else [])
+    if args.bias_per_batch:  # only such a bias can have its dbias written by dK/dV
+        kernels.append("dkdv_dbias")
     if args.end_to_end_only:
         kernels = []
     print(f"tiles: {heuristic}")
@@ -68,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
                       args.seq_len)
         inputs["kwargs"]["bias"] = jax.random.normal(jax.random.key(9), bias_shape,
                                                      inputs["query"].dtype)
-    for fuse in (False, True) if args.bias else (None,):
+    for fuse in (False, True) if args.bias_per_batch else (None,):
         blocks = dataclasses.replace(heuristic, fuse_dbias=fuse)
         attention = functools.partial(pallas_attn.dot_product_attention,
                                       implementation="pallas", block_sizes=blocks)

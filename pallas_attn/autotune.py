@@ -222,7 +222,12 @@ def kernel_runner(*, batch: int, q_len: int, kv_len: int, heads: int, kv_heads: 
         if kernel == "forward":
             fn, args = (lambda q, k, v: triton_fwd.forward(p, q, k, v, optional)), (qp, kp, vp)
         elif kernel in ("dkdv", "dkdv_dbias"):
-            fused = optional["bias"] if kernel == "dkdv_dbias" else None
+            fused = None
+            if kernel == "dkdv_dbias":
+                if not tuning.fusable_dbias(bias_array.shape, batch=batch, num_heads=heads):
+                    raise ValueError(f"dkdv_dbias needs a bias per batch entry and head, got "
+                                     f"shape {bias_array.shape}")
+                fused = optional["bias"]
             fn, args = (lambda *a: triton_bwd.dkdv(p, names, list(a), fused)), bwd_inputs
         elif kernel == "dq":
             fn, args = (lambda *a: triton_bwd.dq(p, names, list(a))), bwd_inputs
