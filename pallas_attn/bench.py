@@ -304,7 +304,7 @@ def check_shapes(on_device: bool) -> list[Shape]:
               dtype="bfloat16"),
         Shape(2, 1024, 1024, 16, 16, 64, True, (("bias", None), ("dropout", 0.1)),
               dtype="float32"),
-        # A cap too large for the fixed row reference: lazily rescaled row maxima.
+        # A cap too large for the fixed row reference: the running row maximum instead.
         Shape(2, 1024, 1024, 4, 4, 128, False, (("softcap", 50.0),), dtype="bfloat16"),
     ]
     return shapes

@@ -232,8 +232,9 @@ def shared_memory_estimate(block_sizes: BlockSizes, head_dim: int, value_head_di
 
     Counts what Triton stages through shared memory: tiles loaded inside the loop
     are multi-buffered num_stages deep (K, V in the forward and dQ kernels; Q, dO
-    and the bias/mask tiles in the dK/dV kernel), tiles loaded once stay resident, and the
-    [block_q, block_k] operand of a second matrix product (P or dS) is staged once.
+    and the bias/mask tiles in the dK/dV kernel), tiles loaded once stay resident,
+    and the [block_q, block_k] operand of a second matrix product (P or dS) is
+    staged once.
     """
     b = block_sizes
     hd = padded_head_dim(head_dim)

@@ -73,7 +73,7 @@ def dkdv_kernel(*refs, problem: Problem, names: tuple[str, ...], fused_dbias: bo
         nb = n if fused_dbias and bias_shape[1] > 1 else 0
 
         def body(t, carry, masked):
-            dk, dv, column_sum = carry
+            dk, dv, *column_sum = carry  # column_sum: only for a per-key fused dbias
             q0 = t * block_q
             q = r["q"][b, pl.ds(q0, block_q), n, :]
             do = r["do"][b, pl.ds(q0, block_q), n, :]
@@ -86,18 +86,17 @@ def dkdv_kernel(*refs, problem: Problem, names: tuple[str, ...], fused_dbias: bo
             if fused_dbias:
                 ds = ds * problem.dropout_scale if problem.spec.has_dropout else ds
                 if rows_broadcast:  # a per-key bias: dbias sums dS over the rows
-                    column_sum = column_sum + jnp.sum(ds, axis=0, keepdims=True)
+                    column_sum = [column_sum[0] + jnp.sum(ds, axis=0, keepdims=True)]
                 else:
                     r["dbias"][bb, nb, pl.ds(q0, block_q), cols] = ds.astype(r["dbias"].dtype)
-            return dk, dv, column_sum
+            return (dk, dv, *column_sum)
 
-        dk, dv = carry
         first, stop, full_first, full_stop = ctx.query_tiles(k0, k0 + block_k, block_q)
-        dk, dv, column_sum = run_tile_loops(
-            first, stop, full_first, full_stop, body,
-            (dk, dv, jnp.zeros((1, block_k), jnp.float32)))
         if rows_broadcast:
-            r["dbias"][bb, nb, pl.ds(0, 1), cols] = column_sum.astype(r["dbias"].dtype)
+            carry = (*carry, jnp.zeros((1, block_k), jnp.float32))
+        dk, dv, *column_sum = run_tile_loops(first, stop, full_first, full_stop, body, carry)
+        if rows_broadcast:
+            r["dbias"][bb, nb, pl.ds(0, 1), cols] = column_sum[0].astype(r["dbias"].dtype)
         elif fused_dbias:
             _store_dbias_outside(r, bb, nb, cols,
                                  ((0, first), (stop, problem.q_pad // block_q)), block_q)
