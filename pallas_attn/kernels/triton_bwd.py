@@ -238,10 +238,9 @@ def dbias(problem: Problem, names: tuple[str, ...], inputs: list, bias: jax.Arra
     Bb, Nb, Tb, Sb = bias.shape
     grid = (Tb // b.block_q_dbias if Tb > 1 else 1, Sb // b.block_k_dbias if Sb > 1 else 1,
             Bb * Nb)
-    out = _launch(dbias_kernel, problem, (*names, "dbias"), inputs,
-                  [jax.ShapeDtypeStruct(bias.shape, jnp.float32)], grid, b.num_warps_dbias,
-                  b.num_stages_dbias, "pallas_attn_dbias")[0]
-    return out.astype(bias.dtype)
+    return _launch(dbias_kernel, problem, (*names, "dbias"), inputs,
+                   [jax.ShapeDtypeStruct(bias.shape, bias.dtype)], grid, b.num_warps_dbias,
+                   b.num_stages_dbias, "pallas_attn_dbias")[0]
 
 
 def backward(problem: Problem, q, k, v, optional, row_stats, do, delta, bias_grad: bool):
