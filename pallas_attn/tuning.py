@@ -211,8 +211,9 @@ def resolve_fuse_dbias(block_sizes: BlockSizes, bias_shape: tuple[int, int, int,
 
     Automatic (None): fused where `fusable_dbias` allows and the dK/dV grid has at
     least one program per multiprocessor; else the separate dbias kernel. (Summing a
-    broadcast bias's dS inside the dK/dV kernel through float32 partial sums in
-    memory was measured 1.7x slower end to end than the dbias kernel, BENCHMARKS.md.)
+    broadcast bias's dS inside the dK/dV kernel was measured slower end to end than
+    the dbias kernel, BENCHMARKS.md: 1.7x with a batch loop per program through
+    float32 partial sums, 1.6x with programs chained by atomic counters.)
     """
     check_fuse_dbias(block_sizes, bias_shape, batch=batch, num_heads=num_heads)
     if block_sizes.fuse_dbias is not None:
