@@ -2,14 +2,14 @@
 
 Grid (query tile, batch, head); under causal masking each program takes a query
 tile and its mirror (common.schedule_query_tiles), so every program does the same
-work.
-A program keeps its query tile resident and loops over key/value tiles with an
-online softmax in float32: row reference m, running sum l, unnormalised
+work. A program keeps its query tile resident and loops over key/value tiles with
+an online softmax in float32: row reference m, running sum l, unnormalised
 accumulator acc. The row reference is the running maximum, or, for soft-capped
 scores, the cap's bound (common.py's module doc): no maximum, no rescaling. Key
 tiles outside the causal/window band or past the key length are skipped; tiles
-crossing the band edge are masked. Writes the output and the per-row residuals: the reference (+inf
-for rows that see no key) and log2 of the row sum (common.py says why not the lse).
+crossing the band edge are masked. Writes the output and the per-row residuals:
+the reference (+inf for rows that see no key) and log2 of the row sum (common.py
+says why not the lse).
 """
 
 from __future__ import annotations
