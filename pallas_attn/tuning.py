@@ -105,6 +105,10 @@ def _is_tile(x: Any) -> bool:
 
 
 _KERNELS = ("forward", "dkdv", "dq", "dbias")
+FORWARD_BACKENDS = ("triton", "mosaic")
+# The Mosaic forward: two consumer warpgroups of 64 query rows per program.
+MOSAIC_BLOCK_Q = 128
+MOSAIC_BLOCK_K = (64, 128)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,6 +124,13 @@ class BlockSizes:
     anyway (only for a bias with its own entry per batch entry, head and key,
     `fusable_dbias`; else ValueError); False: a separate dbias kernel recomputes dS;
     None (default): decided by `resolve_fuse_dbias` for the problem and device.
+
+    forward_backend: "triton" (every GPU from sm80 and every feature) or "mosaic",
+    the warp-specialised Hopper forward (kernels/mosaic_fwd.py: sm90, 16-bit
+    inputs, padded head dims 64 or 128, no score feature besides causal and window;
+    block_q must be its 128 rows per program, block_k 64 or 128, num_stages >= 2
+    shared-memory slots; num_warps does not apply). The backward kernels are
+    Triton either way.
     """
 
     block_q: int = 128
@@ -139,6 +150,7 @@ class BlockSizes:
     num_warps_dbias: int = 8
     num_stages_dbias: int = 2
     fuse_dbias: bool | None = None
+    forward_backend: str = "triton"
 
     def __post_init__(self):
         for field in ("block_q", "block_k", "block_q_dkv", "block_k_dkv", "block_q_dq",
@@ -158,14 +170,28 @@ class BlockSizes:
         if self.fuse_dbias is not None and not isinstance(self.fuse_dbias, bool):
             raise ValueError(
                 f"BlockSizes.fuse_dbias must be True, False or None, got {self.fuse_dbias!r}")
+        if self.forward_backend not in FORWARD_BACKENDS:
+            raise ValueError(f"BlockSizes.forward_backend must be one of {FORWARD_BACKENDS}, "
+                             f"got {self.forward_backend!r}")
+        if self.forward_backend == "mosaic" and (
+                self.block_q != MOSAIC_BLOCK_Q or self.block_k not in MOSAIC_BLOCK_K
+                or self.num_stages < 2):
+            raise ValueError(
+                f"BlockSizes.forward_backend='mosaic' needs block_q={MOSAIC_BLOCK_Q}, block_k "
+                f"in {MOSAIC_BLOCK_K} and num_stages >= 2, got block_q={self.block_q}, "
+                f"block_k={self.block_k}, num_stages={self.num_stages}")
 
     def clamp(self, q_len: int, kv_len: int) -> BlockSizes:
         """Shrinks tiles that are longer than the (power-of-two rounded) sequences."""
         q_cap = max(16, _next_power_of_2(q_len))
         k_cap = max(16, _next_power_of_2(kv_len))
+        # The Mosaic forward's tiles are fixed by its warpgroups; short sequences are
+        # padded up to them instead.
+        mosaic = self.forward_backend == "mosaic"
         return dataclasses.replace(
             self,
-            block_q=min(self.block_q, q_cap), block_k=min(self.block_k, k_cap),
+            block_q=self.block_q if mosaic else min(self.block_q, q_cap),
+            block_k=self.block_k if mosaic else min(self.block_k, k_cap),
             block_q_dkv=min(self.block_q_dkv, q_cap), block_k_dkv=min(self.block_k_dkv, k_cap),
             block_q_dq=min(self.block_q_dq, q_cap), block_k_dq=min(self.block_k_dq, k_cap),
             block_q_dbias=min(self.block_q_dbias, q_cap),
@@ -249,6 +275,12 @@ def shared_memory_estimate(block_sizes: BlockSizes, head_dim: int, value_head_di
 
     forward = (b.block_q * hd * size + b.num_stages * b.block_k * (hd + hv) * size
                + tile_inputs(b.block_q, b.block_k, b.num_stages))
+    if b.forward_backend == "mosaic":
+        # Q (the output reuses it when hv == hd), the K/V ring, P of both consumers,
+        # the row residuals and one barrier word per slot state.
+        forward = (b.block_q * (hd + (hv if hv != hd else 0)) * size
+                   + b.num_stages * b.block_k * (hd + hv) * size
+                   + b.block_q * b.block_k * size + 2 * b.block_q * 4 + 8 * (4 * b.num_stages + 2))
     dkdv = (b.block_k_dkv * (hd + hv) * size + b.num_stages_dkv * b.block_q_dkv * (hd + hv) * size
             + 2 * b.block_q_dkv * b.block_k_dkv * size
             + tile_inputs(b.block_q_dkv, b.block_k_dkv, b.num_stages_dkv))
@@ -361,7 +393,9 @@ def choose_block_sizes(head_dim: int, dtype: Any = jnp.bfloat16, *, q_len: int, 
 
     Pure function of its arguments (device=None means the current device).
     features (is_causal, has_bias, has_dropout, ...) select autotuned entries
-    when a matching cache entry exists; the heuristic ignores them.
+    when a matching cache entry exists and pick the ladders; plain_scores (with
+    the device, dtype and head dims) selects the Mosaic forward, which replaces
+    the Triton forward's tiles, tuned or not (`prefers_mosaic_forward`).
     """
     if not isinstance(head_dim, int) or not 1 <= head_dim <= 256:
         raise ValueError(f"head_dim must be an int in [1, 256], got {head_dim!r}")
@@ -375,14 +409,12 @@ def choose_block_sizes(head_dim: int, dtype: Any = jnp.bfloat16, *, q_len: int, 
     value_head_dim = value_head_dim or head_dim
     from pallas_attn import autotune
 
-    tuned = autotune.lookup(device, dtype, head_dim, value_head_dim, q_len, kv_len, features)
-    if tuned is not None:
-        return tuned.clamp(q_len, kv_len)
     budget = device.max_shared_memory_per_block
     smem_features = {"bias_dtype": features.get("bias_dtype"),
                      "has_mask": bool(features.get("has_mask"))}
-    chosen = BlockSizes()
-    for kernel in _KERNELS:
+    tuned = autotune.lookup(device, dtype, head_dim, value_head_dim, q_len, kv_len, features)
+    chosen = BlockSizes() if tuned is None else tuned.clamp(q_len, kv_len)
+    for kernel in _KERNELS if tuned is None else ():
         heavy = (features.get("bias_dtype") is not None or bool(features.get("has_dropout"))
                  or bool(features.get("has_soft_cap")))
         entries = ladder(kernel, head_dim, value_head_dim, bool(features.get("is_causal")),
@@ -397,7 +429,33 @@ def choose_block_sizes(head_dim: int, dtype: Any = jnp.bfloat16, *, q_len: int, 
             raise ValueError(
                 f"no tile size of the {kernel} kernel fits {budget} bytes of shared memory "
                 f"(head dims {head_dim}/{value_head_dim}, {jnp.dtype(dtype)}); pass block_sizes")
-    return chosen.clamp(q_len, kv_len)
+    chosen = chosen.clamp(q_len, kv_len)
+    if prefers_mosaic_forward(device, dtype, head_dim, value_head_dim, q_len, features):
+        mosaic = dataclasses.replace(chosen, forward_backend="mosaic", **_MOSAIC_FORWARD)
+        if _fits(mosaic, "forward", head_dim, value_head_dim, dtype, budget, **smem_features):
+            chosen = mosaic
+    return chosen
+
+
+# The Mosaic forward's tiles at head dim 128 (BENCHMARKS.md, session 5: block_k 128
+# with 2 slots ran 403 TFLOP/s on an H100, block_k 64 with 2 or 3 slots 355-364).
+_MOSAIC_FORWARD = dict(block_q=MOSAIC_BLOCK_Q, block_k=128, num_stages=2)
+
+
+def prefers_mosaic_forward(device: DeviceInfo, dtype: Any, head_dim: int,
+                           value_head_dim: int, q_len: int, features: dict[str, Any]) -> bool:
+    """Whether the heuristic runs the Mosaic (Hopper) forward instead of Triton's.
+
+    Where it was measured faster (BENCHMARKS.md, session 5): an sm90 device, 16-bit
+    inputs, head dims padding to 128, at least one program of query rows, and plain
+    scores (features["plain_scores"]: no operand besides q, k, v, no soft cap, no
+    dropout), causal, windowed or neither. At head dim 64 the Triton forward was
+    faster.
+    """
+    return (device.compute_capability == (9, 0)
+            and jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+            and padded_head_dim(head_dim) == 128 == padded_head_dim(value_head_dim)
+            and q_len >= MOSAIC_BLOCK_Q and bool(features.get("plain_scores")))
 
 
 def ceil_div(a: int, b: int) -> int:

@@ -259,3 +259,83 @@ def test_tune_picks_the_fastest_and_reports_failures():
     assert best == 1
     assert any(err for _, _, err in results if err.startswith("RuntimeError"))
     assert calls == [3, "broken", 1, 2]
+
+
+# ----------------------------------------------------------------- the Mosaic forward
+PLAIN = {"plain_scores": True}
+
+
+@pytest.mark.parametrize("head_dim,value_head_dim", [(128, 128), (80, 128), (96, 72)])
+@pytest.mark.parametrize("band", [{}, {"is_causal": True}, {"has_window": True}],
+                         ids=["full", "causal", "window"])
+def test_hopper_plain_scores_at_head_dim_128_get_the_mosaic_forward(head_dim, value_head_dim,
+                                                                    band):
+    for dtype in (jnp.bfloat16, jnp.float16):
+        b = pallas_attn.choose_block_sizes(head_dim, dtype, q_len=4096, kv_len=4096,
+                                           value_head_dim=value_head_dim,
+                                           device=DEVICES["sm90"], **band, **PLAIN)
+        assert (b.forward_backend, b.block_q, b.block_k, b.num_stages) == ("mosaic", 128,
+                                                                          128, 2)
+        triton = pallas_attn.choose_block_sizes(head_dim, dtype, q_len=4096, kv_len=4096,
+                                                value_head_dim=value_head_dim,
+                                                device=DEVICES["sm90"], **band)
+        # Only the forward changes; the backward tiles are the Triton heuristic's.
+        assert dataclasses.replace(b, forward_backend="triton", block_q=triton.block_q,
+                                   block_k=triton.block_k, num_stages=triton.num_stages,
+                                   num_warps=triton.num_warps) == triton
+        est = tuning.shared_memory_estimate(b, head_dim, value_head_dim, dtype)
+        assert est["forward"] <= DEVICES["sm90"].max_shared_memory_per_block
+
+
+@pytest.mark.parametrize("case", [
+    dict(device="sm80"), dict(dtype=jnp.float32), dict(head_dim=64), dict(head_dim=256),
+    dict(value_head_dim=64), dict(plain_scores=False),
+    dict(q_len=100),
+], ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()))
+def test_the_triton_forward_stays_where_mosaic_was_not_measured_faster(case):
+    case = dict(case)
+    args = dict(head_dim=case.pop("head_dim", 128), dtype=case.pop("dtype", jnp.bfloat16),
+                q_len=case.pop("q_len", 4096), kv_len=4096,
+                value_head_dim=case.pop("value_head_dim", None),
+                device=DEVICES[case.pop("device", "sm90")])
+    b = pallas_attn.choose_block_sizes(**args, **{**PLAIN, **case})
+    assert b.forward_backend == "triton"
+
+
+def test_mosaic_forward_replaces_tuned_forward_tiles_and_keeps_the_rest():
+    device = DEVICES["sm90"]
+    tuned = BlockSizes(64, 32, 32, 64, 64, 32, num_warps=8, num_stages=2)
+    key = autotune.entry_key(jnp.bfloat16, 128, 128, 4096, 4096, PLAIN)
+    autotune.store(device, key, tuned)
+    got = pallas_attn.choose_block_sizes(128, jnp.bfloat16, q_len=4096, kv_len=4096,
+                                         device=device, **PLAIN)
+    assert got == dataclasses.replace(tuned, forward_backend="mosaic", block_q=128,
+                                      block_k=128, num_stages=2)
+
+
+def test_mosaic_tiles_are_not_clamped():
+    b = BlockSizes(128, 128, num_stages=2, forward_backend="mosaic").clamp(20, 30)
+    assert (b.block_q, b.block_k) == (128, 128) and b.block_q_dkv == 32
+
+
+def test_plain_scores_reaches_the_choice_on_a_gpu_only(monkeypatch):
+    """resolve_block_sizes marks plain problems; the interpreter never auto-picks Mosaic."""
+    from pallas_attn.kernels import attention as kernel_attention
+    from pallas_attn.spec import normalize
+
+    seen = []
+    real = tuning.choose_block_sizes
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs["plain_scores"])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(tuning, "choose_block_sizes", spy)
+    monkeypatch.setattr(tuning.DeviceInfo, "current", staticmethod(lambda: DEVICES["sm90"]))
+    q = jnp.zeros((1, 256, 2, 128), jnp.bfloat16)
+    for kwargs, interpret in (({}, False), ({}, True), ({"logits_soft_cap": 3.0}, False),
+                              ({"bias": jnp.zeros((1, 2, 256, 256), jnp.bfloat16)}, False)):
+        spec, ops, _ = normalize(q, q, q, kwargs.pop("bias", None), **kwargs)
+        blocks = kernel_attention.resolve_block_sizes(spec, ops, None, interpret)
+        assert (blocks.forward_backend == "mosaic") == seen[-1]
+    assert seen == [True, False, False, False]

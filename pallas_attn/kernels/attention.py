@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from jax.custom_derivatives import SymbolicZero
 
 from pallas_attn import tuning
-from pallas_attn.kernels import triton_bwd, triton_fwd
+from pallas_attn.kernels import mosaic_fwd, triton_bwd, triton_fwd
 from pallas_attn.kernels.common import OPTIONAL_INPUTS, Problem
 from pallas_attn.spec import AttentionSpec, Operands
 from pallas_attn.tuning import BlockSizes, DeviceInfo
@@ -42,13 +42,21 @@ def resolve_block_sizes(spec: AttentionSpec, ops: Operands, block_sizes: BlockSi
     smem = dict(bias_dtype=None if ops.bias is None else ops.bias.dtype,
                 has_mask=ops.mask is not None)
     if block_sizes is None:
+        # NOTE: the interpreter runs the Triton forward unless block_sizes ask for the
+        # Mosaic one: interpreting it is slower, and its tests ask for it explicitly.
+        plain = (not interpret and spec.logits_soft_cap is None and not spec.has_dropout
+                 and all(getattr(ops, name) is None for name in OPTIONAL_INPUTS))
         features = dict(smem, is_causal=spec.is_causal, has_bias=spec.has_bias,
                         has_dropout=spec.has_dropout, has_window=spec.local_window is not None,
-                        has_soft_cap=spec.logits_soft_cap is not None)
+                        has_soft_cap=spec.logits_soft_cap is not None, plain_scores=plain)
         block_sizes = tuning.choose_block_sizes(H, ops.query.dtype, q_len=T, kv_len=S,
                                                 value_head_dim=Hv, device=device, **features)
     elif not interpret:
         tuning.check_fits(block_sizes, H, Hv, ops.query.dtype, device, **smem)
+        if block_sizes.forward_backend == "mosaic" and device.compute_capability != (9, 0):
+            raise ValueError(
+                f"block_sizes.forward_backend='mosaic' needs an sm90 (Hopper) GPU, this one "
+                f"has compute capability {device.compute_capability}")
     if ops.bias is not None:
         block_sizes = tuning.resolve_fuse_dbias(block_sizes, ops.bias.shape, batch=B,
                                                 num_heads=N, num_kv_heads=ops.key.shape[2],
@@ -95,6 +103,8 @@ def attention(spec: AttentionSpec, ops: Operands, *, block_sizes: BlockSizes | N
     """Canonical-layout attention through the kernels: (out [B,T,N,Hv], lse [B,N,T])."""
     blocks = resolve_block_sizes(spec, ops, block_sizes, interpret)
     problem, qp, kp, vp, differentiable, optional = prepare(spec, ops, blocks, interpret)
+    if blocks.forward_backend == "mosaic" and (why := mosaic_fwd.unsupported(problem)):
+        raise ValueError(f"block_sizes.forward_backend='mosaic' does not cover this call: {why}")
     out, lse = _fused(problem, qp, kp, vp, differentiable, optional)
     T, Hv = ops.query.shape[1], ops.value.shape[-1]
     lse = jnp.where(lse == jnp.inf, -jnp.inf, lse)[:, :, :T]  # public: -inf for empty rows
@@ -105,9 +115,14 @@ def _operands(differentiable: dict, optional: dict) -> dict:
     return {**optional, **differentiable}
 
 
+def _forward(problem: Problem, q, k, v, operands: dict):
+    backend = mosaic_fwd if problem.blocks.forward_backend == "mosaic" else triton_fwd
+    return backend.forward(problem, q, k, v, operands)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _fused(problem: Problem, q, k, v, differentiable: dict, optional: dict):
-    out, row_stats = triton_fwd.forward(problem, q, k, v, _operands(differentiable, optional))
+    out, row_stats = _forward(problem, q, k, v, _operands(differentiable, optional))
     return out, problem.logsumexp(*row_stats)
 
 
@@ -118,7 +133,7 @@ def _fused_fwd(problem: Problem, q, k, v, differentiable, optional):
             "them; wrap them in jax.lax.stop_gradient or use implementation='xla'")
     bias_grad = is_perturbed(differentiable)
     q, k, v, differentiable, optional = primal_values((q, k, v, differentiable, optional))
-    out, row_stats = triton_fwd.forward(problem, q, k, v, _operands(differentiable, optional))
+    out, row_stats = _forward(problem, q, k, v, _operands(differentiable, optional))
     # The pytree structure of this marker carries the static "bias needs a gradient".
     marker = (jnp.zeros((), jnp.int8),) if bias_grad else ()
     residuals = (q, k, v, differentiable, optional, out, row_stats, marker)

@@ -1,0 +1,168 @@
+"""The Hopper (Mosaic GPU) forward kernel in the Mosaic GPU interpreter.
+
+The interpreter simulates the kernel's three warpgroups, its barriers, the bulk
+copies and wgmma on CPU, and fills every buffer it allocates, outputs included,
+with NaN: a tile the kernel never writes shows up as NaN. The backward is the
+Triton kernels' (Pallas interpreter), fed with this forward's row residuals, so
+the gradients check that those residuals mean what the Triton forward's mean.
+
+Shapes are small but span several 128-row programs and key tiles, with ragged
+tails, rows that see no key, windows that skip leading key tiles (consumers that
+release slots they never read) and warpgroups whose bands differ.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from kernel_helpers import (
+    DTYPES,
+    assert_empty_rows,
+    assert_fa_rule,
+    assert_results_close,
+    empty_rows,
+    jit,
+    make_inputs,
+    oracle,
+    pallas_and_reference,
+)
+
+import pallas_attn
+from pallas_attn import tuning
+from pallas_attn.kernels import attention as kernel_attention
+from pallas_attn.kernels import mosaic_fwd, triton_fwd
+from pallas_attn.spec import normalize
+
+# Mosaic forward (128 query rows per program); small Triton backward tiles.
+MOSAIC = pallas_attn.BlockSizes(128, 64, 32, 32, 32, 32, block_q_dbias=32, block_k_dbias=32,
+                                num_stages=2, forward_backend="mosaic")
+
+CASES = [
+    ("plain_ragged", dict(B=1, T=130, S=200, N=2, H=64), {}, {}),
+    ("causal_bottom_right_T>S_empty_rows", dict(B=1, T=200, S=100, N=2, H=64),
+     dict(is_causal=True, causal_alignment="bottom_right"), {}),
+    ("causal_gqa_H80_Hv128_block_k128_3_slots", dict(B=1, T=256, S=256, N=4, K=2, H=80,
+                                                    Hv=128),
+     dict(is_causal=True), dict(block_k=128, num_stages=3)),
+    ("window_skips_leading_tiles", dict(B=1, T=300, S=300, N=1, H=64),
+     dict(local_window_size=(40, 10)), {}),
+    ("causal_window_bottom_right_T<S", dict(B=2, T=100, S=260, N=1, H=48),
+     dict(is_causal=True, causal_alignment="bottom_right", local_window_size=(70, 0)),
+     dict(num_stages=3)),
+    ("H128_Hv64_separate_output_buffer", dict(B=1, T=128, S=64, N=2, H=128, Hv=64),
+     dict(scale=0.05), {}),
+]
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("shapes,kwargs,blocks", [c[1:] for c in CASES],
+                         ids=[c[0] for c in CASES])
+def test_mosaic_forward_against_reference_and_float64(dtype, shapes, kwargs, blocks):
+    inputs = make_inputs(sum(shapes.values()), dtype=DTYPES[dtype], **shapes)
+    block_sizes = dataclasses.replace(MOSAIC, **blocks)
+    dtypes = {}
+    kernel, reference = pallas_and_reference(inputs, dtypes=dtypes, block_sizes=block_sizes,
+                                             **kwargs)
+    exact = oracle(inputs, **kwargs)
+    assert dtypes["out"] == DTYPES[dtype] and dtypes["lse"] == jnp.float32
+    assert_fa_rule(kernel, reference, exact, DTYPES[dtype])
+    assert_results_close(kernel, reference, DTYPES[dtype], label="vs reference: ")
+    assert_empty_rows(kernel, empty_rows(exact))
+    if kwargs.get("causal_alignment") == "bottom_right" and shapes["T"] > shapes["S"]:
+        assert empty_rows(exact).sum() > 0
+
+
+def _padded_call(shapes: dict, kwargs: dict, blocks: pallas_attn.BlockSizes):
+    inputs = make_inputs(5, dtype=jnp.bfloat16, **shapes)
+    spec, ops, _ = normalize(inputs["q"], inputs["k"], inputs["v"], **kwargs)
+    problem, q, k, v, _, _ = kernel_attention.prepare(spec, ops, blocks, interpret=True)
+    return problem, q, k, v
+
+
+def test_every_output_element_and_residual_is_written():
+    """Whole padded outputs, padded rows included: no NaN left from the interpreter's
+    poisoned buffers, and the same outputs and residuals as the Triton forward.
+    Three causal query tiles: program 0 takes tiles 2 and 0, program 1 tile 1 alone."""
+    problem, q, k, v = _padded_call(dict(B=1, T=300, S=90, N=2, K=1, H=64),
+                                    dict(is_causal=True, causal_alignment="bottom_right"),
+                                    MOSAIC)
+    assert (problem.q_pad, problem.kv_pad) == (384, 128) and problem.pairs_query_tiles
+    out, (row_max, log2_sum) = jit(lambda q, k, v: mosaic_fwd.forward(problem, q, k, v, {}))(
+        q, k, v)
+    triton = dataclasses.replace(problem, blocks=dataclasses.replace(
+        MOSAIC, forward_backend="triton", block_q=32, block_k=32))
+    ref_out, (ref_max, ref_sum) = jit(
+        lambda q, k, v: triton_fwd.forward(triton, q, k, v, {}))(q, k, v)
+    for name, x in (("out", out), ("row_max", row_max), ("log2_sum", log2_sum)):
+        assert not np.isnan(np.asarray(x, np.float32)).any(), f"unwritten {name}"
+    # Rows past the length and rows that see no key: reference +inf, log2 sum 0.
+    np.testing.assert_array_equal(np.isinf(row_max), np.isinf(ref_max))
+    assert np.isinf(row_max[:, :, 300:]).all() and np.all(log2_sum[:, :, 300:] == 0)
+    finite = np.isfinite(ref_max)
+    lse = np.asarray(problem.logsumexp(row_max, log2_sum))
+    ref_lse = np.asarray(problem.logsumexp(ref_max, ref_sum))
+    np.testing.assert_allclose(lse[finite], ref_lse[finite], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref_out, np.float32),
+                               atol=2e-2)
+
+
+def test_vjp_under_jit_matches_triton_forward_bitwise_in_the_gradients_inputs():
+    """Same residual contract: gradients through the Mosaic forward equal those through
+    the Triton forward up to the forwards' rounding of out (used in delta)."""
+    inputs = make_inputs(3, B=1, T=128, S=128, N=2, H=64, dtype=jnp.float16)
+
+    def grads(block_sizes):
+        def loss(q, k, v):
+            out = pallas_attn.dot_product_attention(q, k, v, is_causal=True, interpret=True,
+                                                    block_sizes=block_sizes)
+            return jnp.sum(out.astype(jnp.float32) * inputs["ct"].astype(jnp.float32))
+        return jit(jax.grad(loss, argnums=(0, 1, 2)))(inputs["q"], inputs["k"], inputs["v"])
+
+    mosaic = grads(MOSAIC)
+    triton = grads(dataclasses.replace(MOSAIC, forward_backend="triton", block_q=64))
+    for a, b in zip(mosaic, triton, strict=True):
+        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32),
+                                   atol=4e-3, rtol=4e-3)
+
+
+# ----------------------------------------------------------------- what it refuses
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(dtype=jnp.float32), "bfloat16 or float16"),
+    (dict(bias=True), "no operand besides q, k and v, got bias"),
+    (dict(logits_soft_cap=5.0), "no logits_soft_cap"),
+    (dict(H=256), "head dims must pad to"),
+    (dict(H=32), "head dims must pad to"),
+])
+def test_unsupported_problems_name_the_reason(kwargs, match):
+    dtype = kwargs.pop("dtype", jnp.bfloat16)
+    H = kwargs.pop("H", 64)
+    inputs = make_inputs(1, B=1, T=16, S=16, N=1, H=H, dtype=dtype)
+    bias = jnp.zeros((1, 1, 16, 16), dtype) if kwargs.pop("bias", False) else None
+    with pytest.raises(ValueError, match=f"forward_backend='mosaic'.*{match}"):
+        pallas_attn.dot_product_attention(inputs["q"], inputs["k"], inputs["v"], bias,
+                                          interpret=True, block_sizes=MOSAIC, **kwargs)
+
+
+@pytest.mark.parametrize("fields,match", [
+    (dict(block_q=64), "block_q=128"),
+    (dict(block_k=32), "block_k in"),
+    (dict(num_stages=1), "num_stages >= 2"),
+    (dict(forward_backend="cuda"), "forward_backend must be one of"),
+])
+def test_block_sizes_validate_the_mosaic_forward_tiles(fields, match):
+    with pytest.raises(ValueError, match=match):
+        dataclasses.replace(MOSAIC, **fields)
+
+
+def test_mosaic_needs_a_hopper_gpu():
+    inputs = make_inputs(1, B=1, T=16, S=16, N=1, H=64, dtype=jnp.bfloat16)
+    ampere = tuning.DeviceInfo.for_capability((8, 0))
+    spec, ops, _ = normalize(inputs["q"], inputs["k"], inputs["v"])
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(tuning.DeviceInfo, "current", staticmethod(lambda: ampere))
+        with pytest.raises(ValueError, match="needs an sm90"):
+            kernel_attention.resolve_block_sizes(spec, ops, MOSAIC, interpret=False)
