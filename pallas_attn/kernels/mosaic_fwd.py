@@ -19,13 +19,12 @@ Scope (`unsupported` says what lies outside it): 16-bit inputs, padded head dims
 or dropout) and no soft cap; causal and local windows in both alignments, GQA and
 ragged lengths are covered. Everything else runs the Triton forward.
 
-Under causal masking without a window a program takes a query tile and its mirror
-(common.schedule_query_tiles), one after the other, so every program does the same
-work; the K/V ring runs on through both tiles' key tiles. Key tiles outside a
-tile's band are never loaded. A consumer whose own band is narrower than the
-tile's (causal: warpgroup 0 ends a key tile earlier) still waits on and releases
-the slots it skips, so the barrier phases of both consumers stay in step with the
-producer.
+One query tile per program, the heaviest causal tiles launched first. (Pairing
+each causal tile with its mirror, as the Triton forward does, was measured no
+faster here: BENCHMARKS.md, session 5.) Key tiles outside the tile's band are
+never loaded. A consumer whose own band is narrower than the tile's (causal:
+warpgroup 0 can end a key tile earlier) still waits on and releases the slots it
+skips, so the barrier phases of both consumers stay in step with the producer.
 """
 
 from __future__ import annotations
@@ -40,13 +39,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_attn.kernels import scores
-from pallas_attn.kernels.common import (
-    LOG2E,
-    MAX_FLOOR,
-    Problem,
-    TileContext,
-    scheduled_grid_size,
-)
+from pallas_attn.kernels.common import LOG2E, MAX_FLOOR, Problem, TileContext
 from pallas_attn.tuning import MOSAIC_BLOCK_Q, padded_head_dim
 
 # Query rows per program (BlockSizes.block_q) and per consumer warpgroup (the wgmma
@@ -109,82 +102,54 @@ def _kernel(q_ref, k_ref, v_ref, out_ref, row_max_ref, log2_sum_ref, scratch, *,
     block_k, stages = blocks.block_k, blocks.num_stages
     b, n = lax.axis_index("batch"), lax.axis_index("head")
     kh = lax.div(n, jnp.int32(problem.group))
-    ctx = TileContext(problem, {}, b, n)
-    # Query tiles of this program (common.schedule_query_tiles' order): the heavy tile
-    # num_tiles - 1 - pid, then, under causal pairing, its light mirror pid.
     num_tiles = problem.q_pad // PROGRAM_ROWS
-    pid = lax.axis_index("tile")
-    heavy = num_tiles - 1 - pid
-    count = 1 + (pid < heavy).astype(jnp.int32) if problem.pairs_query_tiles else 1
-
-    def tile_start(j):
-        return (heavy + j * (pid - heavy)) * PROGRAM_ROWS
-
-    def band(j) -> _Band:
-        q0 = tile_start(j)
-        return _Band(*ctx.key_tiles(q0, q0 + PROGRAM_ROWS, block_k))
-
-    # Steps of the K/V ring: the first tile's key tiles, then the second's.
-    first_steps = jnp.maximum(band(0).stop - band(0).first, 0)
+    q0 = (num_tiles - 1 - lax.axis_index("tile")) * PROGRAM_ROWS  # heavy causal tiles first
+    ctx = TileContext(problem, {}, b, n)
+    program = _Band(*ctx.key_tiles(q0, q0 + PROGRAM_ROWS, block_k))
     wg = lax.axis_index("wg")
+
+    def slot_of(t):
+        return lax.rem(t - program.first, jnp.int32(stages))
 
     @pl.when(wg == CONSUMERS)
     def _producer():
         plgpu.set_max_registers(_PRODUCER_REGISTERS, action="decrease")
-        second = band(1)
-        steps = first_steps + jnp.where(
-            count > 1, jnp.maximum(second.stop - second.first, 0), 0)
 
-        def load(step):
-            slot = lax.rem(step, jnp.int32(stages))
-            t = jnp.where(step < first_steps, band(0).first + step,
-                          second.first + step - first_steps)
+        def load(t, slot):
             rows = pl.ds(t * block_k, block_k)
             plgpu.copy_gmem_to_smem(k_ref.at[b, rows, kh], k_smem.at[slot], k_loaded.at[slot])
             plgpu.copy_gmem_to_smem(v_ref.at[b, rows, kh], v_smem.at[slot], v_loaded.at[slot])
 
-        @pl.loop(0, jnp.minimum(steps, stages))
-        def _fill(step):
-            load(step)
+        for i in range(stages):
+            pl.when(program.first + i < program.stop)(lambda i=i: load(program.first + i, i))
 
-        def wait_released(step):
-            slot = lax.rem(step, jnp.int32(stages))
+        @pl.loop(program.first + stages, jnp.maximum(program.stop, program.first + stages))
+        def _refill(t):
+            slot = slot_of(t)
             plgpu.barrier_wait(k_consumed.at[slot])
             plgpu.barrier_wait(v_consumed.at[slot])
-
-        @pl.loop(stages, jnp.maximum(steps, stages))
-        def _refill(step):
-            wait_released(step - stages)
-            load(step)
+            load(t, slot)
 
         # Observe the last releases too, so every barrier ends in a phase this
         # warpgroup has seen (the interpreter checks it; it costs the tail of the
         # program nothing on the GPU).
-        @pl.loop(jnp.maximum(steps - stages, 0), steps)
-        def _drain(step):
-            wait_released(step)
+        @pl.loop(jnp.maximum(program.first, program.stop - stages),
+                 jnp.maximum(program.stop, program.first))
+        def _drain(t):
+            plgpu.barrier_wait(k_consumed.at[slot_of(t)])
+            plgpu.barrier_wait(v_consumed.at[slot_of(t)])
 
     @pl.when(wg < CONSUMERS)
     def _consumer():
         plgpu.set_max_registers(_CONSUMER_REGISTERS, action="increase")
-
-        def tile(j, carry):
-            row0 = tile_start(j) + wg * ROWS_PER_CONSUMER
-            rows = pl.ds(row0, ROWS_PER_CONSUMER)
-            program, base = band(j), j * first_steps
-
-            def slot_of(t):
-                return lax.rem(base + t - program.first, jnp.int32(stages))
-
-            _consume(problem, ctx, program, slot_of, row0, q_ref.at[b, rows, n],
-                     out_ref.at[b, rows, n], row_max_ref.at[b, n, rows],
-                     log2_sum_ref.at[b, n, rows], q_smem.at[wg],
-                     o_smem.at[wg] if o_smem is not None else q_smem.at[wg], k_smem, v_smem,
-                     p_smem.at[wg], stats_smem.at[wg], q_loaded.at[wg],
-                     (k_loaded, v_loaded, k_consumed, v_consumed))
-            return carry
-
-        lax.fori_loop(0, count, tile, 0)
+        _consume(problem, ctx, program, slot_of, q0 + wg * ROWS_PER_CONSUMER,
+                 q_ref.at[b, pl.ds(q0 + wg * ROWS_PER_CONSUMER, ROWS_PER_CONSUMER), n],
+                 out_ref.at[b, pl.ds(q0 + wg * ROWS_PER_CONSUMER, ROWS_PER_CONSUMER), n],
+                 row_max_ref.at[b, n, pl.ds(q0 + wg * ROWS_PER_CONSUMER, ROWS_PER_CONSUMER)],
+                 log2_sum_ref.at[b, n, pl.ds(q0 + wg * ROWS_PER_CONSUMER, ROWS_PER_CONSUMER)],
+                 q_smem.at[wg], o_smem.at[wg] if o_smem is not None else q_smem.at[wg],
+                 k_smem, v_smem, p_smem.at[wg], stats_smem.at[wg], q_loaded.at[wg],
+                 (k_loaded, v_loaded, k_consumed, v_consumed))
 
 
 def _consume(problem: Problem, ctx: TileContext, program: _Band, slot_of, row0,
@@ -319,9 +284,8 @@ def forward(problem: Problem, q: jax.Array, k: jax.Array, v: jax.Array,
             *buffers, *barriers, collective_axes="wg")
 
     interpret = plgpu.InterpretGPUParams() if problem.interpret else None
-    grid = (scheduled_grid_size(Tp // PROGRAM_ROWS, problem.pairs_query_tiles), B, N)
     out, row_max, log2_sum = plgpu.kernel(
-        entry, out_type=out_type, grid=grid,
+        entry, out_type=out_type, grid=(Tp // PROGRAM_ROWS, B, N),
         grid_names=("tile", "batch", "head"), num_threads=CONSUMERS + 1, thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True), interpret=interpret,
     )(q, k, v)
