@@ -276,9 +276,9 @@ def shared_memory_estimate(block_sizes: BlockSizes, head_dim: int, value_head_di
     forward = (b.block_q * hd * size + b.num_stages * b.block_k * (hd + hv) * size
                + tile_inputs(b.block_q, b.block_k, b.num_stages))
     if b.forward_backend == "mosaic":
-        # Q (the output reuses it when hv == hd), the K/V ring, P of both consumers,
-        # the row residuals and one barrier word per slot state.
-        forward = (b.block_q * (hd + (hv if hv != hd else 0)) * size
+        # Q, the output (staged in P's buffer when hv == block_k), the K/V ring, P of
+        # both consumers, the row residuals and the barriers.
+        forward = (b.block_q * (hd + (hv if hv != b.block_k else 0)) * size
                    + b.num_stages * b.block_k * (hd + hv) * size
                    + b.block_q * b.block_k * size + 2 * b.block_q * 4 + 8 * (4 * b.num_stages + 2))
     dkdv = (b.block_k_dkv * (hd + hv) * size + b.num_stages_dkv * b.block_q_dkv * (hd + hv) * size
@@ -440,6 +440,13 @@ def choose_block_sizes(head_dim: int, dtype: Any = jnp.bfloat16, *, q_len: int, 
 # The Mosaic forward's tiles at head dim 128 (BENCHMARKS.md, session 5: block_k 128
 # with 2 slots ran 403 TFLOP/s on an H100, block_k 64 with 2 or 3 slots 355-364).
 _MOSAIC_FORWARD = dict(block_q=MOSAIC_BLOCK_Q, block_k=128, num_stages=2)
+
+
+def persistent_programs(work_items: int, interpret: bool) -> int:
+    """Programs of a persistent kernel: one per multiprocessor (two in the
+    interpreter, so that programs loop over several items), at most one per item."""
+    slots = 2 if interpret else DeviceInfo.current().num_multiprocessors
+    return max(1, min(work_items, slots))
 
 
 def prefers_mosaic_forward(device: DeviceInfo, dtype: Any, head_dim: int,

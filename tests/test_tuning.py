@@ -339,3 +339,11 @@ def test_plain_scores_reaches_the_choice_on_a_gpu_only(monkeypatch):
         blocks = kernel_attention.resolve_block_sizes(spec, ops, None, interpret)
         assert (blocks.forward_backend == "mosaic") == seen[-1]
     assert seen == [True, False, False, False]
+
+
+def test_persistent_programs(monkeypatch):
+    monkeypatch.setattr(tuning.DeviceInfo, "current", staticmethod(lambda: DEVICES["sm90"]))
+    assert tuning.persistent_programs(2048, interpret=False) == 132
+    assert tuning.persistent_programs(40, interpret=False) == 40
+    assert tuning.persistent_programs(5, interpret=True) == 2
+    assert tuning.persistent_programs(1, interpret=True) == 1

@@ -1,14 +1,22 @@
-"""Forward kernel for Hopper (Pallas, Mosaic GPU backend): warp-specialised.
+"""Forward kernel for Hopper (Pallas, Mosaic GPU backend): warp-specialised, persistent.
 
-Each program owns 2 * 64 query rows of one (batch entry, head) and runs three
-warpgroups. Warpgroup 2 is the producer: it streams K and V tiles from global
-into a ring of `num_stages` shared-memory slots with the bulk copy engine, each
-slot guarded by a "loaded" barrier (copy completion) and a "consumed" barrier
-(both consumers done with it). Warpgroups 0 and 1 are the consumers: each owns
-64 query rows, computes S = Q K^T with wgmma into registers, applies the shared
-visibility rules (kernels/scores.py) and the same online softmax as the Triton
-forward (log2 units, row reference starting at MAX_FLOOR), stages P in shared
-memory and accumulates P V with a second wgmma.
+The work is items of 128 query rows of one (batch entry, head), two per 64-row
+consumer. One program per multiprocessor loops over items (`_kernel.item_of`:
+round-robin, lanes reversed every other round, query tiles fastest and the
+heaviest causal tile first) with three warpgroups:
+
+* Warpgroup 2, the producer, streams K and V tiles with the bulk copy engine into
+  a ring of `num_stages` shared-memory slots. Each slot has a "loaded" barrier
+  (copy completion) and a "consumed" barrier (both consumers are done with it).
+  The ring runs on across items, so the next item's first tiles load while the
+  consumers finish the current one.
+* Warpgroups 0 and 1, the consumers, each take 64 rows. They compute S = Q K^T
+  with wgmma into registers, apply the shared visibility rules (kernels/scores.py)
+  and the Triton forward's online softmax (log2 units, row reference starting at
+  MAX_FLOOR), stage P in shared memory and accumulate P V with a second wgmma.
+  The next item's Q is loaded as soon as the last Q K^T of an item is done, and
+  the output leaves through a bulk copy (staged in P's buffer when shapes agree)
+  that overlaps the next item.
 
 It writes the same outputs as triton_fwd.forward: the output and the per-row
 residuals (row reference, +inf for rows that see no key, and log2 of the row
@@ -19,12 +27,12 @@ Scope (`unsupported` says what lies outside it): 16-bit inputs, padded head dims
 or dropout) and no soft cap; causal and local windows in both alignments, GQA and
 ragged lengths are covered. Everything else runs the Triton forward.
 
-One query tile per program, the heaviest causal tiles launched first. (Pairing
-each causal tile with its mirror, as the Triton forward does, was measured no
-faster here: BENCHMARKS.md, session 5.) Key tiles outside the tile's band are
-never loaded. A consumer whose own band is narrower than the tile's (causal:
-warpgroup 0 can end a key tile earlier) still waits on and releases the slots it
-skips, so the barrier phases of both consumers stay in step with the producer.
+Key tiles outside an item's band are never loaded. A consumer whose own band is
+narrower than the item's (causal: warpgroup 0 can end a key tile earlier) still
+waits on and releases the slots it skips, so the barrier phases of both consumers
+stay in step with the producer. Measured (BENCHMARKS.md, session 5): persistence
+took d128 from 1.40 to 1.30 ms; pairing causal tiles with their mirrors, as the
+Triton forward does, gained nothing here and is not done.
 """
 
 from __future__ import annotations
@@ -38,6 +46,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_attn import tuning
 from pallas_attn.kernels import scores
 from pallas_attn.kernels.common import LOG2E, MAX_FLOOR, Problem, TileContext
 from pallas_attn.tuning import MOSAIC_BLOCK_Q, padded_head_dim
@@ -94,80 +103,147 @@ class _Band:
     full_stop: Any
 
 
-def _kernel(q_ref, k_ref, v_ref, out_ref, row_max_ref, log2_sum_ref, scratch, *,
-            problem: Problem):
-    (q_smem, o_smem, k_smem, v_smem, p_smem, stats_smem), barriers = scratch
-    q_loaded, k_loaded, v_loaded, k_consumed, v_consumed = barriers
-    blocks = problem.blocks
-    block_k, stages = blocks.block_k, blocks.num_stages
-    b, n = lax.axis_index("batch"), lax.axis_index("head")
-    kh = lax.div(n, jnp.int32(problem.group))
-    num_tiles = problem.q_pad // PROGRAM_ROWS
-    q0 = (num_tiles - 1 - lax.axis_index("tile")) * PROGRAM_ROWS  # heavy causal tiles first
-    ctx = TileContext(problem, {}, b, n)
-    program = _Band(*ctx.key_tiles(q0, q0 + PROGRAM_ROWS, block_k))
-    wg = lax.axis_index("wg")
+@dataclasses.dataclass(frozen=True)
+class _Item:
+    """One unit of work: 128 query rows from q0 of batch entry b, head n."""
+    valid: Any
+    q0: Any
+    b: Any
+    n: Any
 
-    def slot_of(t):
-        return lax.rem(t - program.first, jnp.int32(stages))
+
+def _kernel(q_ref, k_ref, v_ref, out_ref, row_max_ref, log2_sum_ref, scratch, *,
+            problem: Problem, programs: int):
+    (q_smem, o_smem, k_smem, v_smem, p_smem, stats_smem), barriers = scratch
+    o_smem = p_smem if o_smem is None else o_smem
+    q_loaded, k_loaded, v_loaded, k_consumed, v_consumed = barriers
+    block_k, stages = problem.blocks.block_k, problem.blocks.num_stages
+    num_tiles = problem.q_pad // PROGRAM_ROWS
+    items = num_tiles * problem.batch * problem.num_heads
+    rounds = -(-items // programs)
+    pid, wg = lax.axis_index("program"), lax.axis_index("wg")
+
+    def item_of(r) -> _Item:
+        # Round r gives program pid item r * programs + pid, the lanes reversed on odd
+        # rounds so that heavy and light causal tiles even out over the rounds. Items
+        # run query tiles fastest (heaviest first), so concurrent programs share K/V.
+        lane = jnp.where(lax.rem(r, 2) == 0, pid, programs - 1 - pid)
+        idx = r * programs + lane
+        batch_head = lax.div(idx, num_tiles)
+        return _Item(idx < items, (num_tiles - 1 - lax.rem(idx, num_tiles)) * PROGRAM_ROWS,
+                     lax.rem(batch_head, problem.batch), lax.div(batch_head, problem.batch))
+
+    def band(item: _Item) -> tuple[TileContext, _Band, Any]:
+        """(context, key tiles, ring steps) of an item; no steps for an invalid one."""
+        ctx = TileContext(problem, {}, item.b, item.n)
+        tiles = _Band(*ctx.key_tiles(item.q0, item.q0 + PROGRAM_ROWS, block_k))
+        steps = jnp.where(item.valid, jnp.maximum(tiles.stop - tiles.first, 0), 0)
+        return ctx, tiles, steps
+
+    def slot_of(step):
+        return lax.rem(step, jnp.int32(stages))
 
     @pl.when(wg == CONSUMERS)
     def _producer():
         plgpu.set_max_registers(_PRODUCER_REGISTERS, action="decrease")
 
-        def load(t, slot):
-            rows = pl.ds(t * block_k, block_k)
-            plgpu.copy_gmem_to_smem(k_ref.at[b, rows, kh], k_smem.at[slot], k_loaded.at[slot])
-            plgpu.copy_gmem_to_smem(v_ref.at[b, rows, kh], v_smem.at[slot], v_loaded.at[slot])
+        def stream(r, step):
+            item = item_of(r)
+            _, tiles, steps = band(item)
+            kh = lax.div(item.n, jnp.int32(problem.group))
 
-        for i in range(stages):
-            pl.when(program.first + i < program.stop)(lambda i=i: load(program.first + i, i))
+            @pl.loop(0, steps)
+            def _load(i):
+                slot = slot_of(step + i)
 
-        @pl.loop(program.first + stages, jnp.maximum(program.stop, program.first + stages))
-        def _refill(t):
-            slot = slot_of(t)
-            plgpu.barrier_wait(k_consumed.at[slot])
-            plgpu.barrier_wait(v_consumed.at[slot])
-            load(t, slot)
+                @pl.when(step + i >= stages)
+                def _wait_released():
+                    plgpu.barrier_wait(k_consumed.at[slot])
+                    plgpu.barrier_wait(v_consumed.at[slot])
+
+                rows = pl.ds((tiles.first + i) * block_k, block_k)
+                plgpu.copy_gmem_to_smem(k_ref.at[item.b, rows, kh], k_smem.at[slot],
+                                        k_loaded.at[slot])
+                plgpu.copy_gmem_to_smem(v_ref.at[item.b, rows, kh], v_smem.at[slot],
+                                        v_loaded.at[slot])
+
+            return step + steps
+
+        total = lax.fori_loop(0, rounds, stream, jnp.int32(0))
 
         # Observe the last releases too, so every barrier ends in a phase this
         # warpgroup has seen (the interpreter checks it; it costs the tail of the
         # program nothing on the GPU).
-        @pl.loop(jnp.maximum(program.first, program.stop - stages),
-                 jnp.maximum(program.stop, program.first))
-        def _drain(t):
-            plgpu.barrier_wait(k_consumed.at[slot_of(t)])
-            plgpu.barrier_wait(v_consumed.at[slot_of(t)])
+        @pl.loop(jnp.maximum(total - stages, 0), total)
+        def _drain(step):
+            plgpu.barrier_wait(k_consumed.at[slot_of(step)])
+            plgpu.barrier_wait(v_consumed.at[slot_of(step)])
 
     @pl.when(wg < CONSUMERS)
     def _consumer():
         plgpu.set_max_registers(_CONSUMER_REGISTERS, action="increase")
-        _consume(problem, ctx, program, slot_of, q0 + wg * ROWS_PER_CONSUMER,
-                 q_ref.at[b, pl.ds(q0 + wg * ROWS_PER_CONSUMER, ROWS_PER_CONSUMER), n],
-                 out_ref.at[b, pl.ds(q0 + wg * ROWS_PER_CONSUMER, ROWS_PER_CONSUMER), n],
-                 row_max_ref.at[b, n, pl.ds(q0 + wg * ROWS_PER_CONSUMER, ROWS_PER_CONSUMER)],
-                 log2_sum_ref.at[b, n, pl.ds(q0 + wg * ROWS_PER_CONSUMER, ROWS_PER_CONSUMER)],
-                 q_smem.at[wg], o_smem.at[wg] if o_smem is not None else q_smem.at[wg],
-                 k_smem, v_smem, p_smem.at[wg], stats_smem.at[wg], q_loaded.at[wg],
-                 (k_loaded, v_loaded, k_consumed, v_consumed))
+        rows_n = ROWS_PER_CONSUMER
+        q_mine, o_mine, p_mine, stats_mine = (
+            q_smem.at[wg], o_smem.at[wg], p_smem.at[wg], stats_smem.at[wg])
+
+        def load_q(item: _Item):
+            @pl.when(item.valid)
+            def _():
+                plgpu.copy_gmem_to_smem(
+                    q_ref.at[item.b, pl.ds(item.q0 + wg * rows_n, rows_n), item.n], q_mine,
+                    q_loaded.at[wg])
+
+        load_q(item_of(0))
+
+        def work(r, step):
+            item = item_of(r)
+            ctx, tiles, steps = band(item)
+            row0 = item.q0 + wg * rows_n
+            # The previous item's output copies read o_mine, which may be p_mine.
+            plgpu.wait_smem_to_gmem(0)
+            pl.when(item.valid)(lambda: plgpu.barrier_wait(q_loaded.at[wg]))
+            acc, m, l_sum = _consume(
+                problem, ctx, tiles, lambda t: slot_of(step + t - tiles.first), row0,
+                tiles.first + steps, q_mine, k_smem, v_smem, p_mine, o_mine.shape[-1],
+                (k_loaded, v_loaded, k_consumed, v_consumed))
+            load_q(item_of(r + 1))  # every Q K^T of this item is done: q_mine is free
+
+            @pl.when(item.valid)
+            def _store():
+                rows = row0 + plgpu.broadcasted_iota(jnp.int32, (rows_n,), 0,
+                                                     layout=plgpu.Layout.WGMMA.reduce(1))
+                valid = (l_sum > 0.0) & (rows < problem.q_len)
+                inv = jnp.where(valid, 1.0 / jnp.where(valid, l_sum, 1.0), 0.0)
+                o_mine[...] = (acc * lax.broadcast_in_dim(inv, acc.shape, [0])).astype(
+                    o_mine.dtype)
+                stats_mine.at[0][...] = jnp.where(valid, m, jnp.inf)
+                stats_mine.at[1][...] = jnp.log2(jnp.where(valid, l_sum, 1.0))
+                plgpu.commit_smem()
+                out_rows = pl.ds(row0, rows_n)
+                plgpu.copy_smem_to_gmem(o_mine, out_ref.at[item.b, out_rows, item.n])
+                plgpu.copy_smem_to_gmem(stats_mine.at[0],
+                                        row_max_ref.at[item.b, item.n, out_rows])
+                plgpu.copy_smem_to_gmem(stats_mine.at[1],
+                                        log2_sum_ref.at[item.b, item.n, out_rows])
+
+            return step + steps
+
+        lax.fori_loop(0, rounds, work, jnp.int32(0))
+        plgpu.wait_smem_to_gmem(0)
 
 
-def _consume(problem: Problem, ctx: TileContext, program: _Band, slot_of, row0,
-             q_gmem, out_gmem, row_max_gmem, log2_sum_gmem, q_smem, o_smem, k_smem, v_smem,
-             p_smem, stats_smem, q_loaded, ring) -> None:
-    """One consumer warpgroup: rows [row0, row0 + 64) against the program's key tiles."""
+def _consume(problem: Problem, ctx: TileContext, program: _Band, slot_of, row0, stop,
+             q_smem, k_smem, v_smem, p_smem, hv: int, ring) -> tuple[Any, Any, Any]:
+    """One consumer warpgroup: (acc, row reference, row sum) of rows [row0, row0 + 64)
+    against key tiles [program.first, stop) (stop = program.first for no work)."""
     k_loaded, v_loaded, k_consumed, v_consumed = ring
-    spec, blocks = problem.spec, problem.blocks
-    block_k = blocks.block_k
-    rows_n, hv = ROWS_PER_CONSUMER, o_smem.shape[-1]
+    spec, block_k = problem.spec, problem.blocks.block_k
+    rows_n = ROWS_PER_CONSUMER
     dtype = q_smem.dtype
     own = _Band(*ctx.key_tiles(row0, row0 + rows_n, block_k))
-    # The consumer's own band, clipped into the program's (they agree except at the ends).
-    own_first = jnp.clip(own.first, program.first, program.stop)
-    own_stop = jnp.clip(own.stop, own_first, program.stop)
-
-    plgpu.copy_gmem_to_smem(q_gmem, q_smem, q_loaded)
-    plgpu.barrier_wait(q_loaded)
+    # The consumer's own band, clipped into the item's (they agree except at the ends).
+    own_first = jnp.clip(own.first, program.first, stop)
+    own_stop = jnp.clip(own.stop, own_first, stop)
 
     def release(t):
         slot = slot_of(t)
@@ -233,19 +309,8 @@ def _consume(problem: Problem, ctx: TileContext, program: _Band, slot_of, row0,
     carry = compute(own_first, full_first, True, carry)
     carry = compute(full_first, full_stop, False, carry)
     acc, m, l_sum = compute(full_stop, own_stop, True, carry)
-    skip(own_stop, program.stop)
-
-    rows = row0 + plgpu.broadcasted_iota(jnp.int32, (rows_n,), 0, layout=row_layout)
-    valid = (l_sum > 0.0) & (rows < problem.q_len)
-    inv = jnp.where(valid, 1.0 / jnp.where(valid, l_sum, 1.0), 0.0)
-    o_smem[...] = (acc * lax.broadcast_in_dim(inv, acc.shape, [0])).astype(dtype)
-    stats_smem.at[0][...] = jnp.where(valid, m, jnp.inf)
-    stats_smem.at[1][...] = jnp.log2(jnp.where(valid, l_sum, 1.0))
-    plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(o_smem, out_gmem)
-    plgpu.copy_smem_to_gmem(stats_smem.at[0], row_max_gmem)
-    plgpu.copy_smem_to_gmem(stats_smem.at[1], log2_sum_gmem)
-    plgpu.wait_smem_to_gmem(0)
+    skip(own_stop, stop)
+    return acc, m, l_sum
 
 
 def forward(problem: Problem, q: jax.Array, k: jax.Array, v: jax.Array,
@@ -265,7 +330,8 @@ def forward(problem: Problem, q: jax.Array, k: jax.Array, v: jax.Array,
     def entry(q_ref, k_ref, v_ref, out_ref, row_max_ref, log2_sum_ref):
         buffers = (
             _smem((CONSUMERS, ROWS_PER_CONSUMER, hp), dtype),
-            _smem((CONSUMERS, ROWS_PER_CONSUMER, hvp), dtype) if hvp != hp else None,
+            # The output is staged in P's buffer when the shapes agree.
+            _smem((CONSUMERS, ROWS_PER_CONSUMER, hvp), dtype) if hvp != block_k else None,
             _smem((stages, block_k, hp), dtype),
             _smem((stages, block_k, hvp), dtype),
             _smem((CONSUMERS, ROWS_PER_CONSUMER, block_k), dtype),
@@ -280,13 +346,18 @@ def forward(problem: Problem, q: jax.Array, k: jax.Array, v: jax.Array,
         )
         pl.run_scoped(
             lambda *scratch: _kernel(q_ref, k_ref, v_ref, out_ref, row_max_ref, log2_sum_ref,
-                                     (scratch[:6], scratch[6:]), problem=problem),
+                                     (scratch[:6], scratch[6:]), problem=problem,
+                                     programs=programs),
             *buffers, *barriers, collective_axes="wg")
 
-    interpret = plgpu.InterpretGPUParams() if problem.interpret else None
+    # The interpreter poisons every buffer it allocates (outputs included) with NaN and
+    # runs its happens-before race detector (tests/test_mosaic_forward.py checks it).
+    interpret = (plgpu.InterpretGPUParams(uninitialized_memory="nan", detect_races=True)
+                 if problem.interpret else None)
+    programs = tuning.persistent_programs(Tp // PROGRAM_ROWS * B * N, problem.interpret)
     out, row_max, log2_sum = plgpu.kernel(
-        entry, out_type=out_type, grid=(Tp // PROGRAM_ROWS, B, N),
-        grid_names=("tile", "batch", "head"), num_threads=CONSUMERS + 1, thread_name="wg",
+        entry, out_type=out_type, grid=(programs,), grid_names=("program",),
+        num_threads=CONSUMERS + 1, thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True), interpret=interpret,
     )(q, k, v)
     return out, (row_max, log2_sum)
