@@ -127,7 +127,7 @@ class BlockSizes:
 
     forward_backend: "triton" (every GPU from sm80 and every feature) or "mosaic",
     the warp-specialised Hopper forward (kernels/mosaic_fwd.py: sm90, 16-bit
-    inputs, padded head dims 64 or 128, no score feature besides causal and window;
+    inputs, padded head dims 64 or 128, no operand besides q, k, v, no dropout;
     block_q must be its 128 rows per program, block_k 64 or 128, num_stages >= 2
     shared-memory slots; num_warps does not apply). The backward kernels are
     Triton either way.
@@ -455,9 +455,9 @@ def prefers_mosaic_forward(device: DeviceInfo, dtype: Any, head_dim: int,
 
     Where it was measured faster (BENCHMARKS.md, session 5): an sm90 device, 16-bit
     inputs, head dims padding to 128, at least one program of query rows, and plain
-    scores (features["plain_scores"]: no operand besides q, k, v, no soft cap, no
-    dropout), causal, windowed or neither. At head dim 64 the Triton forward was
-    faster.
+    scores (features["plain_scores"]: no operand besides q, k, v and no dropout; a
+    soft cap, causal masking and windows are plain). At head dim 64 the Triton
+    forward was faster.
     """
     return (device.compute_capability == (9, 0)
             and jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))

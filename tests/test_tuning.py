@@ -334,11 +334,13 @@ def test_plain_scores_reaches_the_choice_on_a_gpu_only(monkeypatch):
     monkeypatch.setattr(tuning.DeviceInfo, "current", staticmethod(lambda: DEVICES["sm90"]))
     q = jnp.zeros((1, 256, 2, 128), jnp.bfloat16)
     for kwargs, interpret in (({}, False), ({}, True), ({"logits_soft_cap": 3.0}, False),
-                              ({"bias": jnp.zeros((1, 2, 256, 256), jnp.bfloat16)}, False)):
+                              ({"bias": jnp.zeros((1, 2, 256, 256), jnp.bfloat16)}, False),
+                              ({"dropout_rate": 0.1, "dropout_rng": jax.random.key(1)},
+                               False)):
         spec, ops, _ = normalize(q, q, q, kwargs.pop("bias", None), **kwargs)
         blocks = kernel_attention.resolve_block_sizes(spec, ops, None, interpret)
         assert (blocks.forward_backend == "mosaic") == seen[-1]
-    assert seen == [True, False, False, False]
+    assert seen == [True, False, True, False, False]
 
 
 def test_persistent_programs(monkeypatch):

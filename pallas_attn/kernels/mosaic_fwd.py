@@ -11,12 +11,12 @@ heaviest causal tile first) with three warpgroups:
   The ring runs on across items, so the next item's first tiles load while the
   consumers finish the current one.
 * Warpgroups 0 and 1, the consumers, each take 64 rows. They compute S = Q K^T
-  with wgmma into registers, apply the shared visibility rules (kernels/scores.py)
-  and the Triton forward's online softmax (log2 units, row reference starting at
-  MAX_FLOOR), stage P in shared memory and accumulate P V with a second wgmma.
-  The next item's Q is loaded as soon as the last Q K^T of an item is done, and
-  the output leaves through a bulk copy (staged in P's buffer when shapes agree)
-  that overlaps the next item.
+  with wgmma into registers, apply the shared score and visibility rules
+  (kernels/scores.py) and the Triton forward's online softmax (log2 units, row
+  reference starting at MAX_FLOOR, or the soft cap's bound), stage P in shared
+  memory and accumulate P V with a second wgmma. The next item's Q is loaded as
+  soon as the last Q K^T of an item is done, and the output leaves through a bulk
+  copy (staged in P's buffer when shapes agree) that overlaps the next item.
 
 It writes the same outputs as triton_fwd.forward: the output and the per-row
 residuals (row reference, +inf for rows that see no key, and log2 of the row
@@ -24,8 +24,9 @@ sum), so the Triton backward kernels consume them unchanged.
 
 Scope (`unsupported` says what lies outside it): 16-bit inputs, padded head dims
 64 or 128, no operand besides q, k and v (no bias, mask, ALiBi, segments, lengths
-or dropout) and no soft cap; causal and local windows in both alignments, GQA and
-ragged lengths are covered. Everything else runs the Triton forward.
+or dropout); causal, local windows in both alignments, soft cap (with the Triton
+forward's fixed row reference where it applies), GQA and ragged lengths are
+covered. Everything else runs the Triton forward.
 
 Key tiles outside an item's band are never loaded. A consumer whose own band is
 narrower than the item's (causal: warpgroup 0 can end a key tile earlier) still
@@ -69,12 +70,10 @@ def unsupported(problem: Problem) -> str:
     spec = problem.spec
     if problem.dtype not in _DTYPES:
         return f"inputs must be bfloat16 or float16, got {problem.dtype}"
-    if problem.present:
-        return f"it takes no operand besides q, k and v, got {', '.join(problem.present)}"
-    if spec.logits_soft_cap is not None:
-        return f"no logits_soft_cap, got {spec.logits_soft_cap}"
     if spec.has_dropout:
         return f"no dropout, got dropout_rate={spec.dropout_rate}"
+    if problem.present:
+        return f"it takes no operand besides q, k and v, got {', '.join(problem.present)}"
     dims = (padded_head_dim(problem.head_dim), padded_head_dim(problem.value_head_dim))
     if not set(dims) <= set(_HEAD_DIMS):
         return (f"head dims must pad to {_HEAD_DIMS}, got {problem.head_dim} and "
@@ -238,6 +237,7 @@ def _consume(problem: Problem, ctx: TileContext, program: _Band, slot_of, row0, 
     against key tiles [program.first, stop) (stop = program.first for no work)."""
     k_loaded, v_loaded, k_consumed, v_consumed = ring
     spec, block_k = problem.spec, problem.blocks.block_k
+    fixed = problem.fixed_row_reference
     rows_n = ROWS_PER_CONSUMER
     dtype = q_smem.dtype
     own = _Band(*ctx.key_tiles(row0, row0 + rows_n, block_k))
@@ -263,7 +263,11 @@ def _consume(problem: Problem, ctx: TileContext, program: _Band, slot_of, row0, 
 
         s = pl.run_scoped(qk, plgpu.ACC((rows_n, block_k), jnp.float32))
         plgpu.barrier_arrive(k_consumed.at[slot])
-        s = s * (spec.scale * LOG2E)  # log2 units
+        cap = spec.logits_soft_cap
+        if cap is None:
+            s = s * (spec.scale * LOG2E)  # log2 units
+        else:  # the scale folds into the tanh's argument; capped scores in log2 units
+            s = scores.soft_cap_tanh(s, cap / spec.scale) * (cap * LOG2E)
         if masked:
             rows = row0 + plgpu.broadcasted_iota(jnp.int32, s.shape, 0, layout=plgpu.Layout.WGMMA)
             cols = t * block_k + plgpu.broadcasted_iota(jnp.int32, s.shape, 1,
@@ -273,10 +277,15 @@ def _consume(problem: Problem, ctx: TileContext, program: _Band, slot_of, row0, 
                 kv_bound=problem.kv_len if problem.kv_pad != problem.kv_len else None)
             if visible is not None:
                 s = jnp.where(visible, s, -jnp.inf)
-        m_next = jnp.maximum(m_prev, s.max(axis=1))  # stays >= MAX_FLOOR
-        alpha = jnp.exp2(m_prev - m_next)
-        prob = jnp.exp2(s - lax.broadcast_in_dim(m_next, s.shape, [0]))
-        l_next = l_prev * alpha + prob.sum(axis=1)
+        if fixed is not None:  # bounded scores: the bound is every row's reference
+            m_next, alpha = m_prev, None
+            prob = jnp.exp2(s - fixed)
+            l_next = l_prev + prob.sum(axis=1)
+        else:
+            m_next = jnp.maximum(m_prev, s.max(axis=1))  # stays >= MAX_FLOOR
+            alpha = jnp.exp2(m_prev - m_next)
+            prob = jnp.exp2(s - lax.broadcast_in_dim(m_next, s.shape, [0]))
+            l_next = l_prev * alpha + prob.sum(axis=1)
         p_smem[...] = prob.astype(dtype)
         plgpu.commit_smem()
         plgpu.barrier_wait(v_loaded.at[slot])
@@ -286,13 +295,15 @@ def _consume(problem: Problem, ctx: TileContext, program: _Band, slot_of, row0, 
             return acc_ref[...]
 
         update = pl.run_scoped(pv, plgpu.ACC((rows_n, hv), jnp.float32))
-        acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0]) + update
+        acc = acc + update if alpha is None else (
+            acc * lax.broadcast_in_dim(alpha, acc.shape, [0]) + update)
         plgpu.barrier_arrive(v_consumed.at[slot])
         return acc, m_next, l_next
 
     row_layout = plgpu.Layout.WGMMA.reduce(1)
     carry = (plgpu.layout_cast(jnp.zeros((rows_n, hv), jnp.float32), plgpu.Layout.WGMMA),
-             plgpu.layout_cast(jnp.full((rows_n,), MAX_FLOOR, jnp.float32), row_layout),
+             plgpu.layout_cast(jnp.full((rows_n,), MAX_FLOOR if fixed is None else fixed,
+                                        jnp.float32), row_layout),
              plgpu.layout_cast(jnp.zeros((rows_n,), jnp.float32), row_layout))
     full_first = jnp.clip(own.full_first, own_first, own_stop)
     full_stop = jnp.clip(own.full_stop, full_first, own_stop)
