@@ -106,7 +106,7 @@ def _is_tile(x: Any) -> bool:
 
 _KERNELS = ("forward", "dkdv", "dq", "dbias")
 FORWARD_BACKENDS = ("triton", "mosaic")
-# The Mosaic forward: two consumer warpgroups of 64 query rows per program.
+# The Mosaic forward: work items of 128 query rows, 64 per consumer warpgroup.
 MOSAIC_BLOCK_Q = 128
 MOSAIC_BLOCK_K = (64, 128)
 
@@ -128,7 +128,7 @@ class BlockSizes:
     forward_backend: "triton" (every GPU from sm80 and every feature) or "mosaic",
     the warp-specialised Hopper forward (kernels/mosaic_fwd.py: sm90, 16-bit
     inputs, padded head dims 64 or 128, no operand besides q, k, v, no dropout;
-    block_q must be its 128 rows per program, block_k 64 or 128, num_stages >= 2
+    block_q must be its 128 rows per work item, block_k 64 or 128, num_stages >= 2
     shared-memory slots; num_warps does not apply). The backward kernels are
     Triton either way.
     """

@@ -52,11 +52,11 @@ from pallas_attn.kernels import scores
 from pallas_attn.kernels.common import LOG2E, MAX_FLOOR, Problem, TileContext
 from pallas_attn.tuning import MOSAIC_BLOCK_Q, padded_head_dim
 
-# Query rows per program (BlockSizes.block_q) and per consumer warpgroup (the wgmma
-# M dimension), and so the consumers per program.
-PROGRAM_ROWS = MOSAIC_BLOCK_Q
+# Query rows per item (BlockSizes.block_q) and per consumer warpgroup (the wgmma
+# M dimension), and so the consumers per item.
+ITEM_ROWS = MOSAIC_BLOCK_Q
 ROWS_PER_CONSUMER = 64
-CONSUMERS = PROGRAM_ROWS // ROWS_PER_CONSUMER
+CONSUMERS = ITEM_ROWS // ROWS_PER_CONSUMER
 # Register budgets (per thread) after the warpgroups specialise: consumers hold the
 # accumulator and the score tile, the producer only issues copies.
 _CONSUMER_REGISTERS = 232
@@ -79,11 +79,6 @@ def unsupported(problem: Problem) -> str:
         return (f"head dims must pad to {_HEAD_DIMS}, got {problem.head_dim} and "
                 f"{problem.value_head_dim}")
     return ""
-
-
-def supports(problem: Problem) -> bool:
-    """Whether this kernel covers the problem (else the Triton forward runs)."""
-    return not unsupported(problem)
 
 
 def _smem(shape: tuple[int, ...], dtype: Any) -> Any:
@@ -117,7 +112,7 @@ def _kernel(q_ref, k_ref, v_ref, out_ref, row_max_ref, log2_sum_ref, scratch, *,
     o_smem = p_smem if o_smem is None else o_smem
     q_loaded, k_loaded, v_loaded, k_consumed, v_consumed = barriers
     block_k, stages = problem.blocks.block_k, problem.blocks.num_stages
-    num_tiles = problem.q_pad // PROGRAM_ROWS
+    num_tiles = problem.q_pad // ITEM_ROWS
     items = num_tiles * problem.batch * problem.num_heads
     rounds = -(-items // programs)
     pid, wg = lax.axis_index("program"), lax.axis_index("wg")
@@ -129,13 +124,13 @@ def _kernel(q_ref, k_ref, v_ref, out_ref, row_max_ref, log2_sum_ref, scratch, *,
         lane = jnp.where(lax.rem(r, 2) == 0, pid, programs - 1 - pid)
         idx = r * programs + lane
         batch_head = lax.div(idx, num_tiles)
-        return _Item(idx < items, (num_tiles - 1 - lax.rem(idx, num_tiles)) * PROGRAM_ROWS,
+        return _Item(idx < items, (num_tiles - 1 - lax.rem(idx, num_tiles)) * ITEM_ROWS,
                      lax.rem(batch_head, problem.batch), lax.div(batch_head, problem.batch))
 
     def band(item: _Item) -> tuple[TileContext, _Band, Any]:
         """(context, key tiles, ring steps) of an item; no steps for an invalid one."""
         ctx = TileContext(problem, {}, item.b, item.n)
-        tiles = _Band(*ctx.key_tiles(item.q0, item.q0 + PROGRAM_ROWS, block_k))
+        tiles = _Band(*ctx.key_tiles(item.q0, item.q0 + ITEM_ROWS, block_k))
         steps = jnp.where(item.valid, jnp.maximum(tiles.stop - tiles.first, 0), 0)
         return ctx, tiles, steps
 
@@ -231,10 +226,10 @@ def _kernel(q_ref, k_ref, v_ref, out_ref, row_max_ref, log2_sum_ref, scratch, *,
         plgpu.wait_smem_to_gmem(0)
 
 
-def _consume(problem: Problem, ctx: TileContext, program: _Band, slot_of, row0, stop,
+def _consume(problem: Problem, ctx: TileContext, tiles: _Band, slot_of, row0, stop,
              q_smem, k_smem, v_smem, p_smem, hv: int, ring) -> tuple[Any, Any, Any]:
     """One consumer warpgroup: (acc, row reference, row sum) of rows [row0, row0 + 64)
-    against key tiles [program.first, stop) (stop = program.first for no work)."""
+    against key tiles [tiles.first, stop) (stop = tiles.first for no work)."""
     k_loaded, v_loaded, k_consumed, v_consumed = ring
     spec, block_k = problem.spec, problem.blocks.block_k
     fixed = problem.fixed_row_reference
@@ -242,7 +237,7 @@ def _consume(problem: Problem, ctx: TileContext, program: _Band, slot_of, row0, 
     dtype = q_smem.dtype
     own = _Band(*ctx.key_tiles(row0, row0 + rows_n, block_k))
     # The consumer's own band, clipped into the item's (they agree except at the ends).
-    own_first = jnp.clip(own.first, program.first, stop)
+    own_first = jnp.clip(own.first, tiles.first, stop)
     own_stop = jnp.clip(own.stop, own_first, stop)
 
     def release(t):
@@ -316,7 +311,7 @@ def _consume(problem: Problem, ctx: TileContext, program: _Band, slot_of, row0, 
     def compute(lo, hi, masked, c):
         return lax.fori_loop(lo, hi, lambda t, c: step(t, c, masked), c)
 
-    skip(program.first, own_first)
+    skip(tiles.first, own_first)
     carry = compute(own_first, full_first, True, carry)
     carry = compute(full_first, full_stop, False, carry)
     acc, m, l_sum = compute(full_stop, own_stop, True, carry)
@@ -327,7 +322,7 @@ def _consume(problem: Problem, ctx: TileContext, program: _Band, slot_of, row0, 
 def forward(problem: Problem, q: jax.Array, k: jax.Array, v: jax.Array,
             optional: dict[str, jax.Array]) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
     """(out [B, Tp, N, Hvp], (row_max, log2_sum) [B, N, Tp]) for padded inputs."""
-    if optional or unsupported(problem) or problem.blocks.block_q != PROGRAM_ROWS:
+    if optional or unsupported(problem) or problem.blocks.block_q != ITEM_ROWS:
         raise AssertionError(f"mosaic_fwd.forward called for an unsupported problem: "
                              f"{unsupported(problem) or problem.blocks}")
     B, Tp, N, hp = q.shape
@@ -365,7 +360,7 @@ def forward(problem: Problem, q: jax.Array, k: jax.Array, v: jax.Array,
     # runs its happens-before race detector (tests/test_mosaic_forward.py checks it).
     interpret = (plgpu.InterpretGPUParams(uninitialized_memory="nan", detect_races=True)
                  if problem.interpret else None)
-    programs = tuning.persistent_programs(Tp // PROGRAM_ROWS * B * N, problem.interpret)
+    programs = tuning.persistent_programs(Tp // ITEM_ROWS * B * N, problem.interpret)
     out, row_max, log2_sum = plgpu.kernel(
         entry, out_type=out_type, grid=(programs,), grid_names=("program",),
         num_threads=CONSUMERS + 1, thread_name="wg",
