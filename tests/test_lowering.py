@@ -1,10 +1,12 @@
-"""Lower every kernel for an sm90 GPU on CPU (jaxpr -> Triton IR).
+"""Lower every kernel for an sm90 GPU on CPU (jaxpr -> Triton IR, and Mosaic GPU IR for
+the Hopper forward).
 
-The interpreter runs the kernels' semantics; this catches what only the Triton
-lowering rejects (types, unsupported primitives) without a GPU. Triton's own
+The interpreters run the kernels' semantics; this catches what only the lowerings
+reject (types, layouts, unsupported primitives) without a GPU. The final
 compilation (shared memory, register allocation) still needs a GPU: see BUILD.md.
 """
 
+import dataclasses
 import importlib.util
 import pathlib
 
@@ -18,6 +20,8 @@ _TOOL = pathlib.Path(__file__).parent.parent / "tools" / "lower_for_gpu.py"
 _spec = importlib.util.spec_from_file_location("lower_for_gpu", _TOOL)
 lower_for_gpu = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(lower_for_gpu)
+
+_MOSAIC = pallas_attn.BlockSizes(128, 128, num_stages=2, forward_backend="mosaic")
 
 CASES = {
     "plain": dict(),
@@ -45,6 +49,16 @@ CASES = {
     "bias_fused_keys_gqa": dict(bias=jnp.ones((2, 4, 1, 256), jnp.float32), K=2,
                                 key_value_seq_lengths=jnp.array([100, 256]),
                                 block_sizes=pallas_attn.BlockSizes(fuse_dbias=True)),
+    # The Hopper (Mosaic GPU) forward: causal GQA with ragged lengths and Hv != H (a
+    # separate output buffer), a float16 window with 64-key tiles and 3 slots, and a
+    # soft cap with its fixed row reference.
+    "mosaic_causal_gqa_ragged": dict(T=200, S=300, N=8, K=2, H=80, Hv=64, is_causal=True,
+                                     block_sizes=_MOSAIC),
+    "mosaic_window_float16": dict(dtype=jnp.float16, H=128, local_window_size=(64, 32),
+                                  block_sizes=dataclasses.replace(_MOSAIC, block_k=64,
+                                                                  num_stages=3)),
+    "mosaic_softcap": dict(H=128, logits_soft_cap=20.0, causal_alignment="bottom_right",
+                           is_causal=True, block_sizes=_MOSAIC),
 }
 
 

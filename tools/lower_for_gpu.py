@@ -1,7 +1,8 @@
 """Lower the kernels for an sm90 GPU on a machine without one (catches lowering errors).
 
 Patches Pallas's GPU-info query so the Triton lowering (jaxpr -> Triton IR) runs
-on CPU; Triton's own compilation still happens only on a GPU.
+on CPU; the Mosaic GPU lowering of the Hopper forward needs no patch. Compilation
+to machine code still happens only on a GPU.
 Usage: python tools/lower_for_gpu.py ["is_causal=True, ..."]
 """
 
@@ -19,9 +20,10 @@ gpu_info.get_gpu_info = lambda: _FAKE
 pallas_call_registration.gpu_info_lib.get_gpu_info = lambda: _FAKE
 
 
-def lower(B=2, T=256, S=256, N=4, K=4, H=64, dtype=jnp.bfloat16, **kw) -> bool:
+def lower(B=2, T=256, S=256, N=4, K=4, H=64, Hv=None, dtype=jnp.bfloat16, **kw) -> bool:
     q = jax.ShapeDtypeStruct((B, T, N, H), dtype)
     k = jax.ShapeDtypeStruct((B, S, K, H), dtype)
+    v = jax.ShapeDtypeStruct((B, S, K, Hv or H), dtype)
 
     bias = kw.pop("bias", None)
 
@@ -32,7 +34,7 @@ def lower(B=2, T=256, S=256, N=4, K=4, H=64, dtype=jnp.bfloat16, **kw) -> bool:
         return jax.grad(loss, argnums=(0, 1, 2) if bias is None else (0, 1, 2, 3))(q, k, v, bias)
 
     try:
-        jax.jit(f).trace(q, k, k, bias).lower(lowering_platforms=("cuda",))
+        jax.jit(f).trace(q, k, v, bias).lower(lowering_platforms=("cuda",))
         print("OK", kw)
         return True
     except Exception:  # noqa: BLE001
