@@ -134,7 +134,7 @@ def test_every_output_element_and_residual_is_written():
                                atol=2e-2)
 
 
-def test_vjp_under_jit_matches_triton_forward_bitwise_in_the_gradients_inputs():
+def test_gradients_through_the_mosaic_forward_match_the_triton_forward():
     """Same residual contract: gradients through the Mosaic forward equal those through
     the Triton forward up to the forwards' rounding of out (used in delta)."""
     inputs = make_inputs(3, B=1, T=128, S=128, N=2, H=64, dtype=jnp.float16)
