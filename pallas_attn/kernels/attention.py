@@ -44,8 +44,8 @@ def resolve_block_sizes(spec: AttentionSpec, ops: Operands, block_sizes: BlockSi
     if block_sizes is None:
         # NOTE: the interpreter runs the Triton forward unless block_sizes ask for the
         # Mosaic one: interpreting it is slower, and its tests ask for it explicitly.
-        plain = (not interpret and not spec.has_dropout
-                 and all(getattr(ops, name) is None for name in OPTIONAL_INPUTS))
+        present = tuple(name for name in OPTIONAL_INPUTS if getattr(ops, name) is not None)
+        plain = not interpret and not mosaic_fwd.unsupported_scores(spec, present)
         features = dict(smem, is_causal=spec.is_causal, has_bias=spec.has_bias,
                         has_dropout=spec.has_dropout, has_window=spec.local_window is not None,
                         has_soft_cap=spec.logits_soft_cap is not None, plain_scores=plain)

@@ -50,6 +50,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_attn import tuning
 from pallas_attn.kernels import scores
 from pallas_attn.kernels.common import LOG2E, MAX_FLOOR, Problem, TileContext
+from pallas_attn.spec import AttentionSpec
 from pallas_attn.tuning import MOSAIC_BLOCK_Q, padded_head_dim
 
 # Query rows per item (BlockSizes.block_q) and per consumer warpgroup (the wgmma
@@ -65,15 +66,22 @@ _HEAD_DIMS = (64, 128)
 _DTYPES = ("bfloat16", "float16")
 
 
-def unsupported(problem: Problem) -> str:
-    """Why this kernel cannot run the problem, or "" when it can."""
-    spec = problem.spec
-    if problem.dtype not in _DTYPES:
-        return f"inputs must be bfloat16 or float16, got {problem.dtype}"
+def unsupported_scores(spec: AttentionSpec, present: tuple[str, ...]) -> str:
+    """Why this kernel cannot compute these scores, or "" when it can (the part of
+    `unsupported` known before tiles are chosen)."""
     if spec.has_dropout:
         return f"no dropout, got dropout_rate={spec.dropout_rate}"
-    if problem.present:
-        return f"it takes no operand besides q, k and v, got {', '.join(problem.present)}"
+    if present:
+        return f"it takes no operand besides q, k and v, got {', '.join(present)}"
+    return ""
+
+
+def unsupported(problem: Problem) -> str:
+    """Why this kernel cannot run the problem, or "" when it can."""
+    if problem.dtype not in _DTYPES:
+        return f"inputs must be bfloat16 or float16, got {problem.dtype}"
+    if why := unsupported_scores(problem.spec, problem.present):
+        return why
     dims = (padded_head_dim(problem.head_dim), padded_head_dim(problem.value_head_dim))
     if not set(dims) <= set(_HEAD_DIMS):
         return (f"head dims must pad to {_HEAD_DIMS}, got {problem.head_dim} and "
