@@ -349,3 +349,12 @@ def test_persistent_programs(monkeypatch):
     assert tuning.persistent_programs(40, interpret=False) == 40
     assert tuning.persistent_programs(5, interpret=True) == 2
     assert tuning.persistent_programs(1, interpret=True) == 1
+
+
+def test_oversized_mosaic_override_is_rejected_before_compiling():
+    """Three 128-key slots at head dim 128 need more than an H100's 227 KB."""
+    mosaic = BlockSizes(128, 128, num_stages=3, forward_backend="mosaic")
+    with pytest.raises(ValueError, match=r"forward kernel.*232448"):
+        tuning.check_fits(mosaic, 128, 128, jnp.bfloat16, DEVICES["sm90"])
+    tuning.check_fits(dataclasses.replace(mosaic, num_stages=2), 128, 128, jnp.bfloat16,
+                      DEVICES["sm90"])
