@@ -16,7 +16,7 @@ import functools
 import jax
 
 import pallas_attn
-from pallas_attn import bench, tuning
+from pallas_attn import autotune, bench, tuning
 
 VARIANTS = {
     "forward": ((128, 64, 4, 3), (128, 64, 8, 4), (128, 64, 8, 3)),
@@ -54,9 +54,9 @@ def main() -> None:
                 try:
                     fwd = jax.jit(lambda q, k, v, arrays, fn=fn, static=static: fn(
                         q, k, v, **arrays, **static))
-                    t_fwd = bench.time_fn(functools.partial(fwd, q, k, v, arrays))
+                    t_fwd = autotune.time_call(functools.partial(fwd, q, k, v, arrays))
                     grad = bench._loss_and_grad(fn, inputs)
-                    t_both = bench.time_fn(functools.partial(
+                    t_both = autotune.time_call(functools.partial(
                         grad, q, k, v, kwargs.get("bias"), inputs["cotangent"]))
                     times = f"{t_fwd * 1e3:.3f} | {t_both * 1e3:.3f}"
                 except Exception as e:  # noqa: BLE001 - report and go on

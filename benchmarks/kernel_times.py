@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
         attention = functools.partial(pallas_attn.dot_product_attention,
                                       implementation="pallas", block_sizes=blocks)
         step = bench._loss_and_grad(attention, inputs)
-        seconds = bench.time_fn(lambda step=step: step(
+        seconds = autotune.time_call(lambda step=step: step(
             inputs["query"], inputs["key"], inputs["value"], inputs["kwargs"].get("bias"),
             inputs["cotangent"]))
         label = "" if fuse is None else f", fuse_dbias={fuse}"

@@ -107,17 +107,35 @@ def store(device: Any, key: str, block_sizes: Any) -> pathlib.Path:
     return path
 
 
-def time_call(fn: Callable[[], Any], *, warmup: int = 2, repeats: int = 10) -> float:
-    """Median wall time in seconds of a jitted call, synchronised."""
+def time_call(fn: Callable[[], Any], *, min_seconds: float = 0.3, warmup: int = 2,
+              samples: int = 7) -> float:
+    """Seconds per call of a jitted function: the median over `samples` batches.
+
+    Each batch queues its calls back to back and synchronises once, at its end, so a
+    sample is the device's time per call. Synchronising after every call would add
+    the host's launch-and-wait round trip (tens of microseconds) to each sample; it
+    weighs more on short calls (a causal forward) than long ones and so shrinks the
+    ratios between them. A call slower than a batch's share of `min_seconds` (the
+    interpreter on a CPU) runs alone in each of at least 3 samples.
+    """
     for _ in range(warmup):
         jax.block_until_ready(fn())
-    samples = []
-    for _ in range(repeats):
+    start = time.perf_counter()
+    jax.block_until_ready(fn())
+    single = max(time.perf_counter() - start, 1e-6)
+    per_batch = max(1, min(100, round(min_seconds / (samples * single))))
+    if per_batch == 1:
+        samples = max(3, min(samples, int(min_seconds / single)))
+    times = []
+    for _ in range(samples):
         start = time.perf_counter()
-        jax.block_until_ready(fn())
-        samples.append(time.perf_counter() - start)
-    samples.sort()
-    return samples[len(samples) // 2]
+        out = None
+        for _ in range(per_batch):
+            out = fn()
+        jax.block_until_ready(out)
+        times.append((time.perf_counter() - start) / per_batch)
+    times.sort()
+    return times[len(times) // 2]
 
 
 def tune(make_step: Callable[[Any], Callable[[], Any]], candidates: Iterable[Any],
@@ -131,7 +149,7 @@ def tune(make_step: Callable[[Any], Callable[[], Any]], candidates: Iterable[Any
     results: list[tuple[Any, float | None, str]] = []
     for candidate in progress(list(candidates)):
         try:
-            seconds = time_call(make_step(candidate))
+            seconds = time_call(make_step(candidate), min_seconds=0.1)
             results.append((candidate, seconds, ""))
         except Exception as e:  # noqa: BLE001 - any compile failure disqualifies it
             first_line = (str(e).splitlines() or [""])[0]

@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import pallas_attn
+from pallas_attn import autotune
 
 
 def on_gpu() -> bool:
@@ -106,22 +107,6 @@ def _loss_and_grad(fn: Callable[..., jax.Array], args: dict[str, Any]):
     return jax.jit(jax.grad(loss, argnums=argnums))
 
 
-def time_fn(fn: Callable[[], Any], *, min_seconds: float = 0.3, warmup: int = 2) -> float:
-    """Median seconds per call (device-synchronised), at least 5 calls."""
-    for _ in range(warmup):
-        jax.block_until_ready(fn())
-    start = time.perf_counter()
-    jax.block_until_ready(fn())
-    single = max(time.perf_counter() - start, 1e-6)
-    repeats = max(5, min(50, int(min_seconds / single)))
-    samples = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(fn())
-        samples.append(time.perf_counter() - start)
-    return float(np.median(samples))
-
-
 IMPLEMENTATIONS = ("pallas_attn", "jax.nn cudnn", "jax.nn xla")
 
 
@@ -155,11 +140,11 @@ def benchmark(shapes: Sequence[Shape], *, interpret: bool = False,
                 static = {x: y for x, y in kwargs.items() if x not in arrays}
                 fwd = jax.jit(lambda q, k, v, arrays, fn=fn, static=static: fn(
                     q, k, v, **arrays, **static))
-                t_fwd = time_fn(functools.partial(fwd, q, k, v, arrays))
+                t_fwd = autotune.time_call(functools.partial(fwd, q, k, v, arrays))
                 row["fwd_ms"] = t_fwd * 1e3
                 row["fwd_tflops"] = shape.forward_flops() / t_fwd / 1e12
                 grad = _loss_and_grad(fn, args)
-                t_both = time_fn(functools.partial(grad, q, k, v, kwargs.get("bias"),
+                t_both = autotune.time_call(functools.partial(grad, q, k, v, kwargs.get("bias"),
                                                    args["cotangent"]))
                 row["fwdbwd_ms"] = t_both * 1e3
                 row["fwdbwd_tflops"] = 3.5 * shape.forward_flops() / t_both / 1e12

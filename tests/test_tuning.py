@@ -3,6 +3,7 @@
 import dataclasses
 import functools
 import json
+import time
 import warnings
 
 import jax
@@ -358,3 +359,26 @@ def test_oversized_mosaic_override_is_rejected_before_compiling():
         tuning.check_fits(mosaic, 128, 128, jnp.bfloat16, DEVICES["sm90"])
     tuning.check_fits(dataclasses.replace(mosaic, num_stages=2), 128, 128, jnp.bfloat16,
                       DEVICES["sm90"])
+
+
+def test_time_call_queues_fast_calls_in_batches_and_runs_slow_calls_alone():
+    calls = []
+
+    def fast():
+        calls.append(None)
+        return jnp.zeros(())
+
+    autotune.time_call(fast, warmup=2, samples=5)
+    # 2 warm-up calls, 1 sizing call, then 5 batches of the 100-call cap.
+    assert len(calls) == 3 + 5 * 100
+
+    calls.clear()
+
+    def slow():
+        calls.append(None)
+        time.sleep(0.2)
+        return jnp.zeros(())
+
+    seconds = autotune.time_call(slow, min_seconds=0.3, warmup=1)
+    assert len(calls) == 2 + 3  # one call per sample, at least 3 samples
+    assert seconds >= 0.2
