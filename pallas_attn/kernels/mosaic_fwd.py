@@ -118,7 +118,7 @@ def _kernel(q_ref, k_ref, v_ref, out_ref, row_max_ref, log2_sum_ref, scratch, *,
             problem: Problem, programs: int):
     (q_smem, o_smem, k_smem, v_smem, p_smem, stats_smem), barriers = scratch
     o_smem = p_smem if o_smem is None else o_smem
-    q_loaded, k_loaded, v_loaded, k_consumed, v_consumed = barriers
+    q_loaded, k_loaded, v_loaded, k_consumed, v_consumed, schedule = barriers
     block_k, stages = problem.blocks.block_k, problem.blocks.num_stages
     num_tiles = problem.q_pad // ITEM_ROWS
     items = num_tiles * problem.batch * problem.num_heads
@@ -196,18 +196,21 @@ def _kernel(q_ref, k_ref, v_ref, out_ref, row_max_ref, log2_sum_ref, scratch, *,
                     q_loaded.at[wg])
 
         load_q(item_of(0))
+        # Consumer 1 starts half a turn behind consumer 0 (see _consume) and
+        # consumer 0 takes that half turn at the end.
+        pl.when(wg == 1)(lambda: _take_turn(schedule))
 
         def work(r, step):
             item = item_of(r)
             ctx, tiles, steps = band(item)
             row0 = item.q0 + wg * rows_n
             # The previous item's output copies read o_mine, which may be p_mine.
-            plgpu.wait_smem_to_gmem(0)
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
             pl.when(item.valid)(lambda: plgpu.barrier_wait(q_loaded.at[wg]))
             acc, m, l_sum = _consume(
                 problem, ctx, tiles, lambda t: slot_of(step + t - tiles.first), row0,
                 tiles.first + steps, q_mine, k_smem, v_smem, p_mine, o_mine.shape[-1],
-                (k_loaded, v_loaded, k_consumed, v_consumed))
+                (k_loaded, v_loaded, k_consumed, v_consumed), schedule)
             load_q(item_of(r + 1))  # every Q K^T of this item is done: q_mine is free
 
             @pl.when(item.valid)
@@ -231,13 +234,27 @@ def _kernel(q_ref, k_ref, v_ref, out_ref, row_max_ref, log2_sum_ref, scratch, *,
             return step + steps
 
         lax.fori_loop(0, rounds, work, jnp.int32(0))
+        pl.when(wg == 0)(lambda: _take_turn(schedule))
         plgpu.wait_smem_to_gmem(0)
 
 
+def _take_turn(schedule) -> None:
+    """Both consumers arrive, then both wait: one step of their alternation."""
+    plgpu.barrier_arrive(schedule)
+    plgpu.barrier_wait(schedule)
+
+
 def _consume(problem: Problem, ctx: TileContext, tiles: _Band, slot_of, row0, stop,
-             q_smem, k_smem, v_smem, p_smem, hv: int, ring) -> tuple[Any, Any, Any]:
+             q_smem, k_smem, v_smem, p_smem, hv: int, ring, schedule) -> tuple[Any, Any, Any]:
     """One consumer warpgroup: (acc, row reference, row sum) of rows [row0, row0 + 64)
-    against key tiles [tiles.first, stop) (stop = tiles.first for no work)."""
+    against key tiles [tiles.first, stop) (stop = tiles.first for no work).
+
+    The two consumers take turns on the tensor cores through the `schedule` barrier
+    (two-arrival, FlashAttention-3's ping-pong): a consumer issues its P V and its
+    next Q K^T, then waits until the other has finished its softmax, so one's
+    softmax runs while the other's products do. Every key tile is two turns for
+    each consumer, skipped tiles included, so the turns stay paired.
+    """
     k_loaded, v_loaded, k_consumed, v_consumed = ring
     spec, block_k = problem.spec, problem.blocks.block_k
     fixed = problem.fixed_row_reference
@@ -252,8 +269,10 @@ def _consume(problem: Problem, ctx: TileContext, tiles: _Band, slot_of, row0, st
         slot = slot_of(t)
         plgpu.barrier_wait(k_loaded.at[slot])
         plgpu.barrier_arrive(k_consumed.at[slot])
+        _take_turn(schedule)
         plgpu.barrier_wait(v_loaded.at[slot])
         plgpu.barrier_arrive(v_consumed.at[slot])
+        _take_turn(schedule)
 
     def step(t, carry, masked: bool):
         acc, m_prev, l_prev = carry
@@ -262,6 +281,7 @@ def _consume(problem: Problem, ctx: TileContext, tiles: _Band, slot_of, row0, st
 
         def qk(acc_ref):
             plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
+            _take_turn(schedule)  # the other consumer's softmax is done
             return acc_ref[...]
 
         s = pl.run_scoped(qk, plgpu.ACC((rows_n, block_k), jnp.float32))
@@ -291,7 +311,9 @@ def _consume(problem: Problem, ctx: TileContext, tiles: _Band, slot_of, row0, st
             l_next = l_prev * alpha + prob.sum(axis=1)
         p_smem[...] = prob.astype(dtype)
         plgpu.commit_smem()
+        plgpu.barrier_arrive(schedule)  # this softmax is done
         plgpu.barrier_wait(v_loaded.at[slot])
+        plgpu.barrier_wait(schedule)  # the other consumer has issued its Q K^T
 
         def pv(acc_ref):
             plgpu.wgmma(acc_ref, p_smem, v_smem.at[slot])
@@ -357,6 +379,7 @@ def forward(problem: Problem, q: jax.Array, k: jax.Array, v: jax.Array,
             plgpu.Barrier(num_barriers=stages),
             plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=stages),
             plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=stages),
+            plgpu.Barrier(num_arrivals=CONSUMERS),  # the consumers' turns
         )
         pl.run_scoped(
             lambda *scratch: _kernel(q_ref, k_ref, v_ref, out_ref, row_max_ref, log2_sum_ref,
