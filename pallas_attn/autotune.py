@@ -113,10 +113,11 @@ def time_call(fn: Callable[[], Any], *, min_seconds: float = 0.3, warmup: int = 
 
     Each batch queues its calls back to back and synchronises once, at its end, so a
     sample is the device's time per call. Synchronising after every call would add
-    the host's launch-and-wait round trip (tens of microseconds) to each sample; it
-    weighs more on short calls (a causal forward) than long ones and so shrinks the
-    ratios between them. A call slower than a batch's share of `min_seconds` (the
-    interpreter on a CPU) runs alone in each of at least 3 samples.
+    the host's dispatch-and-wait round trip to each sample (0.2-0.3 ms for a jitted
+    attention call on an H100, BENCHMARKS.md session 6); it weighs more on short
+    calls (a causal forward) than long ones and so shrinks the ratios between them.
+    A call slower than a batch's share of `min_seconds` (the interpreter on a CPU)
+    runs alone in each of at least 3 samples.
     """
     for _ in range(warmup):
         jax.block_until_ready(fn())
