@@ -119,6 +119,14 @@ def time_call(fn: Callable[[], Any], *, min_seconds: float = 0.3, warmup: int = 
     A call slower than a batch's share of `min_seconds` (the interpreter on a CPU)
     runs alone in each of at least 3 samples.
     """
+    if not callable(fn):
+        raise TypeError(f"fn must be a callable taking no arguments, got {fn!r}")
+    if isinstance(min_seconds, bool) or not isinstance(min_seconds, (int, float)) or \
+            not min_seconds > 0:
+        raise ValueError(f"min_seconds must be a positive number, got {min_seconds!r}")
+    for name, value, least in (("warmup", warmup, 0), ("samples", samples, 1)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < least:
+            raise ValueError(f"{name} must be an int >= {least}, got {value!r}")
     for _ in range(warmup):
         jax.block_until_ready(fn())
     start = time.perf_counter()

@@ -382,3 +382,15 @@ def test_time_call_queues_fast_calls_in_batches_and_runs_slow_calls_alone():
     seconds = autotune.time_call(slow, min_seconds=0.3, warmup=1)
     assert len(calls) == 2 + 3  # one call per sample, at least 3 samples
     assert seconds >= 0.2
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(min_seconds=0.0), "min_seconds"), (dict(min_seconds="1"), "min_seconds"),
+    (dict(samples=0), "samples"), (dict(samples=2.5), "samples"),
+    (dict(warmup=-1), "warmup"),
+])
+def test_time_call_rejects_bad_arguments(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        autotune.time_call(lambda: jnp.zeros(()), **kwargs)
+    with pytest.raises(TypeError, match="fn"):
+        autotune.time_call(None)
