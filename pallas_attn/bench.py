@@ -144,8 +144,8 @@ def benchmark(shapes: Sequence[Shape], *, interpret: bool = False,
                 row["fwd_ms"] = t_fwd * 1e3
                 row["fwd_tflops"] = shape.forward_flops() / t_fwd / 1e12
                 grad = _loss_and_grad(fn, args)
-                t_both = autotune.time_call(functools.partial(grad, q, k, v, kwargs.get("bias"),
-                                                   args["cotangent"]))
+                t_both = autotune.time_call(functools.partial(
+                    grad, q, k, v, kwargs.get("bias"), args["cotangent"]))
                 row["fwdbwd_ms"] = t_both * 1e3
                 row["fwdbwd_tflops"] = 3.5 * shape.forward_flops() / t_both / 1e12
             except Exception as e:  # noqa: BLE001 - peers may not support a shape

@@ -273,14 +273,16 @@ def shared_memory_estimate(block_sizes: BlockSizes, head_dim: int, value_head_di
     def tile_inputs(block_q: int, block_k: int, stages: int) -> int:
         return stages * block_q * block_k * extra
 
-    forward = (b.block_q * hd * size + b.num_stages * b.block_k * (hd + hv) * size
-               + tile_inputs(b.block_q, b.block_k, b.num_stages))
     if b.forward_backend == "mosaic":
         # Q, the output (staged in P's buffer when hv == block_k), the K/V ring, P of
-        # both consumers, the row residuals and the barriers.
+        # both consumers, the row residuals and the 8-byte barriers (Q per consumer,
+        # loaded and consumed per slot for K and V, the consumers' turns).
         forward = (b.block_q * (hd + (hv if hv != b.block_k else 0)) * size
                    + b.num_stages * b.block_k * (hd + hv) * size
-                   + b.block_q * b.block_k * size + 2 * b.block_q * 4 + 8 * (4 * b.num_stages + 2))
+                   + b.block_q * b.block_k * size + 2 * b.block_q * 4 + 8 * (4 * b.num_stages + 3))
+    else:
+        forward = (b.block_q * hd * size + b.num_stages * b.block_k * (hd + hv) * size
+                   + tile_inputs(b.block_q, b.block_k, b.num_stages))
     dkdv = (b.block_k_dkv * (hd + hv) * size + b.num_stages_dkv * b.block_q_dkv * (hd + hv) * size
             + 2 * b.block_q_dkv * b.block_k_dkv * size
             + tile_inputs(b.block_q_dkv, b.block_k_dkv, b.num_stages_dkv))
