@@ -91,13 +91,18 @@ def _finite(x: jax.Array) -> jax.Array:
 
 def make_runner(implementation: str, *, with_bias: bool = False, bias_grad: bool = True,
                 lse_grad: bool = True, block_sizes: Any = SMALL_BLOCKS,
-                **static: Any):
+                split: bool = False, **static: Any):
     """A jitted fn(q, k, v, ct, ct_lse, bias, arrays) -> dict of out, lse and gradients.
 
     The loss is sum(out * ct) + sum(lse * ct_lse) (lse of empty rows, -inf, left out),
     so every gradient is a VJP with random cotangents. `arrays` holds the other
     array arguments (mask, segment ids, lengths, alibi slopes, dropout_rng), which
     are not differentiated. `static` are the remaining keyword arguments.
+
+    split: the forward (jax.vjp) and the backward run as two jitted calls instead of
+    one. The Mosaic GPU interpreter needs this on a 2-core machine: inside one larger
+    jitted call its simulated warpgroups can wait for XLA's CPU worker threads that
+    the call itself holds, and never finish (seen with a bias, JAX 0.11.2).
     """
     extra = {}
     if implementation == "pallas":
@@ -117,13 +122,31 @@ def make_runner(implementation: str, *, with_bias: bool = False, bias_grad: bool
 
     argnums = (0, 1, 2, 3) if (with_bias and bias_grad) else (0, 1, 2)
 
-    @jit
-    def fn(q, k, v, ct, ct_lse, bias=None, arrays=None):
-        arrays = {} if arrays is None else arrays
+    def forward(q, k, v, ct, ct_lse, bias, arrays):
         if with_bias and not bias_grad:
             bias = jax.lax.stop_gradient(bias)
-        (_, (out, lse)), grads = jax.value_and_grad(loss, argnums=argnums, has_aux=True)(
-            q, k, v, bias, ct, ct_lse, arrays)
+        wrt, rest = (q, k, v, bias)[:len(argnums)], (q, k, v, bias)[len(argnums):]
+        _, pullback, (out, lse) = jax.vjp(
+            lambda *wrt: loss(*wrt, *rest, ct, ct_lse, arrays), *wrt, has_aux=True)
+        return out, lse, pullback
+
+    def backward(pullback):
+        return pullback(jnp.ones((), jnp.float32))
+
+    @jit
+    def fused(*args):
+        out, lse, pullback = forward(*args)
+        return out, lse, backward(pullback)
+
+    forward_alone, backward_alone = jit(forward), jit(backward)
+
+    def fn(q, k, v, ct, ct_lse, bias=None, arrays=None):
+        args = (q, k, v, ct, ct_lse, bias, {} if arrays is None else arrays)
+        if split:
+            out, lse, pullback = forward_alone(*args)
+            grads = backward_alone(pullback)
+        else:
+            out, lse, grads = fused(*args)
         result = {"out": out, "lse": lse, "dq": grads[0], "dk": grads[1], "dv": grads[2]}
         if len(grads) == 4:
             result["dbias"] = grads[3]
