@@ -275,11 +275,14 @@ def shared_memory_estimate(block_sizes: BlockSizes, head_dim: int, value_head_di
 
     if b.forward_backend == "mosaic":
         # Q, the output (staged in P's buffer when hv == block_k), the K/V ring, P of
-        # both consumers, the row residuals and the 8-byte barriers (Q per consumer,
-        # loaded and consumed per slot for K and V, the consumers' turns).
+        # both consumers and the 8-byte barriers (Q per consumer,
+        # loaded and consumed per slot for K and V, the consumers' turns); with a bias,
+        # one bias tile per consumer and its barrier.
+        bias_size = np.dtype(jnp.dtype(bias_dtype)).itemsize if bias_dtype is not None else 0
         forward = (b.block_q * (hd + (hv if hv != b.block_k else 0)) * size
                    + b.num_stages * b.block_k * (hd + hv) * size
-                   + b.block_q * b.block_k * size + 2 * b.block_q * 4 + 8 * (4 * b.num_stages + 3))
+                   + b.block_q * b.block_k * (size + bias_size)
+                   + 8 * (4 * b.num_stages + 3 + (2 if bias_dtype is not None else 0)))
     else:
         forward = (b.block_q * hd * size + b.num_stages * b.block_k * (hd + hv) * size
                    + tile_inputs(b.block_q, b.block_k, b.num_stages))
@@ -395,7 +398,7 @@ def choose_block_sizes(head_dim: int, dtype: Any = jnp.bfloat16, *, q_len: int, 
 
     Pure function of its arguments (device=None means the current device).
     features (is_causal, has_bias, has_dropout, ...) select autotuned entries
-    when a matching cache entry exists and pick the ladders; plain_scores (with
+    when a matching cache entry exists and pick the ladders; mosaic_scores (with
     the device, dtype and head dims) selects the Mosaic forward, which replaces
     the Triton forward's tiles, tuned or not (`prefers_mosaic_forward`).
     """
@@ -456,15 +459,16 @@ def prefers_mosaic_forward(device: DeviceInfo, dtype: Any, head_dim: int,
     """Whether the heuristic runs the Mosaic (Hopper) forward instead of Triton's.
 
     Where it was measured faster (BENCHMARKS.md, session 5): an sm90 device, 16-bit
-    inputs, head dims padding to 128, at least one program of query rows, and plain
-    scores (features["plain_scores"]: no operand besides q, k, v and no dropout; a
-    soft cap, causal masking and windows are plain). At head dim 64 the Triton
-    forward was faster.
+    inputs, head dims padding to 128, at least one program of query rows, and scores
+    the Mosaic forward computes (features["mosaic_scores"]: no dropout and no operand
+    besides q, k, v and a bias with its own entry per query and key; a soft cap,
+    causal masking and windows are covered). At head dim 64 the Triton forward was
+    faster. A float32 bias fails the shared-memory check and keeps Triton's.
     """
     return (device.compute_capability == (9, 0)
             and jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
             and padded_head_dim(head_dim) == 128 == padded_head_dim(value_head_dim)
-            and q_len >= MOSAIC_BLOCK_Q and bool(features.get("plain_scores")))
+            and q_len >= MOSAIC_BLOCK_Q and bool(features.get("mosaic_scores")))
 
 
 def ceil_div(a: int, b: int) -> int:

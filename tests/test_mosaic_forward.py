@@ -31,6 +31,7 @@ from kernel_helpers import (
     make_inputs,
     oracle,
     pallas_and_reference,
+    random_bias,
 )
 
 import pallas_attn
@@ -79,7 +80,34 @@ CASES = [
                                                                  logits_soft_cap=5.0), {}),
     ("soft_cap_large_window", dict(B=1, T=140, S=300, N=1, H=64),
      dict(logits_soft_cap=50.0, local_window_size=(60, 60)), dict(block_k=128)),
+    # A bias (natural-unit scores, loaded into registers per key tile): one per head,
+    # shared by the batch entries, over ragged lengths; one per batch entry in the
+    # inputs' dtype, with causal masking and a soft cap on top; and rows with extreme
+    # biases: far below zero, -inf everywhere (no visible key) or every third key.
+    ("bias_per_head_ragged", dict(B=2, T=130, S=200, N=2, H=64),
+     dict(bias=((1, 2, 130, 200), "float32")), {}),
+    ("bias_per_batch_causal_soft_cap", dict(B=2, T=200, S=140, N=2, H=64),
+     dict(bias=((2, 1, 200, 140), None), is_causal=True, logits_soft_cap=5.0),
+     dict(block_k=128)),
+    ("bias_extreme_rows", dict(B=1, T=140, S=150, N=2, H=64),
+     dict(bias=((1, 2, 140, 150), "extreme")), {}),
 ]
+
+
+def _with_bias(kwargs: dict, dtype: str) -> dict:
+    """kwargs with a random bias array in place of its (shape, dtype) description:
+    dtype None is the inputs' dtype; "extreme" is float32 with rows 3 and 70 near
+    -1e4, row 5 at -inf and every third key of row 9 at -inf."""
+    if "bias" not in kwargs:
+        return kwargs
+    shape, bias_dtype = kwargs["bias"]
+    bias = np.asarray(random_bias(7, shape), np.float32) * 2.0
+    if bias_dtype == "extreme":
+        bias[..., [3, 70], :] -= 1e4
+        bias[..., 5, :] = -np.inf
+        bias[..., 9, ::3] = -np.inf
+        bias_dtype = "float32"
+    return dict(kwargs, bias=jnp.asarray(bias, DTYPES[bias_dtype or dtype]))
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
@@ -87,10 +115,12 @@ CASES = [
                          ids=[c[0] for c in CASES])
 def test_mosaic_forward_against_reference_and_float64(dtype, shapes, kwargs, blocks):
     inputs = make_inputs(sum(shapes.values()), dtype=DTYPES[dtype], **shapes)
+    kwargs = _with_bias(kwargs, dtype)
     block_sizes = dataclasses.replace(MOSAIC, **blocks)
     dtypes = {}
+    # split: the forward in a jitted call of its own (kernel_helpers.make_runner).
     kernel, reference = pallas_and_reference(inputs, dtypes=dtypes, block_sizes=block_sizes,
-                                             **kwargs)
+                                             split=True, **kwargs)
     exact = oracle(inputs, **kwargs)
     assert dtypes["out"] == DTYPES[dtype] and dtypes["lse"] == jnp.float32
     assert_fa_rule(kernel, reference, exact, DTYPES[dtype])
@@ -134,6 +164,33 @@ def test_every_output_element_and_residual_is_written():
                                atol=2e-2)
 
 
+def test_finfo_min_bias_rows_match_the_triton_forward():
+    """Rows whose every logit is finfo.min (a bias hiding padding): a uniform softmax,
+    as in the Triton forward (float32 rounding absorbs q.k there, so both are compared
+    to each other rather than to float64), in the bias's natural units."""
+    shapes = dict(B=1, T=140, S=150, N=2, H=64)
+    bias = np.array(random_bias(9, (1, 2, 140, 150)), np.float32)
+    bias[:, :, [2, 77, 139], :] = np.finfo(np.float32).min
+    inputs = make_inputs(6, dtype=jnp.bfloat16, **shapes)
+    spec, ops, _ = normalize(inputs["q"], inputs["k"], inputs["v"], jnp.asarray(bias))
+    problem, q, k, v, differentiable, _ = kernel_attention.prepare(spec, ops, MOSAIC,
+                                                                   interpret=True)
+    out, (row_max, log2_sum) = jit(lambda q, k, v, b: mosaic_fwd.forward(
+        problem, q, k, v, {"bias": b}))(q, k, v, differentiable["bias"])
+    triton = dataclasses.replace(problem, blocks=dataclasses.replace(
+        MOSAIC, forward_backend="triton", block_q=32, block_k=32))
+    ref_out, (ref_max, ref_sum) = jit(lambda q, k, v, b: triton_fwd.forward(
+        triton, q, k, v, {"bias": b}))(q, k, v, differentiable["bias"])
+    np.testing.assert_allclose(np.asarray(row_max)[:, :, :140], np.asarray(ref_max)[:, :, :140],
+                               rtol=1e-5, atol=1e-3)
+    np.testing.assert_allclose(np.asarray(log2_sum)[:, :, :140],
+                               np.asarray(ref_sum)[:, :, :140], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(out, np.float32)[:, :140],
+                               np.asarray(ref_out, np.float32)[:, :140], atol=2e-2)
+    uniform = np.asarray(inputs["v"], np.float32)[0].mean(0)  # [N, H]
+    np.testing.assert_allclose(np.asarray(out, np.float32)[0, 77], uniform, atol=2e-2)
+
+
 def test_gradients_through_the_mosaic_forward_match_the_triton_forward():
     """Same residual contract: gradients through the Mosaic forward equal those through
     the Triton forward up to the forwards' rounding of out (used in delta)."""
@@ -156,7 +213,9 @@ def test_gradients_through_the_mosaic_forward_match_the_triton_forward():
 # ----------------------------------------------------------------- what it refuses
 @pytest.mark.parametrize("kwargs,match", [
     (dict(dtype=jnp.float32), "bfloat16 or float16"),
-    (dict(bias=True), "no operand besides q, k and v, got bias"),
+    (dict(mask=True), "no operand besides q, k, v and a bias, got mask"),
+    (dict(bias=(1, 1, 1, 16)), r"broadcast along queries or keys"),
+    (dict(bias=(1, 1, 16, 1)), r"broadcast along queries or keys"),
     (dict(dropout_rate=0.1, dropout_rng=jax.random.key(0)), "no dropout"),
     (dict(H=256), "head dims must pad to"),
     (dict(H=32), "head dims must pad to"),
@@ -165,7 +224,10 @@ def test_unsupported_problems_name_the_reason(kwargs, match):
     dtype = kwargs.pop("dtype", jnp.bfloat16)
     H = kwargs.pop("H", 64)
     inputs = make_inputs(1, B=1, T=16, S=16, N=1, H=H, dtype=dtype)
-    bias = jnp.zeros((1, 1, 16, 16), dtype) if kwargs.pop("bias", False) else None
+    bias_shape = kwargs.pop("bias", None)
+    bias = None if bias_shape is None else jnp.zeros(bias_shape, dtype)
+    if kwargs.pop("mask", False):
+        kwargs["mask"] = jnp.ones((1, 1, 16, 16), bool)
     with pytest.raises(ValueError, match=f"forward_backend='mosaic'.*{match}"):
         pallas_attn.dot_product_attention(inputs["q"], inputs["k"], inputs["v"], bias,
                                           interpret=True, block_sizes=MOSAIC, **kwargs)

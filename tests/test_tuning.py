@@ -263,18 +263,18 @@ def test_tune_picks_the_fastest_and_reports_failures():
 
 
 # ----------------------------------------------------------------- the Mosaic forward
-PLAIN = {"plain_scores": True}
+MOSAIC_SCORES = {"mosaic_scores": True}
 
 
 @pytest.mark.parametrize("head_dim,value_head_dim", [(128, 128), (80, 128), (96, 72)])
 @pytest.mark.parametrize("band", [{}, {"is_causal": True}, {"has_window": True}],
                          ids=["full", "causal", "window"])
-def test_hopper_plain_scores_at_head_dim_128_get_the_mosaic_forward(head_dim, value_head_dim,
+def test_hopper_mosaic_scores_at_head_dim_128_get_the_mosaic_forward(head_dim, value_head_dim,
                                                                     band):
     for dtype in (jnp.bfloat16, jnp.float16):
         b = pallas_attn.choose_block_sizes(head_dim, dtype, q_len=4096, kv_len=4096,
                                            value_head_dim=value_head_dim,
-                                           device=DEVICES["sm90"], **band, **PLAIN)
+                                           device=DEVICES["sm90"], **band, **MOSAIC_SCORES)
         assert (b.forward_backend, b.block_q, b.block_k, b.num_stages) == ("mosaic", 128,
                                                                           128, 2)
         triton = pallas_attn.choose_block_sizes(head_dim, dtype, q_len=4096, kv_len=4096,
@@ -290,7 +290,7 @@ def test_hopper_plain_scores_at_head_dim_128_get_the_mosaic_forward(head_dim, va
 
 @pytest.mark.parametrize("case", [
     dict(device="sm80"), dict(dtype=jnp.float32), dict(head_dim=64), dict(head_dim=256),
-    dict(value_head_dim=64), dict(plain_scores=False),
+    dict(value_head_dim=64), dict(mosaic_scores=False),
     dict(q_len=100),
 ], ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()))
 def test_the_triton_forward_stays_where_mosaic_was_not_measured_faster(case):
@@ -299,17 +299,17 @@ def test_the_triton_forward_stays_where_mosaic_was_not_measured_faster(case):
                 q_len=case.pop("q_len", 4096), kv_len=4096,
                 value_head_dim=case.pop("value_head_dim", None),
                 device=DEVICES[case.pop("device", "sm90")])
-    b = pallas_attn.choose_block_sizes(**args, **{**PLAIN, **case})
+    b = pallas_attn.choose_block_sizes(**args, **{**MOSAIC_SCORES, **case})
     assert b.forward_backend == "triton"
 
 
 def test_mosaic_forward_replaces_tuned_forward_tiles_and_keeps_the_rest():
     device = DEVICES["sm90"]
     tuned = BlockSizes(64, 32, 32, 64, 64, 32, num_warps=8, num_stages=2)
-    key = autotune.entry_key(jnp.bfloat16, 128, 128, 4096, 4096, PLAIN)
+    key = autotune.entry_key(jnp.bfloat16, 128, 128, 4096, 4096, MOSAIC_SCORES)
     autotune.store(device, key, tuned)
     got = pallas_attn.choose_block_sizes(128, jnp.bfloat16, q_len=4096, kv_len=4096,
-                                         device=device, **PLAIN)
+                                         device=device, **MOSAIC_SCORES)
     assert got == dataclasses.replace(tuned, forward_backend="mosaic", block_q=128,
                                       block_k=128, num_stages=2)
 
@@ -319,8 +319,10 @@ def test_mosaic_tiles_are_not_clamped():
     assert (b.block_q, b.block_k) == (128, 128) and b.block_q_dkv == 32
 
 
-def test_plain_scores_reaches_the_choice_on_a_gpu_only(monkeypatch):
-    """resolve_block_sizes marks plain problems; the interpreter never auto-picks Mosaic."""
+def test_mosaic_scores_reach_the_choice_on_a_gpu_only(monkeypatch):
+    """resolve_block_sizes marks the scores the Mosaic forward computes (a full bias
+    included); the interpreter never auto-picks Mosaic, and a float32 bias does not
+    fit its shared memory."""
     from pallas_attn.kernels import attention as kernel_attention
     from pallas_attn.spec import normalize
 
@@ -328,20 +330,25 @@ def test_plain_scores_reaches_the_choice_on_a_gpu_only(monkeypatch):
     real = tuning.choose_block_sizes
 
     def spy(*args, **kwargs):
-        seen.append(kwargs["plain_scores"])
+        seen.append(kwargs["mosaic_scores"])
         return real(*args, **kwargs)
 
     monkeypatch.setattr(tuning, "choose_block_sizes", spy)
     monkeypatch.setattr(tuning.DeviceInfo, "current", staticmethod(lambda: DEVICES["sm90"]))
     q = jnp.zeros((1, 256, 2, 128), jnp.bfloat16)
-    for kwargs, interpret in (({}, False), ({}, True), ({"logits_soft_cap": 3.0}, False),
-                              ({"bias": jnp.zeros((1, 2, 256, 256), jnp.bfloat16)}, False),
-                              ({"dropout_rate": 0.1, "dropout_rng": jax.random.key(1)},
-                               False)):
+    cases = [  # (kwargs, interpret, marked, runs the Mosaic forward)
+        ({}, False, True, True),
+        ({}, True, False, False),
+        ({"logits_soft_cap": 3.0}, False, True, True),
+        ({"bias": jnp.zeros((1, 2, 256, 256), jnp.bfloat16)}, False, True, True),
+        ({"bias": jnp.zeros((1, 2, 256, 256), jnp.float32)}, False, True, False),
+        ({"bias": jnp.zeros((1, 2, 1, 256), jnp.bfloat16)}, False, False, False),
+        ({"dropout_rate": 0.1, "dropout_rng": jax.random.key(1)}, False, False, False),
+    ]
+    for kwargs, interpret, marked, mosaic in cases:
         spec, ops, _ = normalize(q, q, q, kwargs.pop("bias", None), **kwargs)
         blocks = kernel_attention.resolve_block_sizes(spec, ops, None, interpret)
-        assert (blocks.forward_backend == "mosaic") == seen[-1]
-    assert seen == [True, False, True, False, False]
+        assert (seen[-1], blocks.forward_backend == "mosaic") == (marked, mosaic), kwargs
 
 
 def test_persistent_programs(monkeypatch):

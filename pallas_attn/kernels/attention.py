@@ -45,10 +45,11 @@ def resolve_block_sizes(spec: AttentionSpec, ops: Operands, block_sizes: BlockSi
         # NOTE: the interpreter runs the Triton forward unless block_sizes ask for the
         # Mosaic one: interpreting it is slower, and its tests ask for it explicitly.
         present = tuple(name for name in OPTIONAL_INPUTS if getattr(ops, name) is not None)
-        plain = not interpret and not mosaic_fwd.unsupported_scores(spec, present)
+        mosaic_scores = not interpret and not mosaic_fwd.unsupported_scores(spec, present)
         features = dict(smem, is_causal=spec.is_causal, has_bias=spec.has_bias,
                         has_dropout=spec.has_dropout, has_window=spec.local_window is not None,
-                        has_soft_cap=spec.logits_soft_cap is not None, plain_scores=plain)
+                        has_soft_cap=spec.logits_soft_cap is not None,
+                        mosaic_scores=mosaic_scores)
         block_sizes = tuning.choose_block_sizes(H, ops.query.dtype, q_len=T, kv_len=S,
                                                 value_head_dim=Hv, device=device, **features)
     elif not interpret:

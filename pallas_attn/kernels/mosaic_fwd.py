@@ -18,17 +18,23 @@ heaviest causal tile first) with three warpgroups:
   consumers take turns on the tensor cores (FlashAttention-3's ping-pong), so one
   consumer's softmax overlaps the other's products. The next item's Q is loaded as
   soon as the last Q K^T of an item is done, and the output leaves through a bulk
-  copy (staged in P's buffer when shapes agree) that overlaps the next item.
+  copy (staged in P's buffer when shapes agree) that overlaps the next item; the
+  row residuals are stored from registers.
+* With a bias, each consumer copies its 64 rows of the next key tile's bias into a
+  buffer of its own while it works on the current tile (`_consume`), and its
+  scores stay in natural units, as in the Triton forward.
 
 It writes the same outputs as triton_fwd.forward: the output and the per-row
 residuals (row reference, +inf for rows that see no key, and log2 of the row
 sum), so the Triton backward kernels consume them unchanged.
 
 Scope (`unsupported` says what lies outside it): 16-bit inputs, padded head dims
-64 or 128, no operand besides q, k and v (no bias, mask, ALiBi, segments, lengths
-or dropout); causal, local windows in both alignments, soft cap (with the Triton
-forward's fixed row reference where it applies), GQA and ragged lengths are
-covered. Everything else runs the Triton forward.
+64 or 128, no operand besides q, k, v and a bias with its own entry per query and
+key (no mask, ALiBi, segments, lengths or dropout); causal, local windows in both
+alignments, soft cap (with the Triton forward's fixed row reference where it
+applies), GQA and ragged lengths are covered. Everything else runs the Triton
+forward. A float32 bias does not fit the shared memory next to two K/V slots
+(tuning.shared_memory_estimate), so it runs the Triton forward too.
 
 Key tiles outside an item's band are never loaded. A consumer whose own band is
 narrower than the item's (causal: warpgroup 0 can end a key tile earlier) still
@@ -36,7 +42,10 @@ waits on and releases the slots it skips, so the barrier phases of both consumer
 stay in step with the producer. Measured (BENCHMARKS.md, session 5): persistence
 took d128 from 1.40 to 1.30 ms; the consumers' turns took a further 2-5% off the
 full and causal forwards (session 6); pairing causal tiles with their mirrors, as
-the Triton forward does, gained nothing here and is not done.
+the Triton forward does, gained nothing here and is not done. With a bfloat16
+[1, N, T, S] bias at d128 this forward took 1.30 ms against the Triton forward's
+1.58 (session 7); loading the bias from global memory straight into registers
+instead took 1.82.
 """
 
 from __future__ import annotations
@@ -74,8 +83,12 @@ def unsupported_scores(spec: AttentionSpec, present: tuple[str, ...]) -> str:
     `unsupported` known before tiles are chosen)."""
     if spec.has_dropout:
         return f"no dropout, got dropout_rate={spec.dropout_rate}"
-    if present:
-        return f"it takes no operand besides q, k and v, got {', '.join(present)}"
+    others = [name for name in present if name != "bias"]
+    if others:
+        return f"it takes no operand besides q, k, v and a bias, got {', '.join(others)}"
+    if spec.has_bias and 1 in spec.bias_shape[2:]:
+        return (f"the bias needs its own entry per query and key, got a bias of shape "
+                f"{spec.bias_shape} (broadcast along queries or keys)")
     return ""
 
 
@@ -93,8 +106,9 @@ def unsupported(problem: Problem) -> str:
 
 
 def _smem(shape: tuple[int, ...], dtype: Any) -> Any:
-    # 128-byte swizzled tiles of 64 16-bit elements: the wgmma operand layout.
-    return plgpu.SMEM(shape, dtype, transforms=(plgpu.TilingTransform((8, 64)),
+    # 128-byte swizzled tiles (64 16-bit elements): the wgmma operand layout.
+    row = 128 // jnp.dtype(dtype).itemsize
+    return plgpu.SMEM(shape, dtype, transforms=(plgpu.TilingTransform((8, row)),
                                                 plgpu.SwizzleTransform(128)))
 
 
@@ -117,11 +131,11 @@ class _Item:
     n: Any
 
 
-def _kernel(q_ref, k_ref, v_ref, out_ref, row_max_ref, log2_sum_ref, scratch, *,
+def _kernel(q_ref, k_ref, v_ref, bias_ref, out_ref, row_max_ref, log2_sum_ref, scratch, *,
             problem: Problem, programs: int):
-    (q_smem, o_smem, k_smem, v_smem, p_smem, stats_smem), barriers = scratch
+    (q_smem, o_smem, k_smem, v_smem, p_smem, bias_smem), barriers = scratch
     o_smem = p_smem if o_smem is None else o_smem
-    q_loaded, k_loaded, v_loaded, k_consumed, v_consumed, schedule = barriers
+    q_loaded, k_loaded, v_loaded, k_consumed, v_consumed, schedule, bias_loaded = barriers
     block_k, stages = problem.blocks.block_k, problem.blocks.num_stages
     num_tiles = problem.q_pad // ITEM_ROWS
     items = num_tiles * problem.batch * problem.num_heads
@@ -188,8 +202,7 @@ def _kernel(q_ref, k_ref, v_ref, out_ref, row_max_ref, log2_sum_ref, scratch, *,
     def _consumer():
         plgpu.set_max_registers(_CONSUMER_REGISTERS, action="increase")
         rows_n = ROWS_PER_CONSUMER
-        q_mine, o_mine, p_mine, stats_mine = (
-            q_smem.at[wg], o_smem.at[wg], p_smem.at[wg], stats_smem.at[wg])
+        q_mine, o_mine, p_mine = q_smem.at[wg], o_smem.at[wg], p_smem.at[wg]
 
         def load_q(item: _Item):
             @pl.when(item.valid)
@@ -210,10 +223,16 @@ def _kernel(q_ref, k_ref, v_ref, out_ref, row_max_ref, log2_sum_ref, scratch, *,
             # The previous item's output copies read o_mine, which may be p_mine.
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
             pl.when(item.valid)(lambda: plgpu.barrier_wait(q_loaded.at[wg]))
+            bias = None
+            if bias_ref is not None:  # this consumer's rows of the bias, its buffer
+                Bb, Nb = problem.spec.bias_shape[:2]
+                bias = (bias_ref.at[item.b if Bb > 1 else 0, item.n if Nb > 1 else 0,
+                                    pl.ds(row0, rows_n)],
+                        bias_smem.at[wg], bias_loaded.at[wg])
             acc, m, l_sum = _consume(
                 problem, ctx, tiles, lambda t: slot_of(step + t - tiles.first), row0,
                 tiles.first + steps, q_mine, k_smem, v_smem, p_mine, o_mine.shape[-1],
-                (k_loaded, v_loaded, k_consumed, v_consumed), schedule)
+                (k_loaded, v_loaded, k_consumed, v_consumed), schedule, bias)
             load_q(item_of(r + 1))  # every Q K^T of this item is done: q_mine is free
 
             @pl.when(item.valid)
@@ -224,15 +243,12 @@ def _kernel(q_ref, k_ref, v_ref, out_ref, row_max_ref, log2_sum_ref, scratch, *,
                 inv = jnp.where(valid, 1.0 / jnp.where(valid, l_sum, 1.0), 0.0)
                 o_mine[...] = (acc * lax.broadcast_in_dim(inv, acc.shape, [0])).astype(
                     o_mine.dtype)
-                stats_mine.at[0][...] = jnp.where(valid, m, jnp.inf)
-                stats_mine.at[1][...] = jnp.log2(jnp.where(valid, l_sum, 1.0))
                 plgpu.commit_smem()
                 out_rows = pl.ds(row0, rows_n)
                 plgpu.copy_smem_to_gmem(o_mine, out_ref.at[item.b, out_rows, item.n])
-                plgpu.copy_smem_to_gmem(stats_mine.at[0],
-                                        row_max_ref.at[item.b, item.n, out_rows])
-                plgpu.copy_smem_to_gmem(stats_mine.at[1],
-                                        log2_sum_ref.at[item.b, item.n, out_rows])
+                row_max_ref.at[item.b, item.n, out_rows][...] = jnp.where(valid, m, jnp.inf)
+                log2_sum_ref.at[item.b, item.n, out_rows][...] = jnp.log2(
+                    jnp.where(valid, l_sum, 1.0))
 
             return step + steps
 
@@ -248,7 +264,8 @@ def _take_turn(schedule) -> None:
 
 
 def _consume(problem: Problem, ctx: TileContext, tiles: _Band, slot_of, row0, stop,
-             q_smem, k_smem, v_smem, p_smem, hv: int, ring, schedule) -> tuple[Any, Any, Any]:
+             q_smem, k_smem, v_smem, p_smem, hv: int, ring, schedule,
+             bias_in) -> tuple[Any, Any, Any]:
     """One consumer warpgroup: (acc, row reference, row sum) of rows [row0, row0 + 64)
     against key tiles [tiles.first, stop) (stop = tiles.first for no work).
 
@@ -257,6 +274,12 @@ def _consume(problem: Problem, ctx: TileContext, tiles: _Band, slot_of, row0, st
     next Q K^T, then waits until the other has finished its softmax, so one's
     softmax runs while the other's products do. Every key tile is two turns for
     each consumer, skipped tiles included, so the turns stay paired.
+
+    bias_in: None, or (this consumer's [64, S] bias rows in global memory, its
+    [64, block_k] buffer, the buffer's barrier). The consumer itself copies each key
+    tile's bias into the buffer one step ahead (a bulk copy issued as soon as the
+    previous tile is in registers); scores with a bias stay in natural units
+    (Problem.exp2_factor), as in the Triton forward.
     """
     k_loaded, v_loaded, k_consumed, v_consumed = ring
     spec, block_k = problem.spec, problem.blocks.block_k
@@ -277,9 +300,21 @@ def _consume(problem: Problem, ctx: TileContext, tiles: _Band, slot_of, row0, st
         plgpu.barrier_arrive(v_consumed.at[slot])
         _take_turn(schedule)
 
+    def load_bias(t):
+        if bias_in is not None:
+            rows, buffer, loaded = bias_in
+            plgpu.copy_gmem_to_smem(rows.at[:, pl.ds(t * block_k, block_k)], buffer, loaded)
+
     def step(t, carry, masked: bool):
         acc, m_prev, l_prev = carry
         slot = slot_of(t)
+        bias = None
+        if bias_in is not None:
+            _, buffer, loaded = bias_in
+            plgpu.barrier_wait(loaded)
+            bias = plgpu.load(buffer, layout=plgpu.Layout.WGMMA).astype(jnp.float32)
+            plgpu.commit_smem()  # the reads are done before the next copy overwrites
+            pl.when(t + 1 < own_stop)(lambda: load_bias(t + 1))
         plgpu.barrier_wait(k_loaded.at[slot])
 
         def qk(acc_ref):
@@ -290,7 +325,11 @@ def _consume(problem: Problem, ctx: TileContext, tiles: _Band, slot_of, row0, st
         s = pl.run_scoped(qk, plgpu.ACC((rows_n, block_k), jnp.float32))
         plgpu.barrier_arrive(k_consumed.at[slot])
         cap = spec.logits_soft_cap
-        if cap is None:
+        if bias is not None:  # natural units: a bias may lie near finfo.min
+            s = s * spec.scale + bias
+            if cap is not None:
+                s = scores.soft_cap_tanh(s, cap) * (cap * LOG2E)
+        elif cap is None:
             s = s * (spec.scale * LOG2E)  # log2 units
         else:  # the scale folds into the tanh's argument; capped scores in log2 units
             s = scores.soft_cap_tanh(s, cap / spec.scale) * (cap * LOG2E)
@@ -309,8 +348,8 @@ def _consume(problem: Problem, ctx: TileContext, tiles: _Band, slot_of, row0, st
             l_next = l_prev + prob.sum(axis=1)
         else:
             m_next = jnp.maximum(m_prev, s.max(axis=1))  # stays >= MAX_FLOOR
-            alpha = jnp.exp2(m_prev - m_next)
-            prob = jnp.exp2(s - lax.broadcast_in_dim(m_next, s.shape, [0]))
+            alpha = problem.exp2_of(m_prev - m_next)  # natural units: times log2(e)
+            prob = problem.exp2_of(s - lax.broadcast_in_dim(m_next, s.shape, [0]))
             l_next = l_prev * alpha + prob.sum(axis=1)
         p_smem[...] = prob.astype(dtype)
         plgpu.commit_smem()
@@ -345,6 +384,7 @@ def _consume(problem: Problem, ctx: TileContext, tiles: _Band, slot_of, row0, st
         return lax.fori_loop(lo, hi, lambda t, c: step(t, c, masked), c)
 
     skip(tiles.first, own_first)
+    pl.when(own_first < own_stop)(lambda: load_bias(own_first))
     carry = compute(own_first, full_first, True, carry)
     carry = compute(full_first, full_stop, False, carry)
     acc, m, l_sum = compute(full_stop, own_stop, True, carry)
@@ -355,7 +395,7 @@ def _consume(problem: Problem, ctx: TileContext, tiles: _Band, slot_of, row0, st
 def forward(problem: Problem, q: jax.Array, k: jax.Array, v: jax.Array,
             optional: dict[str, jax.Array]) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
     """(out [B, Tp, N, Hvp], (row_max, log2_sum) [B, N, Tp]) for padded inputs."""
-    if optional or unsupported(problem) or problem.blocks.block_q != ITEM_ROWS:
+    if set(optional) - {"bias"} or unsupported(problem) or problem.blocks.block_q != ITEM_ROWS:
         raise AssertionError(f"mosaic_fwd.forward called for an unsupported problem: "
                              f"{unsupported(problem) or problem.blocks}")
     B, Tp, N, hp = q.shape
@@ -366,7 +406,11 @@ def forward(problem: Problem, q: jax.Array, k: jax.Array, v: jax.Array,
     row = jax.ShapeDtypeStruct((B, N, Tp), jnp.float32)
     out_type = (jax.ShapeDtypeStruct((B, Tp, N, hvp), dtype), row, row)
 
-    def entry(q_ref, k_ref, v_ref, out_ref, row_max_ref, log2_sum_ref):
+    bias = optional.get("bias")
+
+    def entry(q_ref, k_ref, v_ref, *refs):
+        bias_ref = refs[0] if bias is not None else None
+        out_ref, row_max_ref, log2_sum_ref = refs[-3:]
         buffers = (
             _smem((CONSUMERS, ROWS_PER_CONSUMER, hp), dtype),
             # The output is staged in P's buffer when the shapes agree.
@@ -374,7 +418,8 @@ def forward(problem: Problem, q: jax.Array, k: jax.Array, v: jax.Array,
             _smem((stages, block_k, hp), dtype),
             _smem((stages, block_k, hvp), dtype),
             _smem((CONSUMERS, ROWS_PER_CONSUMER, block_k), dtype),
-            plgpu.SMEM((CONSUMERS, 2, ROWS_PER_CONSUMER), jnp.float32),
+            None if bias is None else _smem((CONSUMERS, ROWS_PER_CONSUMER, block_k),
+                                            bias.dtype),
         )
         barriers = (
             plgpu.Barrier(num_barriers=CONSUMERS),
@@ -383,11 +428,12 @@ def forward(problem: Problem, q: jax.Array, k: jax.Array, v: jax.Array,
             plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=stages),
             plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=stages),
             plgpu.Barrier(num_arrivals=CONSUMERS),  # the consumers' turns
+            None if bias is None else plgpu.Barrier(num_barriers=CONSUMERS),
         )
         pl.run_scoped(
-            lambda *scratch: _kernel(q_ref, k_ref, v_ref, out_ref, row_max_ref, log2_sum_ref,
-                                     (scratch[:6], scratch[6:]), problem=problem,
-                                     programs=programs),
+            lambda *scratch: _kernel(q_ref, k_ref, v_ref, bias_ref, out_ref, row_max_ref,
+                                     log2_sum_ref, (scratch[:6], scratch[6:]),
+                                     problem=problem, programs=programs),
             *buffers, *barriers, collective_axes="wg")
 
     # The interpreter poisons every buffer it allocates (outputs included) with NaN and
@@ -399,5 +445,5 @@ def forward(problem: Problem, q: jax.Array, k: jax.Array, v: jax.Array,
         entry, out_type=out_type, grid=(programs,), grid_names=("program",),
         num_threads=CONSUMERS + 1, thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True), interpret=interpret,
-    )(q, k, v)
+    )(q, k, v, *([bias] if bias is not None else []))
     return out, (row_max, log2_sum)
