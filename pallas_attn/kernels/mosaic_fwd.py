@@ -33,8 +33,9 @@ Scope (`unsupported` says what lies outside it): 16-bit inputs, padded head dims
 key (no mask, ALiBi, segments, lengths or dropout); causal, local windows in both
 alignments, soft cap (with the Triton forward's fixed row reference where it
 applies), GQA and ragged lengths are covered. Everything else runs the Triton
-forward. A float32 bias does not fit the shared memory next to two K/V slots
-(tuning.shared_memory_estimate), so it runs the Triton forward too.
+forward. With the default tiles (block_k 128) a float32 bias does not fit the shared
+memory next to two K/V slots (tuning.shared_memory_estimate), so the heuristic gives
+it the Triton forward; explicit tiles with block_k 64 run it here.
 
 Key tiles outside an item's band are never loaded. A consumer whose own band is
 narrower than the item's (causal: warpgroup 0 can end a key tile earlier) still
