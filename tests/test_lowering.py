@@ -59,6 +59,14 @@ CASES = {
                                                                   num_stages=3)),
     "mosaic_softcap": dict(H=128, logits_soft_cap=20.0, causal_alignment="bottom_right",
                            is_causal=True, block_sizes=_MOSAIC),
+    # With a bias: one per head in the inputs' dtype under a soft cap (the default
+    # tiles), and a float32 one per batch entry with float16 inputs (64-key tiles).
+    "mosaic_bias_softcap": dict(H=128, T=200, S=300, K=2, bias=jnp.ones((1, 4, 200, 300),
+                                                                     jnp.bfloat16),
+                                logits_soft_cap=20.0, block_sizes=_MOSAIC),
+    "mosaic_float32_bias_float16": dict(dtype=jnp.float16, H=128, is_causal=True,
+                                        bias=jnp.ones((2, 1, 256, 256), jnp.float32),
+                                        block_sizes=dataclasses.replace(_MOSAIC, block_k=64)),
 }
 
 
