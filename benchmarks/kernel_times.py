@@ -1,7 +1,8 @@
 """Where the time of one problem goes: each Pallas kernel timed alone (GPU only).
 
 For a problem (bf16 by default, B x N heads, T = S), prints the heuristic tiles and
-the milliseconds of the forward, dK/dV, dQ and (with --bias) dbias kernels, and for
+the milliseconds of the forward (the Mosaic one where the heuristic picks it, as
+dot_product_attention's does), dK/dV, dQ and (with --bias) dbias kernels, and for
 a bias per batch entry and head (--bias-per-batch) the dK/dV kernel writing dbias
 itself; then one jitted forward+backward as `python -m pallas_attn bench` times it
 (for a per-batch bias both ways), so the kernels' sum can be checked against the
@@ -44,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     heuristic, runner = autotune.kernel_runner(
         batch=args.batch, q_len=args.seq_len, kv_len=args.seq_len, heads=args.heads,
         kv_heads=args.heads, head_dim=args.head_dim, is_causal=args.causal, bias=args.bias,
-        bias_per_batch=args.bias_per_batch)
+        bias_per_batch=args.bias_per_batch, mosaic_forward=True)
     kernels = ["forward", "dkdv", "dq"] + (["dbias"] if args.bias else [])
     if args.bias_per_batch:  # only such a bias can have its dbias written by dK/dV
         kernels.append("dkdv_dbias")

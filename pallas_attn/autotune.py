@@ -205,11 +205,14 @@ def sweep_entries(kernel: str, head_dim: int, value_head_dim: int, dtype: Any, b
 
 def kernel_runner(*, batch: int, q_len: int, kv_len: int, heads: int, kv_heads: int,
                   head_dim: int, dtype: Any = jnp.bfloat16, is_causal: bool = False,
-                  bias: bool = False, bias_per_batch: bool = False
+                  bias: bool = False, bias_per_batch: bool = False,
+                  mosaic_forward: bool = False
                   ) -> tuple[Any, Callable[[str, Any], Callable[[], Any]]]:
     """(heuristic BlockSizes, runner) for one problem on the current GPU.
 
-    bias: a [1, N, T, S] bias ([B, N, T, S] with bias_per_batch).
+    bias: a [1, N, T, S] bias ([B, N, T, S] with bias_per_batch). mosaic_forward: the
+    heuristic may pick the Mosaic forward, as dot_product_attention's does (off for
+    tuning, which sweeps the Triton forward's tiles).
 
     runner(kernel, blocks) compiles one kernel alone ("forward", "dkdv", "dkdv_dbias"
     (dK/dV writing dbias), "dq" or "dbias") with those tiles on random inputs and
@@ -217,7 +220,7 @@ def kernel_runner(*, batch: int, q_len: int, kv_len: int, heads: int, kv_heads: 
     """
     from pallas_attn import tuning
     from pallas_attn.kernels import attention as kernel_attention
-    from pallas_attn.kernels import triton_bwd, triton_fwd
+    from pallas_attn.kernels import mosaic_fwd, triton_bwd, triton_fwd
     from pallas_attn.spec import normalize
 
     device = tuning.DeviceInfo.current()
@@ -230,16 +233,22 @@ def kernel_runner(*, batch: int, q_len: int, kv_len: int, heads: int, kv_heads: 
     spec, ops, _ = normalize(q, k, v, bias_array, is_causal=is_causal)
     features = {"is_causal": is_causal, "has_bias": bias,
                 "bias_dtype": None if bias_array is None else bias_array.dtype}
-    heuristic = tuning.choose_block_sizes(head_dim, dtype, q_len=q_len, kv_len=kv_len,
-                                          device=device, **features)
+    triton_tiles = tuning.choose_block_sizes(head_dim, dtype, q_len=q_len, kv_len=kv_len,
+                                             device=device, **features)
+    heuristic = triton_tiles
+    if mosaic_forward:
+        scores = not mosaic_fwd.unsupported_scores(spec, ("bias",) if bias else ())
+        heuristic = tuning.choose_block_sizes(head_dim, dtype, q_len=q_len, kv_len=kv_len,
+                                              device=device, mosaic_scores=scores,
+                                              **features)
     problem, qp, kp, vp, differentiable, optional = kernel_attention.prepare(
         spec, ops, tuning.BlockSizes(*(128,) * 6), interpret=False)
     optional = {**optional, **differentiable}
     if problem.q_pad != q_len or problem.kv_pad != kv_len:
         raise ValueError(f"kernel timings need lengths that are multiples of 128, got "
                          f"{q_len}/{kv_len}")
-    out, row_stats = jax.jit(lambda q, k, v: triton_fwd.forward(
-        dataclasses.replace(problem, blocks=heuristic), q, k, v, optional))(qp, kp, vp)
+    out, row_stats = jax.jit(lambda q, k, v, o: triton_fwd.forward(
+        dataclasses.replace(problem, blocks=triton_tiles), q, k, v, o))(qp, kp, vp, optional)
     do = jax.random.normal(keys[3], out.shape, dtype)
     delta = jnp.einsum("btnh,btnh->bnt", do.astype(jnp.float32), out.astype(jnp.float32))
     names, bwd_inputs = triton_bwd.backward_inputs(qp, kp, vp, optional, row_stats, do, delta)
@@ -247,7 +256,10 @@ def kernel_runner(*, batch: int, q_len: int, kv_len: int, heads: int, kv_heads: 
     def runner(kernel: str, blocks: Any) -> Callable[[], Any]:
         p = dataclasses.replace(problem, blocks=blocks)
         if kernel == "forward":
-            fn, args = (lambda q, k, v: triton_fwd.forward(p, q, k, v, optional)), (qp, kp, vp)
+            backend = mosaic_fwd if blocks.forward_backend == "mosaic" else triton_fwd
+            # The operands are arguments, not constants folded into the program.
+            fn, args = ((lambda q, k, v, o: backend.forward(p, q, k, v, o)),
+                        (qp, kp, vp, optional))
         elif kernel in ("dkdv", "dkdv_dbias"):
             fused = None
             if kernel == "dkdv_dbias":
