@@ -293,8 +293,8 @@ def check_shapes(on_device: bool) -> list[Shape]:
               dtype="bfloat16"),
         Shape(2, 1024, 1024, 16, 16, 64, True, (("bias", None), ("dropout", 0.1)),
               dtype="float32"),
-        # The Mosaic forward with a bias shared by the batch entries (loaded into
-        # registers per key tile) under a soft cap, ragged, GQA.
+        # The Mosaic forward with a bias shared by the batch entries (each consumer
+        # bulk-copies its bias tiles into shared memory) under a soft cap, ragged, GQA.
         Shape(2, 1000, 1100, 4, 2, 128, False, (("bias", None), ("softcap", 20.0)),
               dtype="bfloat16"),
         # A cap too large for the fixed row reference: the running row maximum instead.

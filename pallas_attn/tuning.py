@@ -275,14 +275,15 @@ def shared_memory_estimate(block_sizes: BlockSizes, head_dim: int, value_head_di
 
     if b.forward_backend == "mosaic":
         # Q, the output (staged in P's buffer when hv == block_k), the K/V ring, P of
-        # both consumers and the 8-byte barriers (Q per consumer,
-        # loaded and consumed per slot for K and V, the consumers' turns); with a bias,
-        # one bias tile per consumer and its barrier.
-        bias_size = np.dtype(jnp.dtype(bias_dtype)).itemsize if bias_dtype is not None else 0
+        # both consumers and the 8-byte barriers (Q per consumer, loaded and consumed
+        # per slot for K and V, the consumers' turns); with a bias, each consumer's
+        # bias tile and its barrier. (A mask is outside this forward's scope.)
+        bias_size, bias_barriers = (0, 0) if bias_dtype is None else (
+            np.dtype(jnp.dtype(bias_dtype)).itemsize, 2)
         forward = (b.block_q * (hd + (hv if hv != b.block_k else 0)) * size
                    + b.num_stages * b.block_k * (hd + hv) * size
                    + b.block_q * b.block_k * (size + bias_size)
-                   + 8 * (4 * b.num_stages + 3 + (2 if bias_dtype is not None else 0)))
+                   + 8 * (4 * b.num_stages + 3 + bias_barriers))
     else:
         forward = (b.block_q * hd * size + b.num_stages * b.block_k * (hd + hv) * size
                    + tile_inputs(b.block_q, b.block_k, b.num_stages))
