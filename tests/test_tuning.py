@@ -368,6 +368,25 @@ def test_oversized_mosaic_override_is_rejected_before_compiling():
                       DEVICES["sm90"])
 
 
+def test_float32_bias_on_the_mosaic_forward_needs_64_key_tiles():
+    """A float32 bias tile per consumer overflows 128-key tiles (2 slots), not 64-key
+    ones; a 16-bit bias fits either. The estimate adds the consumers' bias buffers
+    (block_q * block_k * itemsize) and their two 8-byte barriers."""
+    mosaic = BlockSizes(128, 128, num_stages=2, forward_backend="mosaic")
+    plain = tuning.shared_memory_estimate(mosaic, 128, 128, jnp.float16)["forward"]
+    for bias_dtype in (jnp.float16, jnp.float32):
+        est = tuning.shared_memory_estimate(mosaic, 128, 128, jnp.float16,
+                                            bias_dtype=bias_dtype)["forward"]
+        assert est == plain + 128 * 128 * jnp.dtype(bias_dtype).itemsize + 16
+    with pytest.raises(ValueError, match=r"262248 bytes .* in the forward kernel.*232448"):
+        tuning.check_fits(mosaic, 128, 128, jnp.float16, DEVICES["sm90"],
+                          bias_dtype=jnp.float32)
+    for block_sizes, bias_dtype in ((mosaic, jnp.bfloat16),
+                                    (dataclasses.replace(mosaic, block_k=64), jnp.float32)):
+        tuning.check_fits(block_sizes, 128, 128, jnp.float16, DEVICES["sm90"],
+                          bias_dtype=bias_dtype)
+
+
 def test_time_call_queues_fast_calls_in_batches_and_runs_slow_calls_alone():
     calls = []
 
