@@ -220,7 +220,7 @@ def kernel_runner(*, batch: int, q_len: int, kv_len: int, heads: int, kv_heads: 
     """
     from pallas_attn import tuning
     from pallas_attn.kernels import attention as kernel_attention
-    from pallas_attn.kernels import mosaic_fwd, triton_bwd, triton_fwd
+    from pallas_attn.kernels import mosaic_dbias, mosaic_fwd, triton_bwd, triton_fwd
     from pallas_attn.spec import normalize
 
     device = tuning.DeviceInfo.current()
@@ -270,6 +270,11 @@ def kernel_runner(*, batch: int, q_len: int, kv_len: int, heads: int, kv_heads: 
             fn, args = (lambda *a: triton_bwd.dkdv(p, names, list(a), fused)), bwd_inputs
         elif kernel == "dq":
             fn, args = (lambda *a: triton_bwd.dq(p, names, list(a))), bwd_inputs
+        elif blocks.dbias_backend == "mosaic":
+            def fn(q, k, v, do, row_max, log2_sum, delta, *rest):
+                return mosaic_dbias.dbias(p, q, k, v, do, (row_max, log2_sum), delta,
+                                          rest[names.index("bias") - 7])
+            args = bwd_inputs
         else:
             fn, args = (lambda *a: triton_bwd.dbias(p, names, list(a), optional["bias"])), \
                 bwd_inputs

@@ -106,6 +106,7 @@ def _is_tile(x: Any) -> bool:
 
 _KERNELS = ("forward", "dkdv", "dq", "dbias")
 FORWARD_BACKENDS = ("triton", "mosaic")
+DBIAS_BACKENDS = FORWARD_BACKENDS
 # The Mosaic forward: work items of 128 query rows, 64 per consumer warpgroup.
 MOSAIC_BLOCK_Q = 128
 MOSAIC_BLOCK_K = (64, 128)
@@ -129,8 +130,14 @@ class BlockSizes:
     the warp-specialised Hopper forward (kernels/mosaic_fwd.py: sm90, 16-bit
     inputs, padded head dims 64 or 128, no operand besides q, k, v, no dropout;
     block_q must be its 128 rows per work item, block_k 64 or 128, num_stages >= 2
-    shared-memory slots; num_warps does not apply). The backward kernels are
-    Triton either way.
+    shared-memory slots; num_warps does not apply).
+
+    dbias_backend: "triton" or "mosaic", the warp-specialised Hopper dbias kernel
+    (kernels/mosaic_dbias.py: for a bias broadcast over batch entries or heads, in
+    the Mosaic forward's scope; block_q_dbias must be its 128 rows per work item,
+    block_k_dbias 64 or 128, num_stages_dbias its Q/K slots; num_warps_dbias does
+    not apply). It runs only where the dK/dV kernel does not write dbias itself
+    (fuse_dbias). The other backward kernels are Triton.
     """
 
     block_q: int = 128
@@ -151,6 +158,7 @@ class BlockSizes:
     num_stages_dbias: int = 2
     fuse_dbias: bool | None = None
     forward_backend: str = "triton"
+    dbias_backend: str = "triton"
 
     def __post_init__(self):
         for field in ("block_q", "block_k", "block_q_dkv", "block_k_dkv", "block_q_dq",
@@ -180,6 +188,15 @@ class BlockSizes:
                 f"BlockSizes.forward_backend='mosaic' needs block_q={MOSAIC_BLOCK_Q}, block_k "
                 f"in {MOSAIC_BLOCK_K} and num_stages >= 2, got block_q={self.block_q}, "
                 f"block_k={self.block_k}, num_stages={self.num_stages}")
+        if self.dbias_backend not in DBIAS_BACKENDS:
+            raise ValueError(f"BlockSizes.dbias_backend must be one of {DBIAS_BACKENDS}, "
+                             f"got {self.dbias_backend!r}")
+        if self.dbias_backend == "mosaic" and (
+                self.block_q_dbias != MOSAIC_BLOCK_Q or self.block_k_dbias not in MOSAIC_BLOCK_K):
+            raise ValueError(
+                f"BlockSizes.dbias_backend='mosaic' needs block_q_dbias={MOSAIC_BLOCK_Q} and "
+                f"block_k_dbias in {MOSAIC_BLOCK_K}, got block_q_dbias={self.block_q_dbias}, "
+                f"block_k_dbias={self.block_k_dbias}")
 
     def clamp(self, q_len: int, kv_len: int) -> BlockSizes:
         """Shrinks tiles that are longer than the (power-of-two rounded) sequences."""
@@ -188,14 +205,15 @@ class BlockSizes:
         # The Mosaic forward's tiles are fixed by its warpgroups; short sequences are
         # padded up to them instead.
         mosaic = self.forward_backend == "mosaic"
+        mosaic_dbias = self.dbias_backend == "mosaic"
         return dataclasses.replace(
             self,
             block_q=self.block_q if mosaic else min(self.block_q, q_cap),
             block_k=self.block_k if mosaic else min(self.block_k, k_cap),
             block_q_dkv=min(self.block_q_dkv, q_cap), block_k_dkv=min(self.block_k_dkv, k_cap),
             block_q_dq=min(self.block_q_dq, q_cap), block_k_dq=min(self.block_k_dq, k_cap),
-            block_q_dbias=min(self.block_q_dbias, q_cap),
-            block_k_dbias=min(self.block_k_dbias, k_cap))
+            block_q_dbias=self.block_q_dbias if mosaic_dbias else min(self.block_q_dbias, q_cap),
+            block_k_dbias=self.block_k_dbias if mosaic_dbias else min(self.block_k_dbias, k_cap))
 
     def tiles(self, kernel: str) -> tuple[int, int, int, int]:
         """(block_q, block_k, warps, stages) of one kernel."""
@@ -295,12 +313,22 @@ def shared_memory_estimate(block_sizes: BlockSizes, head_dim: int, value_head_di
           + tile_inputs(b.block_q_dq, b.block_k_dq, b.num_stages_dq))
     estimate = {"forward": forward, "dkdv": dkdv, "dq": dq}
     if bias_dtype is not None:
-        # The dbias kernel loads Q, dO, K and V all inside its loop, so every one of
-        # them is multi-buffered; the bias tile is not staged. Measured on an H100 at
-        # head dim 128, bf16: exactly stages * (block_q + block_k) * 512 bytes for
-        # (128, 64, 3), (128, 32, 3) and (128, 128, 2), plus 512 with 4 warps.
-        estimate["dbias"] = (b.num_stages_dbias * (b.block_q_dbias + b.block_k_dbias)
-                             * (hd + hv) * size + 512)
+        bias_size = np.dtype(jnp.dtype(bias_dtype)).itemsize
+        if b.dbias_backend == "mosaic":
+            # Q and K in num_stages_dbias slots, dO, V and the three float32 row
+            # residuals in as many; each consumer's bias buffer; 8-byte barriers
+            # (loaded and consumed per slot of each ring, the bias buffers').
+            bq, bk, stages = b.block_q_dbias, b.block_k_dbias, b.num_stages_dbias
+            estimate["dbias"] = (stages * (bq + bk) * (hd + hv) * size + stages * 3 * bq * 4
+                                 + bq * bk * bias_size + 8 * (4 * stages + 2))
+        else:
+            # The Triton dbias kernel loads Q, dO, K and V all inside its loop, so every
+            # one of them is multi-buffered; the bias tile is not staged. Measured on an
+            # H100 at head dim 128, bf16: exactly stages * (block_q + block_k) * 512
+            # bytes for (128, 64, 3), (128, 32, 3) and (128, 128, 2), plus 512 with 4
+            # warps.
+            estimate["dbias"] = (b.num_stages_dbias * (b.block_q_dbias + b.block_k_dbias)
+                                 * (hd + hv) * size + 512)
     return estimate
 
 
@@ -401,7 +429,8 @@ def choose_block_sizes(head_dim: int, dtype: Any = jnp.bfloat16, *, q_len: int, 
     features (is_causal, has_bias, has_dropout, ...) select autotuned entries
     when a matching cache entry exists and pick the ladders; mosaic_scores (with
     the device, dtype and head dims) selects the Mosaic forward, which replaces
-    the Triton forward's tiles, tuned or not (`prefers_mosaic_forward`).
+    the Triton forward's tiles, tuned or not (`prefers_mosaic_forward`), and with
+    a bias the Mosaic dbias kernel likewise (`prefers_mosaic_dbias`).
     """
     if not isinstance(head_dim, int) or not 1 <= head_dim <= 256:
         raise ValueError(f"head_dim must be an int in [1, 256], got {head_dim!r}")
@@ -440,6 +469,14 @@ def choose_block_sizes(head_dim: int, dtype: Any = jnp.bfloat16, *, q_len: int, 
         mosaic = dataclasses.replace(chosen, forward_backend="mosaic", **_MOSAIC_FORWARD)
         if _fits(mosaic, "forward", head_dim, value_head_dim, dtype, budget, **smem_features):
             chosen = mosaic
+    if prefers_mosaic_dbias(device, dtype, head_dim, value_head_dim, q_len, features):
+        for stages in (2, 1):
+            mosaic = dataclasses.replace(chosen, dbias_backend="mosaic",
+                                         block_q_dbias=MOSAIC_BLOCK_Q, block_k_dbias=64,
+                                         num_stages_dbias=stages)
+            if _fits(mosaic, "dbias", head_dim, value_head_dim, dtype, budget, **smem_features):
+                chosen = mosaic
+                break
     return chosen
 
 
@@ -469,6 +506,22 @@ def prefers_mosaic_forward(device: DeviceInfo, dtype: Any, head_dim: int,
     return (device.compute_capability == (9, 0)
             and jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
             and padded_head_dim(head_dim) == 128 == padded_head_dim(value_head_dim)
+            and q_len >= MOSAIC_BLOCK_Q and bool(features.get("mosaic_scores")))
+
+
+def prefers_mosaic_dbias(device: DeviceInfo, dtype: Any, head_dim: int, value_head_dim: int,
+                         q_len: int, features: dict[str, Any]) -> bool:
+    """Whether the heuristic runs the Mosaic (Hopper) dbias kernel instead of Triton's,
+    where a separate dbias kernel runs at all (a bias broadcast over batch entries or
+    heads, `resolve_fuse_dbias`): an sm90 device, 16-bit inputs, head dims padding to
+    64 or 128, at least one item of query rows, a bias, and scores the Mosaic kernels
+    compute (features["mosaic_scores"]). Measured on an H100 (BENCHMARKS.md, session
+    9): 1.76 ms against 2.37 at d128, 1.27 against 1.37 at d64. Its tiles are
+    (128, 64) with two slots per ring, one where a float32 bias leaves no room."""
+    return (device.compute_capability == (9, 0)
+            and features.get("bias_dtype") is not None
+            and jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+            and {padded_head_dim(head_dim), padded_head_dim(value_head_dim)} <= {64, 128}
             and q_len >= MOSAIC_BLOCK_Q and bool(features.get("mosaic_scores")))
 
 

@@ -91,7 +91,7 @@ def _finite(x: jax.Array) -> jax.Array:
 
 def make_runner(implementation: str, *, with_bias: bool = False, bias_grad: bool = True,
                 lse_grad: bool = True, block_sizes: Any = SMALL_BLOCKS,
-                split: bool = False, **static: Any):
+                split: bool | str = False, **static: Any):
     """A jitted fn(q, k, v, ct, ct_lse, bias, arrays) -> dict of out, lse and gradients.
 
     The loss is sum(out * ct) + sum(lse * ct_lse) (lse of empty rows, -inf, left out),
@@ -103,6 +103,9 @@ def make_runner(implementation: str, *, with_bias: bool = False, bias_grad: bool
     one. The Mosaic GPU interpreter needs this on a 2-core machine: inside one larger
     jitted call its simulated warpgroups can wait for XLA's CPU worker threads that
     the call itself holds, and never finish (seen with a bias, JAX 0.11.2).
+    split="eager": the backward runs op by op instead, each kernel a call of its own
+    (the Mosaic dbias kernel hangs inside the jitted backward, next to the Triton
+    kernels, the same way).
     """
     extra = {}
     if implementation == "pallas":
@@ -138,7 +141,8 @@ def make_runner(implementation: str, *, with_bias: bool = False, bias_grad: bool
         out, lse, pullback = forward(*args)
         return out, lse, backward(pullback)
 
-    forward_alone, backward_alone = jit(forward), jit(backward)
+    forward_alone = jit(forward)
+    backward_alone = backward if split == "eager" else jit(backward)
 
     def fn(q, k, v, ct, ct_lse, bias=None, arrays=None):
         args = (q, k, v, ct, ct_lse, bias, {} if arrays is None else arrays)

@@ -1,5 +1,5 @@
 """Lower every kernel for an sm90 GPU on CPU (jaxpr -> Triton IR, and Mosaic GPU IR for
-the Hopper forward).
+the Hopper forward and dbias kernels).
 
 The interpreters run the kernels' semantics; this catches what only the lowerings
 reject (types, layouts, unsupported primitives) without a GPU. The final
@@ -22,6 +22,8 @@ lower_for_gpu = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(lower_for_gpu)
 
 _MOSAIC = pallas_attn.BlockSizes(128, 128, num_stages=2, forward_backend="mosaic")
+_MOSAIC_DBIAS = dict(block_q_dbias=128, block_k_dbias=64, num_stages_dbias=2,
+                     dbias_backend="mosaic")
 
 CASES = {
     "plain": dict(),
@@ -67,6 +69,17 @@ CASES = {
     "mosaic_float32_bias_float16": dict(dtype=jnp.float16, H=128, is_causal=True,
                                         bias=jnp.ones((2, 1, 256, 256), jnp.float32),
                                         block_sizes=dataclasses.replace(_MOSAIC, block_k=64)),
+    # The Hopper dbias kernel (a bias shared by batch entries or heads): with the Mosaic
+    # forward under a soft cap (GQA, ragged), and a float32 bias shared by every head
+    # and batch entry at d64 with float16 inputs, causal, behind the Triton forward.
+    "mosaic_dbias_softcap_gqa": dict(H=128, T=200, S=300, K=2,
+                                     bias=jnp.ones((1, 4, 200, 300), jnp.bfloat16),
+                                     logits_soft_cap=20.0,
+                                     block_sizes=dataclasses.replace(_MOSAIC, **_MOSAIC_DBIAS)),
+    "mosaic_dbias_float32_bias_h64": dict(dtype=jnp.float16, is_causal=True,
+                                          bias=jnp.ones((1, 1, 256, 256), jnp.float32),
+                                          block_sizes=pallas_attn.BlockSizes(
+                                              **dict(_MOSAIC_DBIAS, num_stages_dbias=1))),
 }
 
 

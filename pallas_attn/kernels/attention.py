@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from jax.custom_derivatives import SymbolicZero
 
 from pallas_attn import tuning
-from pallas_attn.kernels import mosaic_fwd, triton_bwd, triton_fwd
+from pallas_attn.kernels import mosaic_dbias, mosaic_fwd, triton_bwd, triton_fwd
 from pallas_attn.kernels.common import OPTIONAL_INPUTS, Problem
 from pallas_attn.spec import AttentionSpec, Operands
 from pallas_attn.tuning import BlockSizes, DeviceInfo
@@ -54,10 +54,11 @@ def resolve_block_sizes(spec: AttentionSpec, ops: Operands, block_sizes: BlockSi
                                                 value_head_dim=Hv, device=device, **features)
     elif not interpret:
         tuning.check_fits(block_sizes, H, Hv, ops.query.dtype, device, **smem)
-        if block_sizes.forward_backend == "mosaic" and device.compute_capability != (9, 0):
-            raise ValueError(
-                f"block_sizes.forward_backend='mosaic' needs an sm90 (Hopper) GPU, this one "
-                f"has compute capability {device.compute_capability}")
+        for field in ("forward_backend", "dbias_backend"):
+            if getattr(block_sizes, field) == "mosaic" and device.compute_capability != (9, 0):
+                raise ValueError(
+                    f"block_sizes.{field}='mosaic' needs an sm90 (Hopper) GPU, this one "
+                    f"has compute capability {device.compute_capability}")
     if ops.bias is not None:
         block_sizes = tuning.resolve_fuse_dbias(block_sizes, ops.bias.shape, batch=B,
                                                 num_heads=N, num_kv_heads=ops.key.shape[2],
@@ -106,10 +107,19 @@ def attention(spec: AttentionSpec, ops: Operands, *, block_sizes: BlockSizes | N
     problem, qp, kp, vp, differentiable, optional = prepare(spec, ops, blocks, interpret)
     if blocks.forward_backend == "mosaic" and (why := mosaic_fwd.unsupported(problem)):
         raise ValueError(f"block_sizes.forward_backend='mosaic' does not cover this call: {why}")
+    if _mosaic_dbias(problem) and (why := mosaic_dbias.unsupported(problem)):
+        raise ValueError(f"block_sizes.dbias_backend='mosaic' does not cover this call: {why}")
     out, lse = _fused(problem, qp, kp, vp, differentiable, optional)
     T, Hv = ops.query.shape[1], ops.value.shape[-1]
     lse = jnp.where(lse == jnp.inf, -jnp.inf, lse)[:, :, :T]  # public: -inf for empty rows
     return out[:, :T, :, :Hv], lse
+
+
+def _mosaic_dbias(problem: Problem) -> bool:
+    """Whether a separate dbias kernel runs, and it is the Mosaic one."""
+    blocks = problem.blocks
+    return (problem.has("bias") and blocks.dbias_backend == "mosaic"
+            and not blocks.fuse_dbias)
 
 
 def _operands(differentiable: dict, optional: dict) -> dict:
@@ -158,9 +168,14 @@ def _fused_bwd(problem: Problem, residuals, cotangents):
         # that see no key, row max +inf, have P = 0 and their cotangent is dropped).
         delta = delta - jnp.where(row_stats[0] == jnp.inf, 0.0, d_lse)
     operands = _operands(differentiable, optional)
-    dq, dk, dv, dbias = triton_bwd.backward(problem, q, k, v, operands, row_stats,
-                                            d_out.astype(q.dtype), delta,
-                                            bias_grad=bool(marker))
+    d_out = d_out.astype(q.dtype)
+    bias_grad = bool(marker)
+    mosaic = bias_grad and _mosaic_dbias(problem)
+    dq, dk, dv, dbias = triton_bwd.backward(problem, q, k, v, operands, row_stats, d_out,
+                                            delta, bias_grad=bias_grad and not mosaic)
+    if mosaic:
+        dbias = mosaic_dbias.dbias(problem, q, k, v, d_out, row_stats, delta,
+                                   operands["bias"])
     d_differentiable = {"bias": dbias} if dbias is not None else jax.tree.map(
         jnp.zeros_like, differentiable)
     d_optional = jax.tree.map(_zeros_like_tangent, optional)

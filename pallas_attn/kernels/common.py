@@ -114,12 +114,14 @@ class Problem:
         factor = self.exp2_factor
         return jnp.exp2(difference if factor == 1.0 else difference * factor)
 
-    def probabilities(self, s: jax.Array, row_max: jax.Array, log2_sum: jax.Array
+    def probabilities(self, s: jax.Array, row_max: jax.Array, log2_sum: jax.Array,
+                      rows: Callable[[jax.Array], jax.Array] = lambda x: x[:, None]
                       ) -> jax.Array:
-        """Normalised probabilities of a score tile from the forward's row residuals."""
+        """Normalised probabilities of a score tile from the forward's row residuals;
+        rows(x) broadcasts a per-row vector against the tile."""
         if self.exp2_factor == 1.0:
-            return jnp.exp2(s - (row_max + log2_sum)[:, None])
-        return jnp.exp2((s - row_max[:, None]) * self.exp2_factor - log2_sum[:, None])
+            return jnp.exp2(s - rows(row_max + log2_sum))
+        return jnp.exp2((s - rows(row_max)) * self.exp2_factor - rows(log2_sum))
 
     def logsumexp(self, row_max: jax.Array, log2_sum: jax.Array) -> jax.Array:
         """Natural-log lse from the row residuals (+inf for a row that sees no key).

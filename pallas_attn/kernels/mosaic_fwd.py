@@ -73,8 +73,8 @@ ROWS_PER_CONSUMER = 64
 CONSUMERS = ITEM_ROWS // ROWS_PER_CONSUMER
 # Register budgets (per thread) after the warpgroups specialise: consumers hold the
 # accumulator and the score tile, the producer only issues copies.
-_CONSUMER_REGISTERS = 232
-_PRODUCER_REGISTERS = 40
+CONSUMER_REGISTERS = 232
+PRODUCER_REGISTERS = 40
 _HEAD_DIMS = (64, 128)
 _DTYPES = ("bfloat16", "float16")
 
@@ -106,7 +106,7 @@ def unsupported(problem: Problem) -> str:
     return ""
 
 
-def _smem(shape: tuple[int, ...], dtype: Any) -> Any:
+def smem_tiles(shape: tuple[int, ...], dtype: Any) -> Any:
     # 128-byte swizzled tiles (64 16-bit elements): the wgmma operand layout.
     row = 128 // jnp.dtype(dtype).itemsize
     return plgpu.SMEM(shape, dtype, transforms=(plgpu.TilingTransform((8, row)),
@@ -165,7 +165,7 @@ def _kernel(q_ref, k_ref, v_ref, bias_ref, out_ref, row_max_ref, log2_sum_ref, s
 
     @pl.when(wg == CONSUMERS)
     def _producer():
-        plgpu.set_max_registers(_PRODUCER_REGISTERS, action="decrease")
+        plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
 
         def stream(r, step):
             item = item_of(r)
@@ -201,7 +201,7 @@ def _kernel(q_ref, k_ref, v_ref, bias_ref, out_ref, row_max_ref, log2_sum_ref, s
 
     @pl.when(wg < CONSUMERS)
     def _consumer():
-        plgpu.set_max_registers(_CONSUMER_REGISTERS, action="increase")
+        plgpu.set_max_registers(CONSUMER_REGISTERS, action="increase")
         rows_n = ROWS_PER_CONSUMER
         q_mine, o_mine, p_mine = q_smem.at[wg], o_smem.at[wg], p_smem.at[wg]
 
@@ -413,13 +413,13 @@ def forward(problem: Problem, q: jax.Array, k: jax.Array, v: jax.Array,
         bias_ref = refs[0] if bias is not None else None
         out_ref, row_max_ref, log2_sum_ref = refs[-3:]
         buffers = (
-            _smem((CONSUMERS, ROWS_PER_CONSUMER, hp), dtype),
+            smem_tiles((CONSUMERS, ROWS_PER_CONSUMER, hp), dtype),
             # The output is staged in P's buffer when the shapes agree.
-            _smem((CONSUMERS, ROWS_PER_CONSUMER, hvp), dtype) if hvp != block_k else None,
-            _smem((stages, block_k, hp), dtype),
-            _smem((stages, block_k, hvp), dtype),
-            _smem((CONSUMERS, ROWS_PER_CONSUMER, block_k), dtype),
-            None if bias is None else _smem((CONSUMERS, ROWS_PER_CONSUMER, block_k),
+            smem_tiles((CONSUMERS, ROWS_PER_CONSUMER, hvp), dtype) if hvp != block_k else None,
+            smem_tiles((stages, block_k, hp), dtype),
+            smem_tiles((stages, block_k, hvp), dtype),
+            smem_tiles((CONSUMERS, ROWS_PER_CONSUMER, block_k), dtype),
+            None if bias is None else smem_tiles((CONSUMERS, ROWS_PER_CONSUMER, block_k),
                                             bias.dtype),
         )
         barriers = (

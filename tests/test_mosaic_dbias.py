@@ -1,0 +1,220 @@
+"""The Hopper (Mosaic GPU) dbias kernel in the Mosaic GPU interpreter.
+
+The interpreter simulates the kernel's three warpgroups, barriers, bulk copies and
+wgmma on CPU, fills the output with NaN before the kernel runs (a tile the kernel
+never writes shows up as NaN) and runs its race detector. Two persistent programs
+loop over several items, some of them outside the causal/window band (zeros,
+nothing streamed) and some crossed by it.
+
+The kernel is checked two ways: alone, against the Triton dbias kernel (Pallas
+interpreter) on the same row residuals, over its whole padded output; and through
+dot_product_attention, against the float64 oracle, with every other gradient.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from kernel_helpers import (
+    DTYPES,
+    assert_fa_rule,
+    assert_results_close,
+    make_inputs,
+    oracle,
+    pallas_and_reference,
+    random_bias,
+)
+
+import pallas_attn
+from pallas_attn import tuning
+from pallas_attn.kernels import attention as kernel_attention
+from pallas_attn.kernels import mosaic_dbias, triton_bwd, triton_fwd
+from pallas_attn.spec import normalize
+
+
+@pytest.fixture(autouse=True)
+def _no_races():
+    """A race the interpreter's detector saw in the test's last kernel call fails it."""
+    # NOTE: JAX exposes the detector's verdict only in this private module (0.11.2).
+    from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call
+
+    yield
+    try:
+        races = interpret_pallas_call.get_races()
+    except AssertionError:  # no kernel has run in this process yet
+        return
+    assert not races.races_found, "the interpreter detected a data race"
+
+
+# Small Triton tiles around the Mosaic dbias kernel's 128-row items.
+MOSAIC_DBIAS = pallas_attn.BlockSizes(32, 32, 32, 32, 32, 32, block_q_dbias=128,
+                                      block_k_dbias=64, num_stages_dbias=2,
+                                      dbias_backend="mosaic", fuse_dbias=False)
+
+# (id, shapes, bias shape as (Bb, Nb), kwargs, tiles)
+CASES = [
+    ("batch_shared_ragged", dict(B=2, T=130, S=200, N=2), (1, 2), {}, {}),
+    ("causal_bottom_right_T>S_skipped_items", dict(B=2, T=200, S=100, N=2), (1, 2),
+     dict(is_causal=True, causal_alignment="bottom_right"), {}),
+    ("head_shared_gqa_window_one_slot", dict(B=2, T=140, S=260, N=4, K=2), (2, 1),
+     dict(local_window_size=(40, 10)), dict(num_stages_dbias=1)),
+    ("shared_by_all_soft_cap_block_k128_H128", dict(B=2, T=128, S=256, N=2, H=128), (1, 1),
+     dict(logits_soft_cap=5.0, is_causal=True), dict(block_k_dbias=128)),
+    ("soft_cap_running_max_H80_Hv64", dict(B=1, T=150, S=120, N=2, H=80, Hv=64), (1, 2),
+     dict(logits_soft_cap=100.0, scale=0.3), {}),
+]
+
+
+def _kernel_outputs(dtype: str, bias_dtype: str, shapes: dict, bias_shape: tuple,
+                    kwargs: dict, blocks: dict) -> tuple[np.ndarray, np.ndarray, tuple]:
+    """(Mosaic dbias, Triton dbias) over the padded bias, from the Triton forward's
+    residuals and a random dO, and the caller's (T, S)."""
+    shapes = dict(dict(H=64), **shapes)
+    inputs = make_inputs(sum(shapes.values()), dtype=DTYPES[dtype], **shapes)
+    T, S = shapes["T"], shapes["S"]
+    bias = random_bias(3, (*bias_shape, T, S), DTYPES[bias_dtype])
+    spec, ops, _ = normalize(inputs["q"], inputs["k"], inputs["v"], bias, **kwargs)
+    block_sizes = dataclasses.replace(MOSAIC_DBIAS, **blocks)
+    problem, q, k, v, differentiable, optional = kernel_attention.prepare(
+        spec, ops, block_sizes, interpret=True)
+    operands = {**optional, **differentiable}
+    out, row_stats = triton_fwd.forward(problem, q, k, v, operands)
+    do = jax.random.normal(jax.random.key(11), out.shape, out.dtype)
+    delta = jnp.einsum("btnh,btnh->bnt", do.astype(jnp.float32), out.astype(jnp.float32))
+    mosaic = mosaic_dbias.dbias(problem, q, k, v, do, row_stats, delta, operands["bias"])
+    triton_problem = dataclasses.replace(problem, blocks=dataclasses.replace(
+        block_sizes, block_q_dbias=32, block_k_dbias=32, dbias_backend="triton"))
+    names, bwd_inputs = triton_bwd.backward_inputs(q, k, v, operands, row_stats, do, delta)
+    triton = triton_bwd.dbias(triton_problem, names, bwd_inputs, operands["bias"])
+    assert mosaic.dtype == bias.dtype and mosaic.shape == operands["bias"].shape
+    return np.asarray(mosaic, np.float32), np.asarray(triton, np.float32), (T, S)
+
+
+@pytest.mark.parametrize("dtype,bias_dtype", [("bfloat16", "bfloat16"),
+                                              ("float16", "float32")])
+@pytest.mark.parametrize("shapes,bias_shape,kwargs,blocks", [c[1:] for c in CASES],
+                         ids=[c[0] for c in CASES])
+def test_mosaic_dbias_matches_the_triton_dbias_kernel(dtype, bias_dtype, shapes, bias_shape,
+                                                      kwargs, blocks):
+    mosaic, triton, (T, S) = _kernel_outputs(dtype, bias_dtype, shapes, bias_shape, kwargs,
+                                             blocks)
+    # Every element of the padded output is written (the interpreter poisons it with
+    # NaN), the padding included.
+    assert not np.isnan(mosaic).any()
+    mosaic, triton = mosaic[..., :T, :S], triton[..., :T, :S]
+    assert np.abs(triton).max() > 0.1
+    # Both sum float32 dS over the same members; they differ by float32 rounding of
+    # products taken over other tiles (1e-5 of the largest entry), and then by a
+    # step of the bias's dtype.
+    eps = max(2 * float(jnp.finfo(DTYPES[bias_dtype]).eps), 1e-5)
+    tol = eps * np.abs(triton).max()
+    np.testing.assert_allclose(mosaic, triton, rtol=0, atol=tol)
+    if kwargs.get("is_causal") and kwargs.get("causal_alignment") == "bottom_right":
+        # Rows that see no key (T > S, bottom-right causal) have zero gradient.
+        assert np.all(mosaic[..., : T - S, :] == 0.0)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("shapes,bias_shape,kwargs", [
+    (dict(B=2, T=150, S=140, N=2, K=1, H=64), (1, 2), dict(is_causal=True)),
+    (dict(B=2, T=130, S=200, N=2, H=48), (2, 1), dict(logits_soft_cap=8.0,
+                                                      local_window_size=(60, 20))),
+], ids=["batch_shared_causal_mqa", "head_shared_window_soft_cap_H48"])
+def test_gradients_with_the_mosaic_dbias_against_reference_and_float64(dtype, shapes,
+                                                                       bias_shape, kwargs):
+    inputs = make_inputs(sum(shapes.values()), dtype=DTYPES[dtype], **shapes)
+    bias = random_bias(5, (*bias_shape, shapes["T"], shapes["S"]), DTYPES[dtype])
+    # The forward in a jitted call of its own, the backward op by op
+    # (kernel_helpers.make_runner).
+    kernel, reference = pallas_and_reference(inputs, block_sizes=MOSAIC_DBIAS, split="eager",
+                                             bias=bias, **kwargs)
+    exact = oracle(inputs, bias=bias, **kwargs)
+    assert "dbias" in kernel and kernel["dbias"].shape == bias.shape
+    assert_fa_rule(kernel, reference, exact, DTYPES[dtype])
+    assert_results_close(kernel, reference, DTYPES[dtype], label="vs reference: ")
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(mask=True), "no operand besides q, k, v and a bias, got mask"),
+    (dict(dropout_rate=0.1, dropout_rng=jax.random.key(0)), "no dropout"),
+    (dict(dtype=jnp.float32), "bfloat16 or float16"),
+    (dict(bias=(1, 1, 1, 16)), "broadcast along queries or keys"),
+])
+def test_unsupported_problems_name_the_reason(kwargs, match):
+    dtype = kwargs.pop("dtype", jnp.bfloat16)
+    inputs = make_inputs(1, B=2, T=16, S=16, N=1, H=64, dtype=dtype)
+    bias = jnp.zeros(kwargs.pop("bias", (1, 1, 16, 16)), dtype)
+    if kwargs.pop("mask", False):
+        kwargs["mask"] = jnp.ones((1, 1, 16, 16), bool)
+    with pytest.raises(ValueError, match=f"dbias_backend='mosaic'.*{match}"):
+        pallas_attn.dot_product_attention(inputs["q"], inputs["k"], inputs["v"], bias,
+                                          interpret=True, block_sizes=MOSAIC_DBIAS, **kwargs)
+
+
+def test_a_bias_without_the_mosaic_dbias_kernel_runs():
+    """Without a bias, or with a per-batch bias whose dbias the dK/dV kernel writes,
+    dbias_backend='mosaic' has nothing to do and is no error."""
+    inputs = make_inputs(2, B=2, T=16, S=16, N=1, H=64, dtype=jnp.bfloat16)
+    out = pallas_attn.dot_product_attention(inputs["q"], inputs["k"], inputs["v"],
+                                            interpret=True, block_sizes=MOSAIC_DBIAS)
+    blocks = dataclasses.replace(MOSAIC_DBIAS, fuse_dbias=True)
+    bias = jnp.zeros((2, 1, 16, 16), jnp.float32)
+    dbias = jax.grad(lambda b: pallas_attn.dot_product_attention(
+        inputs["q"], inputs["k"], inputs["v"], b, interpret=True, block_sizes=blocks,
+        mask=jnp.ones((1, 1, 16, 16), bool)).astype(jnp.float32).sum())(bias)
+    assert out.shape == inputs["q"].shape and dbias.shape == bias.shape
+
+
+@pytest.mark.parametrize("fields,match", [
+    (dict(block_q_dbias=64), "block_q_dbias=128"),
+    (dict(block_k_dbias=32), "block_k_dbias in"),
+    (dict(dbias_backend="cuda"), "dbias_backend must be one of"),
+])
+def test_block_sizes_validate_the_mosaic_dbias_tiles(fields, match):
+    with pytest.raises(ValueError, match=match):
+        dataclasses.replace(MOSAIC_DBIAS, **fields)
+
+
+def test_mosaic_dbias_needs_a_hopper_gpu():
+    inputs = make_inputs(1, B=1, T=16, S=16, N=1, H=64, dtype=jnp.bfloat16)
+    ampere = tuning.DeviceInfo.for_capability((8, 0))
+    spec, ops, _ = normalize(inputs["q"], inputs["k"], inputs["v"])
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(tuning.DeviceInfo, "current", staticmethod(lambda: ampere))
+        with pytest.raises(ValueError, match="dbias_backend='mosaic' needs an sm90"):
+            kernel_attention.resolve_block_sizes(spec, ops, MOSAIC_DBIAS, interpret=False)
+
+
+HOPPER = tuning.DeviceInfo.for_capability((9, 0))
+
+
+@pytest.mark.parametrize("case,expected", [
+    (dict(), (128, 64, 2)),
+    (dict(head_dim=64), (128, 64, 2)),
+    (dict(bias_dtype=jnp.float32), (128, 64, 1)),  # two slots leave no room for it
+    (dict(device=tuning.DeviceInfo.for_capability((8, 0))), None),
+    (dict(dtype=jnp.float32), None),
+    (dict(head_dim=256), None),
+    (dict(bias_dtype=None), None),
+    (dict(mosaic_scores=False), None),  # e.g. a mask or dropout as well
+    (dict(q_len=100), None),
+])
+def test_heuristic_picks_the_mosaic_dbias_kernel(case, expected):
+    args = dict(head_dim=128, dtype=jnp.bfloat16, q_len=4096, kv_len=4096, device=HOPPER,
+                bias_dtype=jnp.bfloat16, mosaic_scores=True)
+    args.update(case)
+    head_dim = args.pop("head_dim")
+    blocks = tuning.choose_block_sizes(head_dim, has_bias=args["bias_dtype"] is not None,
+                                       **args)
+    if expected is None:
+        assert blocks.dbias_backend == "triton"
+        return
+    assert blocks.dbias_backend == "mosaic"
+    assert (blocks.block_q_dbias, blocks.block_k_dbias, blocks.num_stages_dbias) == expected
+    estimate = tuning.shared_memory_estimate(blocks, head_dim, head_dim, args["dtype"],
+                                             bias_dtype=args["bias_dtype"])
+    assert estimate["dbias"] <= HOPPER.max_shared_memory_per_block
