@@ -17,6 +17,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 import pallas_attn
 
@@ -387,3 +388,19 @@ def assert_bitwise_equal(a: dict, b: dict) -> None:
 
 def empty_rows(exact: dict) -> np.ndarray:
     return np.isneginf(exact["lse"])
+
+
+@pytest.fixture(autouse=True)
+def no_mosaic_races():
+    """Fails a test whose last Mosaic GPU kernel call made the interpreter's race
+    detector see a race (the Mosaic kernels ask for the detector when interpreted).
+    Autouse in the test modules that import it."""
+    # NOTE: JAX exposes the detector's verdict only in this private module (0.11.2).
+    from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call
+
+    yield
+    try:
+        races = interpret_pallas_call.get_races()
+    except AssertionError:  # no kernel has run in this process yet
+        return
+    assert not races.races_found, "the interpreter detected a data race"

@@ -19,11 +19,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from kernel_helpers import (
+from kernel_helpers import (  # no_mosaic_races: an autouse fixture
     DTYPES,
     assert_fa_rule,
     assert_results_close,
     make_inputs,
+    no_mosaic_races,  # noqa: F401
     oracle,
     pallas_and_reference,
     random_bias,
@@ -34,21 +35,6 @@ from pallas_attn import tuning
 from pallas_attn.kernels import attention as kernel_attention
 from pallas_attn.kernels import mosaic_dbias, triton_bwd, triton_fwd
 from pallas_attn.spec import normalize
-
-
-@pytest.fixture(autouse=True)
-def _no_races():
-    """A race the interpreter's detector saw in the test's last kernel call fails it."""
-    # NOTE: JAX exposes the detector's verdict only in this private module (0.11.2).
-    from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call
-
-    yield
-    try:
-        races = interpret_pallas_call.get_races()
-    except AssertionError:  # no kernel has run in this process yet
-        return
-    assert not races.races_found, "the interpreter detected a data race"
-
 
 # Small Triton tiles around the Mosaic dbias kernel's 128-row items.
 MOSAIC_DBIAS = pallas_attn.BlockSizes(32, 32, 32, 32, 32, 32, block_q_dbias=128,

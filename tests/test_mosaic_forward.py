@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from kernel_helpers import (
+from kernel_helpers import (  # no_mosaic_races: an autouse fixture
     DTYPES,
     assert_empty_rows,
     assert_fa_rule,
@@ -29,6 +29,7 @@ from kernel_helpers import (
     empty_rows,
     jit,
     make_inputs,
+    no_mosaic_races,  # noqa: F401
     oracle,
     pallas_and_reference,
     random_bias,
@@ -39,22 +40,6 @@ from pallas_attn import tuning
 from pallas_attn.kernels import attention as kernel_attention
 from pallas_attn.kernels import mosaic_fwd, triton_fwd
 from pallas_attn.spec import normalize
-
-
-@pytest.fixture(autouse=True)
-def _no_races():
-    """The kernel runs under the interpreter's race detector (mosaic_fwd.forward asks
-    for it); a race it saw in the test's last kernel call fails the test."""
-    # NOTE: JAX exposes the detector's verdict only in this private module (0.11.2).
-    from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call
-
-    yield
-    try:
-        races = interpret_pallas_call.get_races()
-    except AssertionError:  # no kernel has run in this process yet
-        return
-    assert not races.races_found, "the interpreter detected a data race"
-
 
 # Mosaic forward (128 query rows per program); small Triton backward tiles.
 MOSAIC = pallas_attn.BlockSizes(128, 64, 32, 32, 32, 32, block_q_dbias=32, block_k_dbias=32,

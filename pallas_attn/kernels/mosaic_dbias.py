@@ -298,13 +298,8 @@ def dbias(problem: Problem, q: jax.Array, k: jax.Array, v: jax.Array, do: jax.Ar
                                      problem=problem, programs=programs),
             *buffers, *barriers, collective_axes="wg")
 
-    interpret = (plgpu.InterpretGPUParams(uninitialized_memory="nan", detect_races=True)
-                 if problem.interpret else None)
     Bb, Nb, Tb, Sb = bias.shape
     programs = tuning.persistent_programs(
         Tb // ITEM_ROWS * (Sb // block_k) * Bb * Nb, problem.interpret)
-    return plgpu.kernel(
-        entry, out_type=jax.ShapeDtypeStruct(bias.shape, bias.dtype), grid=(programs,),
-        grid_names=("program",), num_threads=CONSUMERS + 1, thread_name="wg",
-        compiler_params=plgpu.CompilerParams(approx_math=True), interpret=interpret,
-    )(q, k, v, do, stats, bias)
+    return mosaic_fwd.launch(entry, jax.ShapeDtypeStruct(bias.shape, bias.dtype), programs,
+                             problem.interpret)(q, k, v, do, stats, bias)

@@ -437,14 +437,22 @@ def forward(problem: Problem, q: jax.Array, k: jax.Array, v: jax.Array,
                                      problem=problem, programs=programs),
             *buffers, *barriers, collective_axes="wg")
 
-    # The interpreter poisons every buffer it allocates (outputs included) with NaN and
-    # runs its happens-before race detector (tests/test_mosaic_forward.py checks it).
-    interpret = (plgpu.InterpretGPUParams(uninitialized_memory="nan", detect_races=True)
-                 if problem.interpret else None)
     programs = tuning.persistent_programs(Tp // ITEM_ROWS * B * N, problem.interpret)
-    out, row_max, log2_sum = plgpu.kernel(
+    out, row_max, log2_sum = launch(entry, out_type, programs, problem.interpret)(
+        q, k, v, *([bias] if bias is not None else []))
+    return out, (row_max, log2_sum)
+
+
+def launch(entry, out_type: Any, programs: int, interpret: bool) -> Any:
+    """The persistent warp-specialised kernel `entry` (consumers and a producer, named
+    "wg") on `programs` programs (named "program"), as a function of its operands.
+
+    The interpreter poisons every buffer it allocates (outputs included) with NaN and
+    runs its happens-before race detector (the Mosaic tests check its verdict).
+    """
+    params = (plgpu.InterpretGPUParams(uninitialized_memory="nan", detect_races=True)
+              if interpret else None)
+    return plgpu.kernel(
         entry, out_type=out_type, grid=(programs,), grid_names=("program",),
         num_threads=CONSUMERS + 1, thread_name="wg",
-        compiler_params=plgpu.CompilerParams(approx_math=True), interpret=interpret,
-    )(q, k, v, *([bias] if bias is not None else []))
-    return out, (row_max, log2_sum)
+        compiler_params=plgpu.CompilerParams(approx_math=True), interpret=params)
