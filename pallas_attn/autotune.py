@@ -271,9 +271,10 @@ def kernel_runner(*, batch: int, q_len: int, kv_len: int, heads: int, kv_heads: 
         elif kernel == "dq":
             fn, args = (lambda *a: triton_bwd.dq(p, names, list(a))), bwd_inputs
         elif blocks.dbias_backend == "mosaic":
-            def fn(q, k, v, do, row_max, log2_sum, delta, *rest):
-                return mosaic_dbias.dbias(p, q, k, v, do, (row_max, log2_sum), delta,
-                                          rest[names.index("bias") - 7])
+            def fn(*a):
+                x = dict(zip(names, a, strict=True))
+                return mosaic_dbias.dbias(p, x["q"], x["k"], x["v"], x["do"],
+                                          (x["row_max"], x["log2_sum"]), x["delta"], x["bias"])
             args = bwd_inputs
         else:
             fn, args = (lambda *a: triton_bwd.dbias(p, names, list(a), optional["bias"])), \

@@ -503,9 +503,16 @@ def prefers_mosaic_forward(device: DeviceInfo, dtype: Any, head_dim: int,
     causal masking and windows are covered). At head dim 64 the Triton forward was
     faster. A float32 bias fails the shared-memory check and keeps Triton's.
     """
+    return (_in_mosaic_scope(device, dtype, q_len, features)
+            and padded_head_dim(head_dim) == 128 == padded_head_dim(value_head_dim))
+
+
+def _in_mosaic_scope(device: DeviceInfo, dtype: Any, q_len: int,
+                     features: dict[str, Any]) -> bool:
+    """What both Mosaic kernels need: sm90, 16-bit inputs, at least one 128-row item
+    and scores they compute (features["mosaic_scores"])."""
     return (device.compute_capability == (9, 0)
             and jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-            and padded_head_dim(head_dim) == 128 == padded_head_dim(value_head_dim)
             and q_len >= MOSAIC_BLOCK_Q and bool(features.get("mosaic_scores")))
 
 
@@ -518,11 +525,9 @@ def prefers_mosaic_dbias(device: DeviceInfo, dtype: Any, head_dim: int, value_he
     compute (features["mosaic_scores"]). Measured on an H100 (BENCHMARKS.md, session
     9): 1.76 ms against 2.37 at d128, 1.27 against 1.37 at d64. Its tiles are
     (128, 64) with two slots per ring, one where a float32 bias leaves no room."""
-    return (device.compute_capability == (9, 0)
-            and features.get("bias_dtype") is not None
-            and jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-            and {padded_head_dim(head_dim), padded_head_dim(value_head_dim)} <= {64, 128}
-            and q_len >= MOSAIC_BLOCK_Q and bool(features.get("mosaic_scores")))
+    return (features.get("bias_dtype") is not None
+            and _in_mosaic_scope(device, dtype, q_len, features)
+            and {padded_head_dim(head_dim), padded_head_dim(value_head_dim)} <= {64, 128})
 
 
 def ceil_div(a: int, b: int) -> int:

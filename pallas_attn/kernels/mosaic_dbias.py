@@ -190,7 +190,6 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, bias_ref, dbias_ref, scratch
             acc = lax.fori_loop(0, plain, lambda i, a: member(step, i, a, False), acc)
             acc = lax.fori_loop(plain, steps, lambda i, a: member(step, i, a, True), acc)
             pl.when(steps == 0)(lambda: load_bias(following))
-            acc = acc * problem.dropout_scale  # 1.0: dropout is outside the scope
 
             @pl.when(valid)
             def _store():
