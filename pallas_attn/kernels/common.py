@@ -194,8 +194,9 @@ def cdiv(a: Any, b: int) -> Any:
 def tile_span(lo: Any, hi: Any, block: int) -> tuple[Any, Any]:
     """Tiles [first, stop) covering positions [lo, hi) (empty when hi <= lo)."""
     lo = jnp.maximum(lo, 0)
-    hi = jnp.maximum(hi, lo)
-    return lax.div(lo, block), cdiv(hi, block)
+    first = lax.div(lo, block)
+    # NOTE: an empty range starting inside a tile would otherwise still cover it.
+    return first, first + _zero_unless(hi > lo, cdiv(jnp.maximum(hi, lo), block) - first)
 
 
 def full_tile_span(lo: Any, hi: Any, block: int, first: Any, stop: Any) -> tuple[Any, Any]:

@@ -206,13 +206,10 @@ def _member_step(problem: Problem, wg, row0, k0, steps, buffers, barriers, load_
     (ring step of the item's first member, member index, acc, masked) -> acc."""
     q_smem, k_smem, do_smem, v_smem, stats_smem, bias_mine = buffers
     qk_loaded, qk_consumed, dov_loaded, dov_consumed, _ = barriers
-    spec, rows_n = problem.spec, ROWS_PER_CONSUMER
+    rows_n = ROWS_PER_CONSUMER
     block_k = problem.blocks.block_k_dbias
     stages_qk, stages_dov = q_smem.shape[0], do_smem.shape[0]
     row_layout = plgpu.Layout.WGMMA.reduce(1)
-
-    def rows_of(x):
-        return lax.broadcast_in_dim(x, (rows_n, block_k), [0])
 
     def step(first, i, acc, masked: bool):
         slot_qk = lax.rem(first + i, jnp.int32(stages_qk))
@@ -236,26 +233,46 @@ def _member_step(problem: Problem, wg, row0, k0, steps, buffers, barriers, load_
         plgpu.barrier_arrive(dov_consumed.at[slot_dov])
         pl.when(i == steps - 1)(load_next_bias)
 
-        s = s * spec.scale + bias  # natural units: a bias may lie near finfo.min
-        dp = dp - rows_of(delta)
-        cap = spec.logits_soft_cap
-        if cap is not None:  # dS picks up the cap's derivative 1 - t^2
-            t = scores.soft_cap_tanh(s, cap)
-            dp = dp * scores.soft_cap_slope(t)
-            s = t * (cap * LOG2E)  # log2 units: capped scores are bounded
-        if masked:
-            shape = (rows_n, block_k)
-            rows = row0 + plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=plgpu.Layout.WGMMA)
-            cols = k0 + plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA)
-            visible = scores.visibility(
-                rows, cols, spec, problem.offset,
-                kv_bound=problem.kv_len if problem.kv_pad != problem.kv_len else None)
-            if visible is not None:
-                s = jnp.where(visible, s, -jnp.inf)
-        prob = problem.probabilities(s, row_max, log2_sum, rows=rows_of)
-        return acc + prob * dp
-
+        _, ds = tile_gradient(problem, s, dp, bias, (row_max, log2_sum, delta), row0, k0,
+                              masked)
+        return acc + ds
     return step
+
+
+def tile_gradient(problem: Problem, s: jax.Array, dp: jax.Array, bias: jax.Array | None,
+                  residuals: tuple[jax.Array, jax.Array, jax.Array], row0, k0,
+                  masked: bool) -> tuple[jax.Array, jax.Array]:
+    """(P, dS) of a [rows, keys] tile in the WGMMA layout, float32, from the raw
+    products s = Q K^T and dp = dO V^T, the tile's bias (or None) and its rows' residuals
+    (row reference, log2 row sum, delta; WGMMA.reduce(1) layout). masked applies the
+    band masks (causal, window, padded keys) of rows from row0 and keys from k0."""
+    spec = problem.spec
+    row_max, log2_sum, delta = residuals
+    shape = s.shape
+
+    def rows_of(x):
+        return lax.broadcast_in_dim(x, shape, [0])
+
+    dp = dp - rows_of(delta)
+    cap = spec.logits_soft_cap
+    if bias is not None:
+        s = s * spec.scale + bias  # natural units: a bias may lie near finfo.min
+    elif cap is None:
+        s = s * (spec.scale * LOG2E)  # log2 units
+    if cap is not None:  # dS picks up the cap's derivative 1 - t^2
+        t = scores.soft_cap_tanh(s, cap if bias is not None else cap / spec.scale)
+        dp = dp * scores.soft_cap_slope(t)
+        s = t * (cap * LOG2E)  # log2 units: capped scores are bounded
+    if masked:
+        rows = row0 + plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=plgpu.Layout.WGMMA)
+        cols = k0 + plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA)
+        visible = scores.visibility(
+            rows, cols, spec, problem.offset,
+            kv_bound=problem.kv_len if problem.kv_pad != problem.kv_len else None)
+        if visible is not None:
+            s = jnp.where(visible, s, -jnp.inf)
+    prob = problem.probabilities(s, row_max, log2_sum, rows=rows_of)
+    return prob, prob * dp
 
 
 def dbias(problem: Problem, q: jax.Array, k: jax.Array, v: jax.Array, do: jax.Array,

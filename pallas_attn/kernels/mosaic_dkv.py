@@ -1,0 +1,386 @@
+"""dK/dV kernel for Hopper (Pallas, Mosaic GPU backend): warp-specialised, persistent,
+with the gradient of a bias written from the dS tiles it computes anyway.
+
+A unit of work is the dK and dV rows of UNIT_KEYS keys of one (batch entry, KV
+head), summed over the group's query heads and every visible query tile. The two
+consumer warpgroups each own 64 of the keys (the wgmma M dimension) and keep their
+dK and dV in registers. Per step (the STEP_ROWS query rows of one tile, one head):
+
+* S = Q K^T and dP = dO V^T with wgmma ([64 queries, 64 keys] per consumer);
+* P and dS from the forward's row residuals and the shared score rules
+  (`mosaic_dbias.tile_gradient`, kernels/scores.py);
+* P and dS go to shared memory (16-bit), and dV += P^T dO, dK += dS^T Q take them
+  as transposed wgmma operands;
+* with a bias that needs a gradient, the dS tile in shared memory is also the
+  bias's gradient for that (query tile, key tile, head): a bulk copy stores it.
+
+The producer warpgroup streams each step's Q, dO, row residuals and bias tile
+into a ring of `num_stages_dkv` slots ("loaded" / "consumed" barriers, the ring
+running on across units) and each unit's K and V into one buffer per consumer.
+
+dbias. A bias with its own entry per batch entry ([B, N, T, S]) gets each dS tile
+stored once. A bias shared by the batch entries ([1, N, T, S]) makes the units of
+one (KV head, key tile) a single work item that runs its batch entries one after
+another as passes: the first pass stores its dS tiles, the later ones add theirs
+with the bulk copy engine's reduce-add into global memory. The batch sum thus
+never needs a [B, N, T, S] buffer, a memset or a second pass over S and dP; each
+addition rounds to the bias dtype (the bulk copy adds in it). The Pallas
+interpreter has no reduce-add copies: there the consumer adds through registers
+(load, add, store), the one place where the interpreted kernel differs. Tiles
+outside the causal/window band get zeros from the first pass.
+
+Scope: the Mosaic forward's (`mosaic_fwd.unsupported`), and a bias gradient only
+for a bias of shape [B, N, T, S] or [1, N, T, S] in the inputs' dtype (`dbias_scope`).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_attn import tuning
+from pallas_attn.kernels import mosaic_fwd
+from pallas_attn.kernels.common import Problem, TileContext, run_tile_loops
+from pallas_attn.kernels.mosaic_dbias import tile_gradient
+from pallas_attn.kernels.mosaic_fwd import (
+    CONSUMER_REGISTERS,
+    CONSUMERS,
+    PRODUCER_REGISTERS,
+    ROWS_PER_CONSUMER,
+    smem_tiles,
+)
+
+STEP_ROWS = 64  # query rows per step (the K dimension of dV's and dK's products)
+KEYS_PER_CONSUMER = ROWS_PER_CONSUMER
+UNIT_KEYS = CONSUMERS * KEYS_PER_CONSUMER
+
+
+def unsupported(problem: Problem) -> str:
+    """Why this kernel cannot compute the problem's dK and dV, or "" when it can."""
+    return mosaic_fwd.unsupported(problem)
+
+
+def dbias_scope(problem: Problem, bias_dtype) -> str:
+    """Why this kernel cannot also write the bias's gradient, or "" when it can."""
+    if why := unsupported(problem):
+        return why
+    Bb, Nb = problem.spec.bias_shape[:2]
+    if Nb != problem.num_heads or Bb not in (1, problem.batch):
+        return (f"the bias must be [B, N, T, S] or [1, N, T, S], got "
+                f"{problem.spec.bias_shape}")
+    if jnp.dtype(bias_dtype) != jnp.dtype(problem.dtype):
+        return f"the bias dtype must be the inputs' ({problem.dtype}), got {bias_dtype}"
+    return ""
+
+
+def _kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, bias_ref, dk_ref, dv_ref, dbias_ref,
+            scratch, *, problem: Problem, programs: int, passes: int):
+    (q_smem, do_smem, stats_smem, bias_smem, k_smem, v_smem, p_smem, ds_smem), barriers = scratch
+    step_loaded, step_consumed, kv_loaded, kv_consumed = barriers
+    stages = q_smem.shape[0]
+    group = problem.group
+    k_tiles = problem.kv_pad // UNIT_KEYS
+    batch_items = problem.batch // passes
+    items = k_tiles * problem.num_kv_heads * batch_items
+    units = -(-items // programs) * passes
+    pid, wg = lax.axis_index("program"), lax.axis_index("wg")
+    has_bias = bias_ref is not None
+
+    def unit_of(u):
+        """(valid, b, kh, k0, pass, first, stop, full_first, full_stop) of unit u of this
+        program: its item's pass u % passes; query tiles [first, stop) of the band,
+        [full_first, full_stop) without band masks."""
+        idx = lax.div(u, passes) * programs + pid
+        p = lax.rem(u, passes)
+        kt = lax.rem(idx, k_tiles)
+        rest = lax.div(idx, k_tiles)
+        kh = lax.rem(rest, problem.num_kv_heads)
+        b = lax.div(rest, problem.num_kv_heads) * passes + p
+        k0 = kt * UNIT_KEYS
+        valid = idx < items
+        ctx = TileContext(problem, {}, b, kh)
+        first, stop, full_first, full_stop = ctx.query_tiles(k0, k0 + UNIT_KEYS, STEP_ROWS)
+        # An invalid unit (past the last item) gets an empty band.
+        stop, full_first, full_stop = (jnp.where(valid, x, first)
+                                       for x in (stop, full_first, full_stop))
+        return valid, b, kh, k0, p, first, stop, full_first, full_stop
+
+    @pl.when(wg == CONSUMERS)
+    def _producer():
+        plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
+
+        def stream(u, carry):
+            step, loaded_units = carry
+            _, b, kh, k0, _, first, stop, _, _ = unit_of(u)
+            tiles = stop - first
+            steps = tiles * group
+
+            @pl.when(steps > 0)
+            def _load_kv():
+                @pl.when(loaded_units > 0)
+                def _wait_released():
+                    plgpu.barrier_wait(kv_consumed)
+
+                for c in range(CONSUMERS):
+                    keys = pl.ds(k0 + c * KEYS_PER_CONSUMER, KEYS_PER_CONSUMER)
+                    plgpu.copy_gmem_to_smem(k_ref.at[b, keys, kh], k_smem.at[c], kv_loaded)
+                    plgpu.copy_gmem_to_smem(v_ref.at[b, keys, kh], v_smem.at[c], kv_loaded)
+
+            @pl.loop(0, steps)
+            def _load(i):
+                n = kh * group + lax.div(i, tiles)
+                rows = pl.ds((first + lax.rem(i, tiles)) * STEP_ROWS, STEP_ROWS)
+                slot = lax.rem(step + i, jnp.int32(stages))
+
+                @pl.when(step + i >= stages)
+                def _wait_released():
+                    plgpu.barrier_wait(step_consumed.at[slot])
+
+                loaded = step_loaded.at[slot]
+                plgpu.copy_gmem_to_smem(q_ref.at[b, rows, n], q_smem.at[slot], loaded)
+                plgpu.copy_gmem_to_smem(do_ref.at[b, rows, n], do_smem.at[slot], loaded)
+                plgpu.copy_gmem_to_smem(stats_ref.at[b, n, :, rows], stats_smem.at[slot],
+                                        loaded)
+                if has_bias:
+                    bb = b if bias_ref.shape[0] > 1 else 0
+                    for c in range(CONSUMERS):
+                        keys = pl.ds(k0 + c * KEYS_PER_CONSUMER, KEYS_PER_CONSUMER)
+                        plgpu.copy_gmem_to_smem(bias_ref.at[bb, n, rows, keys],
+                                                bias_smem.at[slot, c], loaded)
+
+            return step + steps, loaded_units + jnp.where(steps > 0, 1, 0)
+
+        total, loaded_units = lax.fori_loop(0, units, stream, (jnp.int32(0), jnp.int32(0)))
+
+        # Observe the last releases too, so every barrier ends in a phase this
+        # warpgroup has seen (the interpreter checks it).
+        @pl.loop(jnp.maximum(total - stages, 0), total)
+        def _drain(step):
+            plgpu.barrier_wait(step_consumed.at[lax.rem(step, jnp.int32(stages))])
+
+        pl.when(loaded_units > 0)(lambda: plgpu.barrier_wait(kv_consumed))
+
+    @pl.when(wg < CONSUMERS)
+    def _consumer():
+        plgpu.set_max_registers(CONSUMER_REGISTERS, action="increase")
+        _consume(problem, wg, unit_of, units, (dk_ref, dv_ref, dbias_ref),
+                 (q_smem, do_smem, stats_smem, bias_smem if has_bias else None,
+                  k_smem.at[wg], v_smem.at[wg], p_smem.at[wg], ds_smem.at[wg]),
+                 barriers)
+
+
+def _consume(problem: Problem, wg, unit_of, units, refs, buffers, barriers):
+    """A consumer's loop over its program's units: dK and dV of its 64 keys per unit."""
+    dk_ref, dv_ref, dbias_ref = refs
+    has_dbias = dbias_ref is not None
+    q_smem, do_smem, stats_smem, bias_smem, k_mine, v_mine, p_mine, ds_mine = buffers
+    step_loaded, step_consumed, kv_loaded, kv_consumed = barriers
+    stages = q_smem.shape[0]
+    group, q_tiles = problem.group, problem.q_pad // STEP_ROWS
+    dtype = q_smem.dtype
+    keys_n = KEYS_PER_CONSUMER
+    hp, hvp = k_mine.shape[-1], v_mine.shape[-1]
+    row_layout = plgpu.Layout.WGMMA.reduce(1)
+    shape = (STEP_ROWS, keys_n)
+    reduce_in_registers = problem.interpret  # the interpreter has no reduce-add copies
+
+    def unit(u, step):
+        valid, b, kh, k0, p, first, stop, full_first, full_stop = unit_of(u)
+        k_own = k0 + wg * keys_n
+        tiles = stop - first
+        bb = b if dbias_ref is not None and dbias_ref.shape[0] > 1 else 0
+
+        def dbias_tile(n, t):
+            return dbias_ref.at[bb, n, pl.ds(t * STEP_ROWS, STEP_ROWS), pl.ds(k_own, keys_n)]
+
+        if has_dbias:
+            @pl.when(valid & (p == 0))
+            def _zeros_outside_band():
+                zeros = plgpu.layout_cast(jnp.zeros(shape, dbias_ref.dtype), plgpu.Layout.WGMMA)
+
+                @pl.loop(0, group * q_tiles)
+                def _(i):
+                    t = lax.rem(i, q_tiles)
+
+                    @pl.when((t < first) | (t >= stop))
+                    def _():
+                        dbias_tile(kh * group + lax.div(i, q_tiles), t)[...] = zeros
+
+        pl.when(tiles > 0)(lambda: plgpu.barrier_wait(kv_loaded))
+
+        def step_fn(i, carry, masked: bool):
+            """Query tile i of head h (ring step `at`)."""
+            dk, dv, at, h = carry
+            slot = lax.rem(at, jnp.int32(stages))
+            n = kh * group + h
+            row0 = i * STEP_ROWS
+            plgpu.barrier_wait(step_loaded.at[slot])
+
+            def products(s_ref, dp_ref):
+                plgpu.wgmma(s_ref, q_smem.at[slot], k_mine.transpose((1, 0)))
+                plgpu.wgmma(dp_ref, do_smem.at[slot], v_mine.transpose((1, 0)))
+                return s_ref[...], dp_ref[...]
+
+            s, dp = pl.run_scoped(products, plgpu.ACC(shape, jnp.float32),
+                                  plgpu.ACC(shape, jnp.float32))
+            stats = stats_smem.at[slot]
+            residuals = tuple(plgpu.load(stats.at[j], layout=row_layout) for j in range(3))
+            bias = None
+            if bias_smem is not None:
+                bias = plgpu.load(bias_smem.at[slot, wg],
+                                  layout=plgpu.Layout.WGMMA).astype(jnp.float32)
+            prob, ds = tile_gradient(problem, s, dp, bias, residuals, row0, k_own, masked)
+            ds_slot = ds_mine.at[lax.rem(at, 2)]
+            if has_dbias and not reduce_in_registers:
+                # The dbias copy issued two steps ago has read this buffer.
+                plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+            p_mine[...] = prob.astype(dtype)
+            ds_slot[...] = ds.astype(dtype)
+            plgpu.commit_smem()
+
+            dv, dk = _accumulate(((dv, p_mine.transpose((1, 0)), do_smem.at[slot]),
+                                  (dk, ds_slot.transpose((1, 0)), q_smem.at[slot])),
+                                 problem.interpret)
+            plgpu.barrier_arrive(step_consumed.at[slot])
+            if has_dbias:
+                _store_dbias(ds_slot, dbias_tile(n, i), ds, p > 0, reduce_in_registers)
+            return dk, dv, at + 1, h
+
+        def head(h, carry):
+            dk, dv, at, _ = run_tile_loops(first, stop, full_first, full_stop, step_fn,
+                                           (*carry, h))
+            return dk, dv, at
+
+        dk = plgpu.layout_cast(jnp.zeros((keys_n, hp), jnp.float32), plgpu.Layout.WGMMA)
+        dv = plgpu.layout_cast(jnp.zeros((keys_n, hvp), jnp.float32), plgpu.Layout.WGMMA)
+        dk, dv, step = lax.fori_loop(0, jnp.where(tiles > 0, group, 0), head, (dk, dv, step))
+        pl.when(tiles > 0)(lambda: plgpu.barrier_arrive(kv_consumed))
+
+        @pl.when(valid)
+        def _store():
+            keys = pl.ds(k_own, keys_n)
+            dk_ref.at[b, keys, kh][...] = (dk * problem.spec.scale).astype(dk_ref.dtype)
+            dv_ref.at[b, keys, kh][...] = dv.astype(dv_ref.dtype)
+            if has_dbias and not reduce_in_registers:
+                # Every dbias copy of this pass has landed before the next pass adds.
+                plgpu.wait_smem_to_gmem(0)
+
+        return step
+
+    lax.fori_loop(0, units, unit, jnp.int32(0))
+
+
+def _accumulate(products, interpret: bool) -> tuple[jax.Array, ...]:
+    """acc + A B with wgmma for each (acc, A, B) of products (A and B in shared memory),
+    one wait for all. The interpreter has no accumulator initialised from registers
+    (pl.run_state over plgpu.ACC.init): there the products start from zero and the
+    sums happen in registers."""
+    if not interpret:
+        def run(refs):
+            for ref, (_, a, b) in zip(refs, products, strict=True):
+                plgpu.wgmma(ref, a, b)
+
+        return pl.run_state(run)(tuple(plgpu.ACC.init(acc) for acc, _, _ in products))
+
+    def run_fresh(*refs):
+        for ref, (_, a, b) in zip(refs, products, strict=True):
+            plgpu.wgmma(ref, a, b)
+        return tuple(ref[...] for ref in refs)
+
+    fresh = pl.run_scoped(run_fresh, *(plgpu.ACC(acc.shape, jnp.float32)
+                                       for acc, _, _ in products))
+    return tuple(acc + x for (acc, _, _), x in zip(products, fresh, strict=True))
+
+
+def _store_dbias(ds_smem, dst, ds, accumulate, reduce_in_registers: bool):
+    """Store the dS tile (staged in ds_smem) into dst, or add it to dst's contents
+    when accumulate (a later pass over the batch entries)."""
+    if reduce_in_registers:
+        @pl.when(accumulate)
+        def _add():
+            old = plgpu.load(dst, (), layout=plgpu.Layout.WGMMA).astype(jnp.float32)
+            dst[...] = (old + ds.astype(dst.dtype).astype(jnp.float32)).astype(dst.dtype)
+
+        @pl.when(~accumulate)
+        def _store():
+            dst[...] = ds.astype(dst.dtype)
+        return
+
+    @pl.when(accumulate)
+    def _add():
+        plgpu.copy_smem_to_gmem(ds_smem, dst, reduction_op="add")
+
+    @pl.when(~accumulate)
+    def _store():
+        plgpu.copy_smem_to_gmem(ds_smem, dst)
+
+
+def dkdv(problem: Problem, q: jax.Array, k: jax.Array, v: jax.Array, do: jax.Array,
+         row_stats: tuple[jax.Array, jax.Array], delta: jax.Array, bias: jax.Array | None,
+         bias_grad: bool) -> tuple[jax.Array, jax.Array, jax.Array | None]:
+    """(dk, dv, dbias or None) for padded inputs; delta [B, N, Tp]. bias_grad: also
+    write the gradient of the (present) bias, which must lie in `dbias_scope`."""
+    if why := unsupported(problem):
+        raise AssertionError(f"mosaic_dkv.dkdv called for an unsupported problem: {why}")
+    if bias_grad and (why := dbias_scope(problem, bias.dtype)):
+        raise AssertionError(f"mosaic_dkv.dkdv cannot write this dbias: {why}")
+    blocks = problem.blocks
+    if (blocks.block_q_dkv, blocks.block_k_dkv) != (STEP_ROWS, UNIT_KEYS):
+        raise AssertionError(
+            f"mosaic_dkv.dkdv needs block_q_dkv={STEP_ROWS}, block_k_dkv={UNIT_KEYS}: {blocks}")
+    B, Tp, N, hp = q.shape
+    _, Sp, KH, hvp = v.shape
+    stages = blocks.num_stages_dkv
+    dtype = q.dtype
+    passes = B if bias_grad and bias.shape[0] == 1 else 1
+    stats = jnp.stack([*row_stats, delta], axis=2)  # [B, N, 3, Tp]
+    has_bias = bias is not None
+
+    def entry(*refs):
+        if has_bias:
+            q_ref, k_ref, v_ref, do_ref, stats_ref, bias_ref, *outs = refs
+        else:
+            (q_ref, k_ref, v_ref, do_ref, stats_ref, *outs), bias_ref = refs, None
+        dk_ref, dv_ref, *dbias_ref = outs
+        buffers = (
+            smem_tiles((stages, STEP_ROWS, hp), dtype),
+            smem_tiles((stages, STEP_ROWS, hvp), dtype),
+            plgpu.SMEM((stages, 3, STEP_ROWS), jnp.float32),
+            smem_tiles((stages, CONSUMERS, STEP_ROWS, KEYS_PER_CONSUMER),
+                       bias.dtype if has_bias else dtype) if has_bias else None,
+            smem_tiles((CONSUMERS, KEYS_PER_CONSUMER, hp), dtype),
+            smem_tiles((CONSUMERS, KEYS_PER_CONSUMER, hvp), dtype),
+            smem_tiles((CONSUMERS, STEP_ROWS, KEYS_PER_CONSUMER), dtype),
+            smem_tiles((CONSUMERS, 2, STEP_ROWS, KEYS_PER_CONSUMER), dtype),
+        )
+        copies = 3 + (CONSUMERS if has_bias else 0)
+        barriers = (
+            plgpu.Barrier(num_arrivals=copies, num_barriers=stages),
+            plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=stages),
+            plgpu.Barrier(num_arrivals=2 * CONSUMERS),
+            plgpu.Barrier(num_arrivals=CONSUMERS),
+        )
+        present = [x for x in buffers if x is not None]
+
+        def body(*scratch):
+            smem = list(scratch[:len(present)])
+            if not has_bias:
+                smem.insert(3, None)
+            _kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, bias_ref, dk_ref, dv_ref,
+                    dbias_ref[0] if dbias_ref else None,
+                    (tuple(smem), scratch[len(present):]),
+                    problem=problem, programs=programs, passes=passes)
+
+        pl.run_scoped(body, *present, *barriers, collective_axes="wg")
+
+    items = Sp // UNIT_KEYS * KH * (B // passes)
+    programs = tuning.persistent_programs(items, problem.interpret)
+    out_type = [jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)]
+    if bias_grad:
+        out_type.append(jax.ShapeDtypeStruct(bias.shape, bias.dtype))
+    operands = [q, k, v, do, stats] + ([bias] if has_bias else [])
+    results = mosaic_fwd.launch(entry, out_type, programs, problem.interpret)(*operands)
+    return results[0], results[1], results[2] if bias_grad else None
