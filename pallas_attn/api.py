@@ -129,7 +129,9 @@ def dot_product_attention(
                             f"{type(block_sizes).__name__}")
         if block_sizes is not None:
             check_fuse_dbias(block_sizes, spec.bias_shape, batch=ops.query.shape[0],
-                             num_heads=ops.query.shape[2])
+                             num_heads=ops.query.shape[2],
+                             bias_dtype=None if ops.bias is None else ops.bias.dtype,
+                             dtype=ops.query.dtype)
         out, lse = kernel_attention.attention(spec, ops, block_sizes=block_sizes,
                                               interpret=interpret)
     return reference.finish(out, lse, batched, return_residual)

@@ -215,12 +215,12 @@ def kernel_runner(*, batch: int, q_len: int, kv_len: int, heads: int, kv_heads: 
     tuning, which sweeps the Triton forward's tiles).
 
     runner(kernel, blocks) compiles one kernel alone ("forward", "dkdv", "dkdv_dbias"
-    (dK/dV writing dbias), "dq" or "dbias") with those tiles on random inputs and
-    returns a function that runs it once.
+    (dK/dV writing dbias), "dq" or "dbias") with those tiles and backends on random
+    inputs and returns a function that runs it once.
     """
     from pallas_attn import tuning
     from pallas_attn.kernels import attention as kernel_attention
-    from pallas_attn.kernels import mosaic_dbias, mosaic_fwd, triton_bwd, triton_fwd
+    from pallas_attn.kernels import mosaic_dbias, mosaic_dkv, mosaic_fwd, triton_bwd, triton_fwd
     from pallas_attn.spec import normalize
 
     device = tuning.DeviceInfo.current()
@@ -262,12 +262,26 @@ def kernel_runner(*, batch: int, q_len: int, kv_len: int, heads: int, kv_heads: 
                         (qp, kp, vp, optional))
         elif kernel in ("dkdv", "dkdv_dbias"):
             fused = None
+            mosaic = blocks.dkv_backend == "mosaic"
             if kernel == "dkdv_dbias":
-                if not tuning.fusable_dbias(bias_array.shape, batch=batch, num_heads=heads):
-                    raise ValueError(f"dkdv_dbias needs a bias per batch entry and head, got "
-                                     f"shape {bias_array.shape}")
+                fusable = (tuning.mosaic_fusable_dbias(
+                    bias_array.shape, batch=batch, num_heads=heads, bias_dtype=dtype,
+                    dtype=dtype) if mosaic else
+                    tuning.fusable_dbias(bias_array.shape, batch=batch, num_heads=heads))
+                if not fusable:
+                    raise ValueError(f"dkdv_dbias: this dK/dV kernel cannot write the dbias of "
+                                     f"a bias of shape {bias_array.shape}")
                 fused = optional["bias"]
-            fn, args = (lambda *a: triton_bwd.dkdv(p, names, list(a), fused)), bwd_inputs
+            if mosaic:
+                def fn(*a):
+                    x = dict(zip(names, a, strict=True))
+                    return mosaic_dkv.dkdv(p, x["q"], x["k"], x["v"], x["do"],
+                                           (x["row_max"], x["log2_sum"]), x["delta"],
+                                           x.get("bias"), fused is not None)
+            else:
+                def fn(*a):
+                    return triton_bwd.dkdv(p, names, list(a), fused)
+            args = bwd_inputs
         elif kernel == "dq":
             fn, args = (lambda *a: triton_bwd.dq(p, names, list(a))), bwd_inputs
         elif blocks.dbias_backend == "mosaic":

@@ -107,9 +107,12 @@ def _is_tile(x: Any) -> bool:
 _KERNELS = ("forward", "dkdv", "dq", "dbias")
 FORWARD_BACKENDS = ("triton", "mosaic")
 DBIAS_BACKENDS = FORWARD_BACKENDS
+DKV_BACKENDS = FORWARD_BACKENDS
 # The Mosaic forward: work items of 128 query rows, 64 per consumer warpgroup.
 MOSAIC_BLOCK_Q = 128
 MOSAIC_BLOCK_K = (64, 128)
+# The Mosaic dK/dV kernel: steps of 64 query rows, units of 128 keys (64 per consumer).
+MOSAIC_DKV_TILES = (64, 128)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,7 +140,14 @@ class BlockSizes:
     the Mosaic forward's scope; block_q_dbias must be its 128 rows per work item,
     block_k_dbias 64 or 128, num_stages_dbias its Q/K slots; num_warps_dbias does
     not apply). It runs only where the dK/dV kernel does not write dbias itself
-    (fuse_dbias). The other backward kernels are Triton.
+    (fuse_dbias).
+
+    dkv_backend: "triton" or "mosaic", the warp-specialised Hopper dK/dV kernel
+    (kernels/mosaic_dkv.py: in the Mosaic forward's scope; block_q_dkv and
+    block_k_dkv must be its (64, 128), num_stages_dkv its Q/dO slots, one slot runs
+    but slowly; num_warps_dkv does not apply). With fuse_dbias it writes dbias for
+    a bias of shape [B, N, T, S] or [1, N, T, S] in the inputs' dtype, adding the
+    batch entries' dS tiles with reduce-add bulk copies. The dQ kernel is Triton.
     """
 
     block_q: int = 128
@@ -159,6 +169,7 @@ class BlockSizes:
     fuse_dbias: bool | None = None
     forward_backend: str = "triton"
     dbias_backend: str = "triton"
+    dkv_backend: str = "triton"
 
     def __post_init__(self):
         for field in ("block_q", "block_k", "block_q_dkv", "block_k_dkv", "block_q_dq",
@@ -198,6 +209,15 @@ class BlockSizes:
                 f"block_k_dbias in {MOSAIC_BLOCK_K}, got block_q_dbias={self.block_q_dbias}, "
                 f"block_k_dbias={self.block_k_dbias}")
 
+        if self.dkv_backend not in DKV_BACKENDS:
+            raise ValueError(f"BlockSizes.dkv_backend must be one of {DKV_BACKENDS}, "
+                             f"got {self.dkv_backend!r}")
+        if self.dkv_backend == "mosaic" and (
+                (self.block_q_dkv, self.block_k_dkv) != MOSAIC_DKV_TILES):
+            raise ValueError(
+                f"BlockSizes.dkv_backend='mosaic' needs (block_q_dkv, block_k_dkv) = "
+                f"{MOSAIC_DKV_TILES}, got ({self.block_q_dkv}, {self.block_k_dkv})")
+
     def clamp(self, q_len: int, kv_len: int) -> BlockSizes:
         """Shrinks tiles that are longer than the (power-of-two rounded) sequences."""
         q_cap = max(16, _next_power_of_2(q_len))
@@ -206,11 +226,13 @@ class BlockSizes:
         # padded up to them instead.
         mosaic = self.forward_backend == "mosaic"
         mosaic_dbias = self.dbias_backend == "mosaic"
+        mosaic_dkv = self.dkv_backend == "mosaic"
         return dataclasses.replace(
             self,
             block_q=self.block_q if mosaic else min(self.block_q, q_cap),
             block_k=self.block_k if mosaic else min(self.block_k, k_cap),
-            block_q_dkv=min(self.block_q_dkv, q_cap), block_k_dkv=min(self.block_k_dkv, k_cap),
+            block_q_dkv=self.block_q_dkv if mosaic_dkv else min(self.block_q_dkv, q_cap),
+            block_k_dkv=self.block_k_dkv if mosaic_dkv else min(self.block_k_dkv, k_cap),
             block_q_dq=min(self.block_q_dq, q_cap), block_k_dq=min(self.block_k_dq, k_cap),
             block_q_dbias=self.block_q_dbias if mosaic_dbias else min(self.block_q_dbias, q_cap),
             block_k_dbias=self.block_k_dbias if mosaic_dbias else min(self.block_k_dbias, k_cap))
@@ -237,11 +259,31 @@ def fusable_dbias(bias_shape: tuple[int, ...], *, batch: int, num_heads: int) ->
     return Sb > 1 and (Bb > 1 or batch == 1) and (Nb > 1 or num_heads == 1)
 
 
+def mosaic_fusable_dbias(bias_shape: tuple[int, ...], *, batch: int, num_heads: int,
+                         bias_dtype: Any, dtype: Any) -> bool:
+    """Whether the Mosaic dK/dV kernel can write dbias: a bias with its own entry per
+    head, query and key, shared by the batch entries or not, in the inputs' dtype
+    (its dS tiles, staged in that dtype, are the dbias tiles)."""
+    Bb, Nb, Tb, Sb = (1,) * (4 - len(bias_shape)) + tuple(bias_shape)
+    return (Nb == num_heads and Bb in (1, batch) and Tb > 1 and Sb > 1
+            and jnp.dtype(bias_dtype) == jnp.dtype(dtype))
+
+
 def check_fuse_dbias(block_sizes: BlockSizes, bias_shape: tuple[int, ...] | None, *,
-                     batch: int, num_heads: int) -> None:
+                     batch: int, num_heads: int, bias_dtype: Any = None,
+                     dtype: Any = None) -> None:
     """ValueError if block_sizes asks for a fused dbias that this bias cannot have."""
-    if (block_sizes.fuse_dbias is True and bias_shape is not None
-            and not fusable_dbias(bias_shape, batch=batch, num_heads=num_heads)):
+    if block_sizes.fuse_dbias is not True or bias_shape is None:
+        return
+    if block_sizes.dkv_backend == "mosaic":
+        if not mosaic_fusable_dbias(bias_shape, batch=batch, num_heads=num_heads,
+                                    bias_dtype=bias_dtype, dtype=dtype):
+            raise ValueError(
+                f"BlockSizes.fuse_dbias=True with dkv_backend='mosaic' needs a bias of shape "
+                f"({batch} or 1, {num_heads}, T, S) in the inputs' dtype {jnp.dtype(dtype)}; "
+                f"this bias has shape {tuple(bias_shape)} and dtype {jnp.dtype(bias_dtype)}: "
+                f"use fuse_dbias=None or False")
+    elif not fusable_dbias(bias_shape, batch=batch, num_heads=num_heads):
         raise ValueError(
             f"BlockSizes.fuse_dbias=True needs a bias with its own entry for every batch "
             f"entry, head and key ({batch}, {num_heads}, T or 1, S); this bias has shape "
@@ -250,18 +292,26 @@ def check_fuse_dbias(block_sizes: BlockSizes, bias_shape: tuple[int, ...] | None
 
 def resolve_fuse_dbias(block_sizes: BlockSizes, bias_shape: tuple[int, int, int, int], *,
                        batch: int, num_heads: int, num_kv_heads: int, kv_len: int,
-                       device: DeviceInfo) -> BlockSizes:
+                       device: DeviceInfo, bias_dtype: Any = None,
+                       dtype: Any = None) -> BlockSizes:
     """block_sizes with fuse_dbias decided (True or False) for a bias of bias_shape.
 
-    Automatic (None): fused where `fusable_dbias` allows and the dK/dV grid has at
-    least one program per multiprocessor; else the separate dbias kernel. (Summing a
-    broadcast bias's dS inside the dK/dV kernel was measured slower end to end than
-    the dbias kernel, BENCHMARKS.md: 1.7x with a batch loop per program through
-    float32 partial sums, 1.6x with programs chained by atomic counters.)
+    Automatic (None): with the Mosaic dK/dV kernel, fused wherever
+    `mosaic_fusable_dbias` allows (BENCHMARKS.md, session 10: at d128, [1, N, T, S],
+    2.74 ms against 4.73 for the Triton dK/dV and the Mosaic dbias kernels). With the
+    Triton one, fused where `fusable_dbias` allows and its grid has at least one
+    program per multiprocessor; else the separate dbias kernel. (Summing a broadcast
+    bias's dS inside the Triton dK/dV kernel was measured slower end to end than the
+    dbias kernel, BENCHMARKS.md: 1.7x with a batch loop per program through float32
+    partial sums, 1.6x with programs chained by atomic counters.)
     """
-    check_fuse_dbias(block_sizes, bias_shape, batch=batch, num_heads=num_heads)
+    check_fuse_dbias(block_sizes, bias_shape, batch=batch, num_heads=num_heads,
+                     bias_dtype=bias_dtype, dtype=dtype)
     if block_sizes.fuse_dbias is not None:
         return block_sizes
+    if block_sizes.dkv_backend == "mosaic":
+        return dataclasses.replace(block_sizes, fuse_dbias=mosaic_fusable_dbias(
+            bias_shape, batch=batch, num_heads=num_heads, bias_dtype=bias_dtype, dtype=dtype))
     programs = ceil_div(kv_len, block_sizes.block_k_dkv) * batch * num_kv_heads
     fused = (fusable_dbias(bias_shape, batch=batch, num_heads=num_heads)
              and programs >= device.num_multiprocessors)
@@ -305,9 +355,20 @@ def shared_memory_estimate(block_sizes: BlockSizes, head_dim: int, value_head_di
     else:
         forward = (b.block_q * hd * size + b.num_stages * b.block_k * (hd + hv) * size
                    + tile_inputs(b.block_q, b.block_k, b.num_stages))
-    dkdv = (b.block_k_dkv * (hd + hv) * size + b.num_stages_dkv * b.block_q_dkv * (hd + hv) * size
-            + 2 * b.block_q_dkv * b.block_k_dkv * size
-            + tile_inputs(b.block_q_dkv, b.block_k_dkv, b.num_stages_dkv))
+    if b.dkv_backend == "mosaic":
+        # Per slot Q, dO, the three float32 row residuals and the bias tile; K and V of
+        # the unit; P and two dS buffers per consumer; with a bias the dbias zero tile
+        # (half a step tile); 8-byte barriers (loaded and consumed per slot, K/V's two).
+        bq, bk, stages = b.block_q_dkv, b.block_k_dkv, b.num_stages_dkv
+        dkdv = (stages * (bq * (hd + hv) * size + 3 * bq * 4 + bq * bk * extra)
+                + bk * (hd + hv) * size + 3 * bq * bk * size
+                + (bq * bk // 2 * size if bias_dtype is not None else 0)
+                + 8 * (2 * stages + 2))
+    else:
+        dkdv = (b.block_k_dkv * (hd + hv) * size
+                + b.num_stages_dkv * b.block_q_dkv * (hd + hv) * size
+                + 2 * b.block_q_dkv * b.block_k_dkv * size
+                + tile_inputs(b.block_q_dkv, b.block_k_dkv, b.num_stages_dkv))
     dq = (b.block_q_dq * (hd + hv) * size + b.num_stages_dq * b.block_k_dq * (hd + hv) * size
           + b.block_q_dq * b.block_k_dq * size
           + tile_inputs(b.block_q_dq, b.block_k_dq, b.num_stages_dq))
@@ -469,6 +530,10 @@ def choose_block_sizes(head_dim: int, dtype: Any = jnp.bfloat16, *, q_len: int, 
         mosaic = dataclasses.replace(chosen, forward_backend="mosaic", **_MOSAIC_FORWARD)
         if _fits(mosaic, "forward", head_dim, value_head_dim, dtype, budget, **smem_features):
             chosen = mosaic
+    if prefers_mosaic_dkv(device, dtype, head_dim, value_head_dim, q_len, features):
+        mosaic = dataclasses.replace(chosen, dkv_backend="mosaic", **_MOSAIC_DKV)
+        if _fits(mosaic, "dkdv", head_dim, value_head_dim, dtype, budget, **smem_features):
+            chosen = mosaic
     if prefers_mosaic_dbias(device, dtype, head_dim, value_head_dim, q_len, features):
         for stages in (2, 1):
             mosaic = dataclasses.replace(chosen, dbias_backend="mosaic",
@@ -483,6 +548,10 @@ def choose_block_sizes(head_dim: int, dtype: Any = jnp.bfloat16, *, q_len: int, 
 # The Mosaic forward's tiles at head dim 128 (BENCHMARKS.md, session 5: block_k 128
 # with 2 slots ran 403 TFLOP/s on an H100, block_k 64 with 2 or 3 slots 355-364).
 _MOSAIC_FORWARD = dict(block_q=MOSAIC_BLOCK_Q, block_k=128, num_stages=2)
+# The Mosaic dK/dV kernel's slots (BENCHMARKS.md, session 10: one slot took 2.95 ms
+# against 2.00 at d128 without a bias; three gained nothing at d64).
+_MOSAIC_DKV = dict(block_q_dkv=MOSAIC_DKV_TILES[0], block_k_dkv=MOSAIC_DKV_TILES[1],
+                   num_stages_dkv=2)
 
 
 def persistent_programs(work_items: int, interpret: bool) -> int:
@@ -514,6 +583,20 @@ def _in_mosaic_scope(device: DeviceInfo, dtype: Any, q_len: int,
     return (device.compute_capability == (9, 0)
             and jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
             and q_len >= MOSAIC_BLOCK_Q and bool(features.get("mosaic_scores")))
+
+
+def prefers_mosaic_dkv(device: DeviceInfo, dtype: Any, head_dim: int, value_head_dim: int,
+                       q_len: int, features: dict[str, Any]) -> bool:
+    """Whether the heuristic runs the Mosaic (Hopper) dK/dV kernel instead of Triton's:
+    an sm90 device, 16-bit inputs, head dims padding to 64 or 128, at least one item of
+    query rows and scores the Mosaic kernels compute (features["mosaic_scores"]).
+    Measured on an H100 (BENCHMARKS.md, session 10, B=4, N=16, T=S=4096): without a
+    bias 2.00 ms against 2.25 at d128 and 1.18 against 1.42 at d64, causal 1.19
+    against 1.27 and 0.68 against 0.74; with a [1, N, T, S] bias and its gradient
+    2.74 against 4.73 (Triton dK/dV and Mosaic dbias kernels). Two slots; where they
+    leave no room (a float32 bias at d128) the Triton kernel runs."""
+    return (_in_mosaic_scope(device, dtype, q_len, features)
+            and {padded_head_dim(head_dim), padded_head_dim(value_head_dim)} <= {64, 128})
 
 
 def prefers_mosaic_dbias(device: DeviceInfo, dtype: Any, head_dim: int, value_head_dim: int,

@@ -1,5 +1,5 @@
 """Lower every kernel for an sm90 GPU on CPU (jaxpr -> Triton IR, and Mosaic GPU IR for
-the Hopper forward and dbias kernels).
+the Hopper forward, dK/dV and dbias kernels).
 
 The interpreters run the kernels' semantics; this catches what only the lowerings
 reject (types, layouts, unsupported primitives) without a GPU. The final
@@ -24,6 +24,7 @@ _spec.loader.exec_module(lower_for_gpu)
 _MOSAIC = pallas_attn.BlockSizes(128, 128, num_stages=2, forward_backend="mosaic")
 _MOSAIC_DBIAS = dict(block_q_dbias=128, block_k_dbias=64, num_stages_dbias=2,
                      dbias_backend="mosaic")
+_MOSAIC_DKV = dict(block_q_dkv=64, block_k_dkv=128, num_stages_dkv=2, dkv_backend="mosaic")
 
 CASES = {
     "plain": dict(),
@@ -80,6 +81,18 @@ CASES = {
                                           bias=jnp.ones((1, 1, 256, 256), jnp.float32),
                                           block_sizes=pallas_attn.BlockSizes(
                                               **dict(_MOSAIC_DBIAS, num_stages_dbias=1))),
+    # The Hopper dK/dV kernel: summing a batch-shared bias's dS with reduce-add copies
+    # (soft cap, GQA, ragged, Mosaic forward), storing a per-batch float16 bias's under
+    # a causal window, and without a bias at H80/Hv64 with one slot.
+    "mosaic_dkv_shared_bias_softcap_gqa": dict(
+        H=128, T=200, S=300, K=2, bias=jnp.ones((1, 4, 200, 300), jnp.bfloat16),
+        logits_soft_cap=20.0, block_sizes=dataclasses.replace(_MOSAIC, **_MOSAIC_DKV)),
+    "mosaic_dkv_per_batch_bias_window_float16": dict(
+        dtype=jnp.float16, bias=jnp.ones((2, 4, 256, 256), jnp.float16), is_causal=True,
+        local_window_size=(64, 32), block_sizes=pallas_attn.BlockSizes(**_MOSAIC_DKV)),
+    "mosaic_dkv_h80_one_slot": dict(T=200, S=300, N=8, K=2, H=80, Hv=64, is_causal=True,
+                                    block_sizes=pallas_attn.BlockSizes(
+                                        **dict(_MOSAIC_DKV, num_stages_dkv=1))),
 }
 
 

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from jax.custom_derivatives import SymbolicZero
 
 from pallas_attn import tuning
-from pallas_attn.kernels import mosaic_dbias, mosaic_fwd, triton_bwd, triton_fwd
+from pallas_attn.kernels import mosaic_dbias, mosaic_dkv, mosaic_fwd, triton_bwd, triton_fwd
 from pallas_attn.kernels.common import OPTIONAL_INPUTS, Problem
 from pallas_attn.spec import AttentionSpec, Operands
 from pallas_attn.tuning import BlockSizes, DeviceInfo
@@ -54,7 +54,7 @@ def resolve_block_sizes(spec: AttentionSpec, ops: Operands, block_sizes: BlockSi
                                                 value_head_dim=Hv, device=device, **features)
     elif not interpret:
         tuning.check_fits(block_sizes, H, Hv, ops.query.dtype, device, **smem)
-        for field in ("forward_backend", "dbias_backend"):
+        for field in ("forward_backend", "dbias_backend", "dkv_backend"):
             if getattr(block_sizes, field) == "mosaic" and device.compute_capability != (9, 0):
                 raise ValueError(
                     f"block_sizes.{field}='mosaic' needs an sm90 (Hopper) GPU, this one "
@@ -62,7 +62,8 @@ def resolve_block_sizes(spec: AttentionSpec, ops: Operands, block_sizes: BlockSi
     if ops.bias is not None:
         block_sizes = tuning.resolve_fuse_dbias(block_sizes, ops.bias.shape, batch=B,
                                                 num_heads=N, num_kv_heads=ops.key.shape[2],
-                                                kv_len=S, device=device)
+                                                kv_len=S, device=device,
+                                                bias_dtype=ops.bias.dtype, dtype=ops.query.dtype)
     return block_sizes
 
 
@@ -109,6 +110,8 @@ def attention(spec: AttentionSpec, ops: Operands, *, block_sizes: BlockSizes | N
         raise ValueError(f"block_sizes.forward_backend='mosaic' does not cover this call: {why}")
     if _mosaic_dbias(problem) and (why := mosaic_dbias.unsupported(problem)):
         raise ValueError(f"block_sizes.dbias_backend='mosaic' does not cover this call: {why}")
+    if blocks.dkv_backend == "mosaic" and (why := mosaic_dkv.unsupported(problem)):
+        raise ValueError(f"block_sizes.dkv_backend='mosaic' does not cover this call: {why}")
     out, lse = _fused(problem, qp, kp, vp, differentiable, optional)
     T, Hv = ops.query.shape[1], ops.value.shape[-1]
     lse = jnp.where(lse == jnp.inf, -jnp.inf, lse)[:, :, :T]  # public: -inf for empty rows
@@ -170,16 +173,31 @@ def _fused_bwd(problem: Problem, residuals, cotangents):
     operands = _operands(differentiable, optional)
     d_out = d_out.astype(q.dtype)
     bias_grad = bool(marker)
-    mosaic = bias_grad and _mosaic_dbias(problem)
-    dq, dk, dv, dbias = triton_bwd.backward(problem, q, k, v, operands, row_stats, d_out,
-                                            delta, bias_grad=bias_grad and not mosaic)
-    if mosaic:
-        dbias = mosaic_dbias.dbias(problem, q, k, v, d_out, row_stats, delta,
-                                   operands["bias"])
+    dq, dk, dv, dbias = _backward(problem, q, k, v, operands, row_stats, d_out, delta,
+                                  bias_grad)
     d_differentiable = {"bias": dbias} if dbias is not None else jax.tree.map(
         jnp.zeros_like, differentiable)
     d_optional = jax.tree.map(_zeros_like_tangent, optional)
     return dq, dk, dv, d_differentiable, d_optional
+
+
+def _backward(problem: Problem, q, k, v, operands: dict, row_stats, do, delta,
+              bias_grad: bool):
+    """(dq, dk, dv, dbias or None) for padded inputs from the backends the tiles name."""
+    blocks = problem.blocks
+    bias = operands.get("bias")
+    fused = bias_grad and bool(blocks.fuse_dbias)
+    names, inputs = triton_bwd.backward_inputs(q, k, v, operands, row_stats, do, delta)
+    if blocks.dkv_backend == "mosaic":
+        dk, dv, dbias = mosaic_dkv.dkdv(problem, q, k, v, do, row_stats, delta, bias, fused)
+    else:
+        dk, dv, dbias = triton_bwd.dkdv(problem, names, inputs, bias if fused else None)
+    dq = triton_bwd.dq(problem, names, inputs)
+    if bias_grad and not fused:
+        dbias = (mosaic_dbias.dbias(problem, q, k, v, do, row_stats, delta, bias)
+                 if blocks.dbias_backend == "mosaic"
+                 else triton_bwd.dbias(problem, names, inputs, bias))
+    return dq, dk, dv, dbias
 
 
 _fused.defvjp(_fused_fwd, _fused_bwd, symbolic_zeros=True)

@@ -30,7 +30,8 @@ interpreter has no reduce-add copies: there the consumer adds through registers
 outside the causal/window band get zeros from the first pass.
 
 Scope: the Mosaic forward's (`mosaic_fwd.unsupported`), and a bias gradient only
-for a bias of shape [B, N, T, S] or [1, N, T, S] in the inputs' dtype (`dbias_scope`).
+for a bias of shape [B, N, T, S] or [1, N, T, S] in the inputs' dtype
+(`tuning.mosaic_fusable_dbias`).
 """
 
 from __future__ import annotations
@@ -63,22 +64,11 @@ def unsupported(problem: Problem) -> str:
     return mosaic_fwd.unsupported(problem)
 
 
-def dbias_scope(problem: Problem, bias_dtype) -> str:
-    """Why this kernel cannot also write the bias's gradient, or "" when it can."""
-    if why := unsupported(problem):
-        return why
-    Bb, Nb = problem.spec.bias_shape[:2]
-    if Nb != problem.num_heads or Bb not in (1, problem.batch):
-        return (f"the bias must be [B, N, T, S] or [1, N, T, S], got "
-                f"{problem.spec.bias_shape}")
-    if jnp.dtype(bias_dtype) != jnp.dtype(problem.dtype):
-        return f"the bias dtype must be the inputs' ({problem.dtype}), got {bias_dtype}"
-    return ""
-
-
 def _kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, bias_ref, dk_ref, dv_ref, dbias_ref,
-            scratch, *, problem: Problem, programs: int, passes: int):
-    (q_smem, do_smem, stats_smem, bias_smem, k_smem, v_smem, p_smem, ds_smem), barriers = scratch
+            smem, barriers, *, problem: Problem, programs: int, passes: int):
+    q_smem, do_smem, stats_smem, k_smem, v_smem = (
+        smem[name] for name in ("q", "do", "stats", "k", "v"))
+    bias_smem, zero_tile = smem.get("bias"), smem.get("zeros")
     step_loaded, step_consumed, kv_loaded, kv_consumed = barriers
     stages = q_smem.shape[0]
     group = problem.group
@@ -93,10 +83,16 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, bias_ref, dk_ref, dv_ref, db
         """(valid, b, kh, k0, pass, first, stop, full_first, full_stop) of unit u of this
         program: its item's pass u % passes; query tiles [first, stop) of the band,
         [full_first, full_stop) without band masks."""
-        idx = lax.div(u, passes) * programs + pid
+        # Round r gives program pid item r * programs + pid, the lanes reversed on odd
+        # rounds. Items run key tiles slowest, the first (under causal masking the
+        # heaviest) first, so heavy and light items even out over the rounds.
+        r = lax.div(u, passes)
+        lane = jnp.where(lax.rem(r, 2) == 0, pid, programs - 1 - pid)
+        idx = r * programs + lane
         p = lax.rem(u, passes)
-        kt = lax.rem(idx, k_tiles)
-        rest = lax.div(idx, k_tiles)
+        per_tile = problem.num_kv_heads * batch_items
+        kt = lax.div(idx, per_tile)
+        rest = lax.rem(idx, per_tile)
         kh = lax.rem(rest, problem.num_kv_heads)
         b = lax.div(rest, problem.num_kv_heads) * passes + p
         k0 = kt * UNIT_KEYS
@@ -112,11 +108,19 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, bias_ref, dk_ref, dv_ref, db
     def _producer():
         plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
 
+        if dbias_ref is not None:
+            zero_tile[...] = plgpu.layout_cast(jnp.zeros(zero_tile.shape, zero_tile.dtype),
+                                               plgpu.Layout.WGMMA)
+            plgpu.commit_smem()
+
         def stream(u, carry):
             step, loaded_units = carry
-            _, b, kh, k0, _, first, stop, _, _ = unit_of(u)
+            valid, b, kh, k0, p, first, stop, _, _ = unit_of(u)
             tiles = stop - first
             steps = tiles * group
+            if dbias_ref is not None:
+                _zeros_outside_band(zero_tile, dbias_ref, valid & (p == 0), b, kh, k0,
+                                    first, stop, group)
 
             @pl.when(steps > 0)
             def _load_kv():
@@ -162,13 +166,14 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, bias_ref, dk_ref, dv_ref, db
             plgpu.barrier_wait(step_consumed.at[lax.rem(step, jnp.int32(stages))])
 
         pl.when(loaded_units > 0)(lambda: plgpu.barrier_wait(kv_consumed))
+        plgpu.wait_smem_to_gmem(0)
 
     @pl.when(wg < CONSUMERS)
     def _consumer():
         plgpu.set_max_registers(CONSUMER_REGISTERS, action="increase")
         _consume(problem, wg, unit_of, units, (dk_ref, dv_ref, dbias_ref),
-                 (q_smem, do_smem, stats_smem, bias_smem if has_bias else None,
-                  k_smem.at[wg], v_smem.at[wg], p_smem.at[wg], ds_smem.at[wg]),
+                 (q_smem, do_smem, stats_smem, bias_smem,
+                  k_smem.at[wg], v_smem.at[wg], smem["p"].at[wg], smem["ds"].at[wg]),
                  barriers)
 
 
@@ -179,7 +184,7 @@ def _consume(problem: Problem, wg, unit_of, units, refs, buffers, barriers):
     q_smem, do_smem, stats_smem, bias_smem, k_mine, v_mine, p_mine, ds_mine = buffers
     step_loaded, step_consumed, kv_loaded, kv_consumed = barriers
     stages = q_smem.shape[0]
-    group, q_tiles = problem.group, problem.q_pad // STEP_ROWS
+    group = problem.group
     dtype = q_smem.dtype
     keys_n = KEYS_PER_CONSUMER
     hp, hvp = k_mine.shape[-1], v_mine.shape[-1]
@@ -195,19 +200,6 @@ def _consume(problem: Problem, wg, unit_of, units, refs, buffers, barriers):
 
         def dbias_tile(n, t):
             return dbias_ref.at[bb, n, pl.ds(t * STEP_ROWS, STEP_ROWS), pl.ds(k_own, keys_n)]
-
-        if has_dbias:
-            @pl.when(valid & (p == 0))
-            def _zeros_outside_band():
-                zeros = plgpu.layout_cast(jnp.zeros(shape, dbias_ref.dtype), plgpu.Layout.WGMMA)
-
-                @pl.loop(0, group * q_tiles)
-                def _(i):
-                    t = lax.rem(i, q_tiles)
-
-                    @pl.when((t < first) | (t >= stop))
-                    def _():
-                        dbias_tile(kh * group + lax.div(i, q_tiles), t)[...] = zeros
 
         pl.when(tiles > 0)(lambda: plgpu.barrier_wait(kv_loaded))
 
@@ -273,6 +265,27 @@ def _consume(problem: Problem, wg, unit_of, units, refs, buffers, barriers):
     lax.fori_loop(0, units, unit, jnp.int32(0))
 
 
+def _zeros_outside_band(zero_tile, dbias_ref, when, b, kh, k0, first, stop, group: int):
+    """Bulk-copy zeros into the item's dbias tiles outside the band (query tiles
+    before first or from stop), for every head of the KV head's group."""
+    q_tiles = dbias_ref.shape[2] // STEP_ROWS
+    bb = b if dbias_ref.shape[0] > 1 else 0
+
+    @pl.when(when)
+    def _():
+        @pl.loop(0, group * q_tiles)
+        def _tile(i):
+            t = lax.rem(i, q_tiles)
+            n = kh * group + lax.div(i, q_tiles)
+
+            @pl.when((t < first) | (t >= stop))
+            def _():
+                for c in range(CONSUMERS):
+                    keys = pl.ds(k0 + c * KEYS_PER_CONSUMER, KEYS_PER_CONSUMER)
+                    plgpu.copy_smem_to_gmem(
+                        zero_tile, dbias_ref.at[bb, n, pl.ds(t * STEP_ROWS, STEP_ROWS), keys])
+
+
 def _accumulate(products, interpret: bool) -> tuple[jax.Array, ...]:
     """acc + A B with wgmma for each (acc, A, B) of products (A and B in shared memory),
     one wait for all. The interpreter has no accumulator initialised from registers
@@ -301,7 +314,7 @@ def _store_dbias(ds_smem, dst, ds, accumulate, reduce_in_registers: bool):
     if reduce_in_registers:
         @pl.when(accumulate)
         def _add():
-            old = plgpu.load(dst, (), layout=plgpu.Layout.WGMMA).astype(jnp.float32)
+            old = plgpu.load(dst, layout=plgpu.Layout.WGMMA).astype(jnp.float32)
             dst[...] = (old + ds.astype(dst.dtype).astype(jnp.float32)).astype(dst.dtype)
 
         @pl.when(~accumulate)
@@ -322,11 +335,14 @@ def dkdv(problem: Problem, q: jax.Array, k: jax.Array, v: jax.Array, do: jax.Arr
          row_stats: tuple[jax.Array, jax.Array], delta: jax.Array, bias: jax.Array | None,
          bias_grad: bool) -> tuple[jax.Array, jax.Array, jax.Array | None]:
     """(dk, dv, dbias or None) for padded inputs; delta [B, N, Tp]. bias_grad: also
-    write the gradient of the (present) bias, which must lie in `dbias_scope`."""
+    write the gradient of the (present) bias (`tuning.mosaic_fusable_dbias`)."""
     if why := unsupported(problem):
         raise AssertionError(f"mosaic_dkv.dkdv called for an unsupported problem: {why}")
-    if bias_grad and (why := dbias_scope(problem, bias.dtype)):
-        raise AssertionError(f"mosaic_dkv.dkdv cannot write this dbias: {why}")
+    if bias_grad and not tuning.mosaic_fusable_dbias(
+            bias.shape, batch=problem.batch, num_heads=problem.num_heads,
+            bias_dtype=bias.dtype, dtype=problem.dtype):
+        raise AssertionError(f"mosaic_dkv.dkdv cannot write the dbias of a {bias.dtype} "
+                             f"bias of shape {bias.shape}")
     blocks = problem.blocks
     if (blocks.block_q_dkv, blocks.block_k_dkv) != (STEP_ROWS, UNIT_KEYS):
         raise AssertionError(
@@ -340,41 +356,37 @@ def dkdv(problem: Problem, q: jax.Array, k: jax.Array, v: jax.Array, do: jax.Arr
     has_bias = bias is not None
 
     def entry(*refs):
-        if has_bias:
-            q_ref, k_ref, v_ref, do_ref, stats_ref, bias_ref, *outs = refs
-        else:
-            (q_ref, k_ref, v_ref, do_ref, stats_ref, *outs), bias_ref = refs, None
-        dk_ref, dv_ref, *dbias_ref = outs
-        buffers = (
-            smem_tiles((stages, STEP_ROWS, hp), dtype),
-            smem_tiles((stages, STEP_ROWS, hvp), dtype),
-            plgpu.SMEM((stages, 3, STEP_ROWS), jnp.float32),
-            smem_tiles((stages, CONSUMERS, STEP_ROWS, KEYS_PER_CONSUMER),
-                       bias.dtype if has_bias else dtype) if has_bias else None,
-            smem_tiles((CONSUMERS, KEYS_PER_CONSUMER, hp), dtype),
-            smem_tiles((CONSUMERS, KEYS_PER_CONSUMER, hvp), dtype),
-            smem_tiles((CONSUMERS, STEP_ROWS, KEYS_PER_CONSUMER), dtype),
-            smem_tiles((CONSUMERS, 2, STEP_ROWS, KEYS_PER_CONSUMER), dtype),
+        q_ref, k_ref, v_ref, do_ref, stats_ref, *rest = refs
+        bias_ref = rest.pop(0) if has_bias else None
+        dk_ref, dv_ref, *dbias_ref = rest
+        kinds = dict(
+            q=smem_tiles((stages, STEP_ROWS, hp), dtype),
+            do=smem_tiles((stages, STEP_ROWS, hvp), dtype),
+            stats=plgpu.SMEM((stages, 3, STEP_ROWS), jnp.float32),
+            bias=(smem_tiles((stages, CONSUMERS, STEP_ROWS, KEYS_PER_CONSUMER), bias.dtype)
+                  if has_bias else None),
+            k=smem_tiles((CONSUMERS, KEYS_PER_CONSUMER, hp), dtype),
+            v=smem_tiles((CONSUMERS, KEYS_PER_CONSUMER, hvp), dtype),
+            p=smem_tiles((CONSUMERS, STEP_ROWS, KEYS_PER_CONSUMER), dtype),
+            ds=smem_tiles((CONSUMERS, 2, STEP_ROWS, KEYS_PER_CONSUMER), dtype),
+            zeros=smem_tiles((STEP_ROWS, KEYS_PER_CONSUMER), dtype) if bias_grad else None,
         )
+        kinds = {name: kind for name, kind in kinds.items() if kind is not None}
         copies = 3 + (CONSUMERS if has_bias else 0)
         barriers = (
-            plgpu.Barrier(num_arrivals=copies, num_barriers=stages),
+            plgpu.Barrier(num_arrivals=copies, num_barriers=stages),  # Q, dO, stats, bias
             plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=stages),
-            plgpu.Barrier(num_arrivals=2 * CONSUMERS),
+            plgpu.Barrier(num_arrivals=2 * CONSUMERS),  # K and V halves
             plgpu.Barrier(num_arrivals=CONSUMERS),
         )
-        present = [x for x in buffers if x is not None]
 
         def body(*scratch):
-            smem = list(scratch[:len(present)])
-            if not has_bias:
-                smem.insert(3, None)
+            smem = dict(zip(kinds, scratch, strict=False))
             _kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, bias_ref, dk_ref, dv_ref,
-                    dbias_ref[0] if dbias_ref else None,
-                    (tuple(smem), scratch[len(present):]),
+                    dbias_ref[0] if dbias_ref else None, smem, scratch[len(kinds):],
                     problem=problem, programs=programs, passes=passes)
 
-        pl.run_scoped(body, *present, *barriers, collective_axes="wg")
+        pl.run_scoped(body, *kinds.values(), *barriers, collective_axes="wg")
 
     items = Sp // UNIT_KEYS * KH * (B // passes)
     programs = tuning.persistent_programs(items, problem.interpret)

@@ -242,13 +242,3 @@ def dbias(problem: Problem, names: tuple[str, ...], inputs: list, bias: jax.Arra
                    [jax.ShapeDtypeStruct(bias.shape, bias.dtype)], grid, b.num_warps_dbias,
                    b.num_stages_dbias, "pallas_attn_dbias")[0]
 
-
-def backward(problem: Problem, q, k, v, optional, row_stats, do, delta, bias_grad: bool):
-    """(dq, dk, dv, dbias or None) for padded inputs; delta [B, N, Tp] float32."""
-    names, inputs = backward_inputs(q, k, v, optional, row_stats, do, delta)
-    fused = bias_grad and problem.blocks.fuse_dbias
-    dk, dv, dbias_ = dkdv(problem, names, inputs, optional["bias"] if fused else None)
-    dq_ = dq(problem, names, inputs)
-    if bias_grad and not fused:
-        dbias_ = dbias(problem, names, inputs, optional["bias"])
-    return dq_, dk, dv, dbias_

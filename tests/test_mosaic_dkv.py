@@ -1,0 +1,226 @@
+"""The Hopper (Mosaic GPU) dK/dV kernel in the Mosaic GPU interpreter.
+
+The interpreter simulates the kernel's three warpgroups, barriers, bulk copies and
+wgmma on CPU, fills the outputs with NaN before the kernel runs (a tile the kernel
+never writes shows up as NaN) and runs its race detector. Two persistent programs
+loop over several units, some of them outside the causal/window band (zeros,
+nothing streamed) and some crossed by it.
+
+The kernel is checked two ways: alone, against the Triton dK/dV and dbias kernels
+(Pallas interpreter) on the same row residuals, over its whole padded outputs; and
+through dot_product_attention, against the float64 oracle, with every gradient.
+The bulk copies' reduce-add that sums a batch-shared bias's dS tiles on the GPU is
+the one part the interpreter cannot run (it has no reduce-add copies); there the
+kernel adds through registers. The GPU checks in BENCHMARKS.md cover that path.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from kernel_helpers import (  # no_mosaic_races: an autouse fixture
+    DTYPES,
+    assert_fa_rule,
+    assert_results_close,
+    make_inputs,
+    no_mosaic_races,  # noqa: F401
+    oracle,
+    pallas_and_reference,
+    random_bias,
+)
+
+import pallas_attn
+from pallas_attn import tuning
+from pallas_attn.kernels import attention as kernel_attention
+from pallas_attn.kernels import mosaic_dkv, triton_bwd, triton_fwd
+from pallas_attn.spec import normalize
+
+# Small Triton tiles around the Mosaic dK/dV kernel's (64, 128) tiles.
+MOSAIC_DKV = pallas_attn.BlockSizes(32, 32, 64, 128, 32, 32, block_q_dbias=32,
+                                    block_k_dbias=32, num_stages_dkv=2,
+                                    dkv_backend="mosaic")
+TRITON_TILES = dict(block_q_dkv=32, block_k_dkv=32, dkv_backend="triton")
+
+# (id, shapes, bias shape as (Bb, Nb) or None, kwargs, tiles)
+CASES = [
+    ("plain_one_slot", dict(B=1, T=64, S=128, N=1), None, {}, dict(num_stages_dkv=1)),
+    ("per_batch_bias_causal_ragged", dict(B=2, T=130, S=200, N=2), (2, 2),
+     dict(is_causal=True), {}),
+    ("batch_shared_bias_three_passes", dict(B=3, T=100, S=140, N=2), (1, 2), {}, {}),
+    ("gqa_window_soft_cap_shared_bias", dict(B=2, T=100, S=260, N=4, K=2), (1, 4),
+     dict(local_window_size=(40, 10), logits_soft_cap=5.0), {}),
+    ("bottom_right_T>S_H128_no_grad_bias", dict(B=2, T=200, S=100, N=2, H=128), (1, 2),
+     dict(is_causal=True, causal_alignment="bottom_right"), dict(bias_grad=False)),
+]
+
+
+def _kernel_outputs(dtype: str, shapes: dict, bias_shape: tuple | None, kwargs: dict,
+                    blocks: dict) -> tuple[dict, dict, tuple]:
+    """(Mosaic, Triton) dk, dv and dbias over the padded arrays, from the Triton
+    forward's residuals and a random dO, and the caller's (T, S)."""
+    blocks = dict(blocks)
+    bias_grad = blocks.pop("bias_grad", True) and bias_shape is not None
+    shapes = dict(dict(H=64), **shapes)
+    inputs = make_inputs(sum(shapes.values()), dtype=DTYPES[dtype], **shapes)
+    T, S = shapes["T"], shapes["S"]
+    bias = (random_bias(3, (*bias_shape, T, S), DTYPES[dtype])
+            if bias_shape is not None else None)
+    spec, ops, _ = normalize(inputs["q"], inputs["k"], inputs["v"], bias, **kwargs)
+    block_sizes = dataclasses.replace(MOSAIC_DKV, **blocks)
+    problem, q, k, v, differentiable, optional = kernel_attention.prepare(
+        spec, ops, block_sizes, interpret=True)
+    operands = {**optional, **differentiable}
+    out, row_stats = triton_fwd.forward(problem, q, k, v, operands)
+    do = jax.random.normal(jax.random.key(11), out.shape, out.dtype)
+    delta = jnp.einsum("btnh,btnh->bnt", do.astype(jnp.float32), out.astype(jnp.float32))
+    mosaic = mosaic_dkv.dkdv(problem, q, k, v, do, row_stats, delta, operands.get("bias"),
+                             bias_grad)
+    triton_problem = dataclasses.replace(problem, blocks=dataclasses.replace(
+        block_sizes, **TRITON_TILES))
+    names, bwd_inputs = triton_bwd.backward_inputs(q, k, v, operands, row_stats, do, delta)
+    triton = (*triton_bwd.dkdv(triton_problem, names, bwd_inputs)[:2],
+              triton_bwd.dbias(triton_problem, names, bwd_inputs, operands["bias"])
+              if bias_grad else None)
+    as_dict = (lambda xs: {name: np.asarray(x, np.float32)
+                           for name, x in zip(("dk", "dv", "dbias"), xs, strict=True)
+                           if x is not None})
+    return as_dict(mosaic), as_dict(triton), (T, S)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("shapes,bias_shape,kwargs,blocks", [c[1:] for c in CASES],
+                         ids=[c[0] for c in CASES])
+def test_mosaic_dkv_matches_the_triton_kernels(dtype, shapes, bias_shape, kwargs, blocks):
+    mosaic, triton, (T, S) = _kernel_outputs(dtype, shapes, bias_shape, kwargs, blocks)
+    assert mosaic.keys() == triton.keys()
+    eps = float(jnp.finfo(DTYPES[dtype]).eps)
+    for name, x in mosaic.items():
+        # Every element of the padded outputs is written (the interpreter poisons
+        # them with NaN), the padding included.
+        assert not np.isnan(x).any(), name
+        ref = triton[name]
+        if name == "dbias":
+            x, ref = x[..., :T, :S], ref[..., :T, :S]
+            # A batch-shared bias: each pass's addition rounds to the bias dtype.
+            steps = shapes["B"] if bias_shape[0] == 1 else 1
+        else:
+            x, ref = x[:, :S], ref[:, :S]
+            steps = 1
+        assert np.abs(ref).max() > 0.1, name
+        # Both sum float32 products over the same tiles in another order, then round
+        # to the output dtype (once per pass for dbias).
+        tol = (steps + 1) * eps * np.abs(ref).max()
+        np.testing.assert_allclose(x, ref, rtol=0, atol=tol, err_msg=name)
+
+
+@pytest.mark.parametrize("shapes,bias_shape,kwargs", [
+    (dict(B=2, T=150, S=140, N=2, K=1, H=64), (1, 2), dict(is_causal=True)),
+    (dict(B=2, T=70, S=200, N=2, H=48), (2, 2), dict(logits_soft_cap=8.0,
+                                                     local_window_size=(60, 20))),
+    (dict(B=2, T=100, S=130, N=2, H=80, Hv=64), None, {}),
+], ids=["batch_shared_causal_mqa", "per_batch_window_soft_cap_H48", "no_bias_H80_Hv64"])
+def test_gradients_with_the_mosaic_dkv_against_reference_and_float64(shapes, bias_shape,
+                                                                     kwargs):
+    dtype = jnp.bfloat16
+    inputs = make_inputs(sum(shapes.values()), dtype=dtype, **shapes)
+    bias = (random_bias(5, (*bias_shape, shapes["T"], shapes["S"]), dtype)
+            if bias_shape is not None else None)
+    # The forward in a jitted call of its own, the backward op by op
+    # (kernel_helpers.make_runner).
+    kernel, reference = pallas_and_reference(inputs, block_sizes=MOSAIC_DKV, split="eager",
+                                             bias=bias, **kwargs)
+    exact = oracle(inputs, bias=bias, **kwargs)
+    if bias is not None:
+        assert "dbias" in kernel and kernel["dbias"].shape == bias.shape
+    assert_fa_rule(kernel, reference, exact, dtype)
+    assert_results_close(kernel, reference, dtype, label="vs reference: ")
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(mask=True), "dkv_backend='mosaic'.*no operand besides q, k, v and a bias, got mask"),
+    (dict(dropout_rate=0.1, dropout_rng=jax.random.key(0)), "dkv_backend='mosaic'.*no dropout"),
+    (dict(dtype=jnp.float32), "dkv_backend='mosaic'.*bfloat16 or float16"),
+    (dict(H=256), "dkv_backend='mosaic'.*head dims must pad to"),
+    (dict(bias=(2, 1, 16, 16), fuse_dbias=True), "fuse_dbias=True with dkv_backend='mosaic'"),
+    (dict(bias_dtype=jnp.float32, fuse_dbias=True), "dkv_backend='mosaic' needs a bias"),
+])
+def test_unsupported_problems_name_the_reason(kwargs, match):
+    dtype = kwargs.pop("dtype", jnp.bfloat16)
+    inputs = make_inputs(1, B=2, T=16, S=16, N=2, H=kwargs.pop("H", 64), dtype=dtype)
+    bias = jnp.zeros(kwargs.pop("bias", (1, 2, 16, 16)), kwargs.pop("bias_dtype", dtype))
+    blocks = dataclasses.replace(MOSAIC_DKV, fuse_dbias=kwargs.pop("fuse_dbias", None))
+    if kwargs.pop("mask", False):
+        kwargs["mask"] = jnp.ones((1, 1, 16, 16), bool)
+    with pytest.raises(ValueError, match=match):
+        pallas_attn.dot_product_attention(inputs["q"], inputs["k"], inputs["v"], bias,
+                                          interpret=True, block_sizes=blocks, **kwargs)
+
+
+@pytest.mark.parametrize("bias_shape,bias_dtype,fused", [
+    ((1, 2), jnp.bfloat16, True), ((2, 2), jnp.bfloat16, True),
+    ((2, 1), jnp.bfloat16, False), ((1, 1), jnp.bfloat16, False),
+    ((1, 2), jnp.float32, False),
+])
+def test_the_mosaic_dkv_kernel_writes_the_dbias_it_can(bias_shape, bias_dtype, fused):
+    """fuse_dbias=None: the Mosaic dK/dV kernel writes dbias for a [B or 1, N, T, S]
+    bias in the inputs' dtype; other biases get the separate dbias kernel."""
+    inputs = make_inputs(1, B=2, T=16, S=16, N=2, H=64, dtype=jnp.bfloat16)
+    spec, ops, _ = normalize(inputs["q"], inputs["k"], inputs["v"],
+                             jnp.zeros((*bias_shape, 16, 16), bias_dtype))
+    blocks = kernel_attention.resolve_block_sizes(spec, ops, MOSAIC_DKV, interpret=True)
+    assert blocks.fuse_dbias is fused
+
+
+@pytest.mark.parametrize("fields,match", [
+    (dict(block_q_dkv=32), r"\(block_q_dkv, block_k_dkv\) = \(64, 128\)"),
+    (dict(block_k_dkv=64), r"\(block_q_dkv, block_k_dkv\) = \(64, 128\)"),
+    (dict(dkv_backend="cuda"), "dkv_backend must be one of"),
+])
+def test_block_sizes_validate_the_mosaic_dkv_tiles(fields, match):
+    with pytest.raises(ValueError, match=match):
+        dataclasses.replace(MOSAIC_DKV, **fields)
+
+
+def test_mosaic_dkv_needs_a_hopper_gpu():
+    inputs = make_inputs(1, B=1, T=16, S=16, N=1, H=64, dtype=jnp.bfloat16)
+    ampere = tuning.DeviceInfo.for_capability((8, 0))
+    spec, ops, _ = normalize(inputs["q"], inputs["k"], inputs["v"])
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(tuning.DeviceInfo, "current", staticmethod(lambda: ampere))
+        with pytest.raises(ValueError, match="dkv_backend='mosaic' needs an sm90"):
+            kernel_attention.resolve_block_sizes(spec, ops, MOSAIC_DKV, interpret=False)
+
+
+HOPPER = tuning.DeviceInfo.for_capability((9, 0))
+
+
+@pytest.mark.parametrize("case,expected", [
+    (dict(), True),
+    (dict(head_dim=64), True),
+    (dict(bias_dtype=None), True),
+    (dict(bias_dtype=jnp.float32), False),  # two slots leave no room for it
+    (dict(device=tuning.DeviceInfo.for_capability((8, 0))), False),
+    (dict(dtype=jnp.float32), False),
+    (dict(head_dim=256), False),
+    (dict(mosaic_scores=False), False),  # e.g. a mask or dropout as well
+    (dict(q_len=100), False),
+])
+def test_heuristic_picks_the_mosaic_dkv_kernel(case, expected):
+    args = dict(head_dim=128, dtype=jnp.bfloat16, q_len=4096, kv_len=4096, device=HOPPER,
+                bias_dtype=jnp.bfloat16, mosaic_scores=True)
+    args.update(case)
+    head_dim = args.pop("head_dim")
+    blocks = tuning.choose_block_sizes(head_dim, has_bias=args["bias_dtype"] is not None,
+                                       **args)
+    if not expected:
+        assert blocks.dkv_backend == "triton"
+        return
+    assert blocks.dkv_backend == "mosaic"
+    assert (blocks.block_q_dkv, blocks.block_k_dkv, blocks.num_stages_dkv) == (64, 128, 2)
+    estimate = tuning.shared_memory_estimate(blocks, head_dim, head_dim, args["dtype"],
+                                             bias_dtype=args["bias_dtype"])
+    assert estimate["dkdv"] <= HOPPER.max_shared_memory_per_block
