@@ -2,9 +2,9 @@
 
 For a problem (bf16 by default, B x N heads, T = S), prints the heuristic tiles and
 the milliseconds of the forward (the Mosaic one where the heuristic picks it, as
-dot_product_attention's does), dK/dV, dQ and (with --bias) dbias kernels, and for
-a bias per batch entry and head (--bias-per-batch) the dK/dV kernel writing dbias
-itself; then one jitted forward+backward as `python -m pallas_attn bench` times it
+dot_product_attention's does), dK/dV, dQ and (with --bias) dbias kernels, and the
+dK/dV kernel writing dbias itself where it can (the Mosaic one for either bias, the
+Triton one for a bias per batch entry and head, --bias-per-batch); then one jitted forward+backward as `python -m pallas_attn bench` times it
 (for a per-batch bias both ways), so the kernels' sum can be checked against the
 whole.
 
@@ -47,7 +47,9 @@ def main(argv: list[str] | None = None) -> int:
         kv_heads=args.heads, head_dim=args.head_dim, is_causal=args.causal, bias=args.bias,
         bias_per_batch=args.bias_per_batch, mosaic_forward=True)
     kernels = ["forward", "dkdv", "dq"] + (["dbias"] if args.bias else [])
-    if args.bias_per_batch:  # only such a bias can have its dbias written by dK/dV
+    # dK/dV writing dbias: the Mosaic kernel for either bias, the Triton one only for
+    # a bias per batch entry.
+    if args.bias_per_batch or (args.bias and heuristic.dkv_backend == "mosaic"):
         kernels.append("dkdv_dbias")
     if args.end_to_end_only:
         kernels = []

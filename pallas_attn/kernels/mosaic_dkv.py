@@ -84,15 +84,18 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, bias_ref, dk_ref, dv_ref, db
         program: its item's pass u % passes; query tiles [first, stop) of the band,
         [full_first, full_stop) without band masks."""
         # Round r gives program pid item r * programs + pid, the lanes reversed on odd
-        # rounds. Items run key tiles slowest, the first (under causal masking the
-        # heaviest) first, so heavy and light items even out over the rounds.
+        # rounds. Under causal masking items run key tiles slowest, the first (the
+        # heaviest) first, so heavy and light items even out over the rounds; else
+        # key tiles fastest, so concurrent programs read neighbouring bias columns.
         r = lax.div(u, passes)
         lane = jnp.where(lax.rem(r, 2) == 0, pid, programs - 1 - pid)
         idx = r * programs + lane
         p = lax.rem(u, passes)
         per_tile = problem.num_kv_heads * batch_items
-        kt = lax.div(idx, per_tile)
-        rest = lax.rem(idx, per_tile)
+        if problem.spec.is_causal:
+            kt, rest = lax.div(idx, per_tile), lax.rem(idx, per_tile)
+        else:
+            kt, rest = lax.rem(idx, k_tiles), lax.div(idx, k_tiles)
         kh = lax.rem(rest, problem.num_kv_heads)
         b = lax.div(rest, problem.num_kv_heads) * passes + p
         k0 = kt * UNIT_KEYS
