@@ -4,9 +4,9 @@ For a problem (bf16 by default, B x N heads, T = S), prints the heuristic tiles 
 the milliseconds of the forward (the Mosaic one where the heuristic picks it, as
 dot_product_attention's does), dK/dV, dQ and (with --bias) dbias kernels, and the
 dK/dV kernel writing dbias itself where it can (the Mosaic one for either bias, the
-Triton one for a bias per batch entry and head, --bias-per-batch); then one jitted forward+backward as `python -m pallas_attn bench` times it
-(for a per-batch bias both ways), so the kernels' sum can be checked against the
-whole.
+Triton one for a bias per batch entry and head, --bias-per-batch); then one jitted
+forward+backward as `python -m pallas_attn bench` times it (for a per-batch bias
+both ways), so the kernels' sum can be checked against the whole.
 
     PYTHONPATH=. python benchmarks/kernel_times.py --head-dim 128 --bias
 """
