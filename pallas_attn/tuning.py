@@ -125,8 +125,9 @@ class BlockSizes:
     of the bias (query rows x keys).
 
     fuse_dbias: True: the dK/dV kernel writes dbias from the dS tiles it computes
-    anyway (only for a bias with its own entry per batch entry, head and key,
-    `fusable_dbias`; else ValueError); False: a separate dbias kernel recomputes dS;
+    anyway (the Triton one only for a bias with its own entry per batch entry, head
+    and key, `fusable_dbias`; the Mosaic one also for a bias shared by the batch
+    entries, `mosaic_fusable_dbias`; else ValueError); False: a separate dbias kernel recomputes dS;
     None (default): decided by `resolve_fuse_dbias` for the problem and device.
 
     forward_backend: "triton" (every GPU from sm80 and every feature) or "mosaic",
@@ -189,9 +190,12 @@ class BlockSizes:
         if self.fuse_dbias is not None and not isinstance(self.fuse_dbias, bool):
             raise ValueError(
                 f"BlockSizes.fuse_dbias must be True, False or None, got {self.fuse_dbias!r}")
-        if self.forward_backend not in FORWARD_BACKENDS:
-            raise ValueError(f"BlockSizes.forward_backend must be one of {FORWARD_BACKENDS}, "
-                             f"got {self.forward_backend!r}")
+        for field, backends in (("forward_backend", FORWARD_BACKENDS),
+                                ("dbias_backend", DBIAS_BACKENDS),
+                                ("dkv_backend", DKV_BACKENDS)):
+            if getattr(self, field) not in backends:
+                raise ValueError(f"BlockSizes.{field} must be one of {backends}, "
+                                 f"got {getattr(self, field)!r}")
         if self.forward_backend == "mosaic" and (
                 self.block_q != MOSAIC_BLOCK_Q or self.block_k not in MOSAIC_BLOCK_K
                 or self.num_stages < 2):
@@ -199,19 +203,12 @@ class BlockSizes:
                 f"BlockSizes.forward_backend='mosaic' needs block_q={MOSAIC_BLOCK_Q}, block_k "
                 f"in {MOSAIC_BLOCK_K} and num_stages >= 2, got block_q={self.block_q}, "
                 f"block_k={self.block_k}, num_stages={self.num_stages}")
-        if self.dbias_backend not in DBIAS_BACKENDS:
-            raise ValueError(f"BlockSizes.dbias_backend must be one of {DBIAS_BACKENDS}, "
-                             f"got {self.dbias_backend!r}")
         if self.dbias_backend == "mosaic" and (
                 self.block_q_dbias != MOSAIC_BLOCK_Q or self.block_k_dbias not in MOSAIC_BLOCK_K):
             raise ValueError(
                 f"BlockSizes.dbias_backend='mosaic' needs block_q_dbias={MOSAIC_BLOCK_Q} and "
                 f"block_k_dbias in {MOSAIC_BLOCK_K}, got block_q_dbias={self.block_q_dbias}, "
                 f"block_k_dbias={self.block_k_dbias}")
-
-        if self.dkv_backend not in DKV_BACKENDS:
-            raise ValueError(f"BlockSizes.dkv_backend must be one of {DKV_BACKENDS}, "
-                             f"got {self.dkv_backend!r}")
         if self.dkv_backend == "mosaic" and (
                 (self.block_q_dkv, self.block_k_dkv) != MOSAIC_DKV_TILES):
             raise ValueError(
@@ -490,8 +487,9 @@ def choose_block_sizes(head_dim: int, dtype: Any = jnp.bfloat16, *, q_len: int, 
     features (is_causal, has_bias, has_dropout, ...) select autotuned entries
     when a matching cache entry exists and pick the ladders; mosaic_scores (with
     the device, dtype and head dims) selects the Mosaic forward, which replaces
-    the Triton forward's tiles, tuned or not (`prefers_mosaic_forward`), and with
-    a bias the Mosaic dbias kernel likewise (`prefers_mosaic_dbias`).
+    the Triton forward's tiles, tuned or not (`prefers_mosaic_forward`); the Mosaic
+    dK/dV kernel (`prefers_mosaic_dkv`) and with a bias the Mosaic dbias kernel
+    (`prefers_mosaic_dbias`) likewise.
     """
     if not isinstance(head_dim, int) or not 1 <= head_dim <= 256:
         raise ValueError(f"head_dim must be an int in [1, 256], got {head_dim!r}")

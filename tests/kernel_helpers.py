@@ -405,3 +405,19 @@ def no_mosaic_races():
     except AssertionError:  # no kernel has run in this process yet
         return
     assert not races.races_found, "the interpreter detected a data race"
+
+
+def assert_needs_hopper(block_sizes: Any, match: str) -> None:
+    """resolve_block_sizes rejects these Mosaic tiles on an sm80 device with a
+    ValueError matching `match`."""
+    from pallas_attn import tuning
+    from pallas_attn.kernels import attention as kernel_attention
+    from pallas_attn.spec import normalize
+
+    inputs = make_inputs(1, B=1, T=16, S=16, N=1, H=64, dtype=jnp.bfloat16)
+    ampere = tuning.DeviceInfo.for_capability((8, 0))
+    spec, ops, _ = normalize(inputs["q"], inputs["k"], inputs["v"])
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(tuning.DeviceInfo, "current", staticmethod(lambda: ampere))
+        with pytest.raises(ValueError, match=match):
+            kernel_attention.resolve_block_sizes(spec, ops, block_sizes, interpret=False)

@@ -284,3 +284,34 @@ def test_checkpoint_inside_scan_over_layers():
 
 def test_tolerance_table_is_keyed_by_every_tested_dtype():
     assert set(TOLERANCES) == set(DTYPES)
+
+
+@pytest.mark.parametrize("lo,hi,expected", [
+    (10, 70, (0, 2)),  # [10, 70) covers tiles 0 and 1
+    (64, 128, (1, 2)),
+    (246, 246, (3, 3)),  # empty, starting inside tile 3
+    (246, 100, (3, 3)),  # hi < lo: empty
+    (-5, 0, (0, 0)),
+])
+def test_tile_span_of_an_empty_range_is_empty(lo, hi, expected):
+    from pallas_attn.kernels.common import tile_span
+
+    first, stop = tile_span(jnp.int32(lo), jnp.int32(hi), 64)
+    assert (int(first), int(stop)) == expected
+
+
+def test_query_tiles_of_keys_past_a_window_are_empty():
+    """Keys 256..383 lie right of every query's window (T=100, window (40, 10)): no
+    query tile is visited (a tile past the padded queries was before)."""
+    from pallas_attn.kernels import attention as kernel_attention
+    from pallas_attn.kernels.common import TileContext
+    from pallas_attn.spec import normalize
+
+    q = jnp.zeros((1, 100, 1, 64), jnp.bfloat16)
+    k = jnp.zeros((1, 260, 1, 64), jnp.bfloat16)
+    spec, ops, _ = normalize(q, k, k, local_window_size=(40, 10))
+    problem, *_ = kernel_attention.prepare(spec, ops, pallas_attn.BlockSizes(32, 32, 64, 128),
+                                           interpret=True)
+    first, stop, full_first, full_stop = (int(x) for x in TileContext(
+        problem, {}, 0, 0).query_tiles(jnp.int32(256), jnp.int32(384), 64))
+    assert first == stop == full_first == full_stop

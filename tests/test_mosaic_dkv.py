@@ -25,6 +25,7 @@ import pytest
 from kernel_helpers import (  # no_mosaic_races: an autouse fixture
     DTYPES,
     assert_fa_rule,
+    assert_needs_hopper,
     assert_results_close,
     make_inputs,
     no_mosaic_races,  # noqa: F401
@@ -186,13 +187,7 @@ def test_block_sizes_validate_the_mosaic_dkv_tiles(fields, match):
 
 
 def test_mosaic_dkv_needs_a_hopper_gpu():
-    inputs = make_inputs(1, B=1, T=16, S=16, N=1, H=64, dtype=jnp.bfloat16)
-    ampere = tuning.DeviceInfo.for_capability((8, 0))
-    spec, ops, _ = normalize(inputs["q"], inputs["k"], inputs["v"])
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(tuning.DeviceInfo, "current", staticmethod(lambda: ampere))
-        with pytest.raises(ValueError, match="dkv_backend='mosaic' needs an sm90"):
-            kernel_attention.resolve_block_sizes(spec, ops, MOSAIC_DKV, interpret=False)
+    assert_needs_hopper(MOSAIC_DKV, "dkv_backend='mosaic' needs an sm90")
 
 
 HOPPER = tuning.DeviceInfo.for_capability((9, 0))

@@ -25,6 +25,7 @@ from kernel_helpers import (  # no_mosaic_races: an autouse fixture
     DTYPES,
     assert_empty_rows,
     assert_fa_rule,
+    assert_needs_hopper,
     assert_results_close,
     empty_rows,
     jit,
@@ -36,7 +37,6 @@ from kernel_helpers import (  # no_mosaic_races: an autouse fixture
 )
 
 import pallas_attn
-from pallas_attn import tuning
 from pallas_attn.kernels import attention as kernel_attention
 from pallas_attn.kernels import mosaic_fwd, triton_fwd
 from pallas_attn.spec import normalize
@@ -231,10 +231,4 @@ def test_block_sizes_validate_the_mosaic_forward_tiles(fields, match):
 
 
 def test_mosaic_needs_a_hopper_gpu():
-    inputs = make_inputs(1, B=1, T=16, S=16, N=1, H=64, dtype=jnp.bfloat16)
-    ampere = tuning.DeviceInfo.for_capability((8, 0))
-    spec, ops, _ = normalize(inputs["q"], inputs["k"], inputs["v"])
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(tuning.DeviceInfo, "current", staticmethod(lambda: ampere))
-        with pytest.raises(ValueError, match="needs an sm90"):
-            kernel_attention.resolve_block_sizes(spec, ops, MOSAIC, interpret=False)
+    assert_needs_hopper(MOSAIC, "needs an sm90")

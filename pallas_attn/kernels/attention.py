@@ -195,8 +195,7 @@ def _backward(problem: Problem, q, k, v, operands: dict, row_stats, do, delta,
     dq = triton_bwd.dq(problem, names, inputs)
     if bias_grad and not fused:
         dbias = (mosaic_dbias.dbias(problem, q, k, v, do, row_stats, delta, bias)
-                 if blocks.dbias_backend == "mosaic"
-                 else triton_bwd.dbias(problem, names, inputs, bias))
+                 if _mosaic_dbias(problem) else triton_bwd.dbias(problem, names, inputs, bias))
     return dq, dk, dv, dbias
 
 
