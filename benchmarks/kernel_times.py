@@ -1,14 +1,16 @@
 """Where the time of one problem goes: each Pallas kernel timed alone (GPU only).
 
-For a problem (bf16 by default, B x N heads, T = S), prints the heuristic tiles and
-the milliseconds of the forward (the Mosaic one where the heuristic picks it, as
-dot_product_attention's does), dK/dV, dQ and (with --bias) dbias kernels, and the
-dK/dV kernel writing dbias itself where it can (the Mosaic one for either bias, the
-Triton one for a bias per batch entry and head, --bias-per-batch); then one jitted
-forward+backward as `python -m pallas_attn bench` times it (for a per-batch bias
-both ways), so the kernels' sum can be checked against the whole.
+For a problem (bf16 by default, B x N heads, T = S, with a bias, ALiBi or a soft
+cap as asked), prints the heuristic tiles and the milliseconds of the forward (the
+Mosaic one where the heuristic picks it, as dot_product_attention's does), dK/dV,
+dQ and (with --bias) dbias kernels, and the dK/dV kernel writing dbias itself where
+it can (the Mosaic one for either bias, the Triton one for a bias per batch entry
+and head, --bias-per-batch); then one jitted forward+backward as `python -m
+pallas_attn bench` times it (for a per-batch bias both ways), so the kernels' sum
+can be checked against the whole.
 
     PYTHONPATH=. python benchmarks/kernel_times.py --head-dim 128 --bias
+    PYTHONPATH=. python benchmarks/kernel_times.py --alibi   # or --soft-cap 30
 """
 
 from __future__ import annotations
@@ -31,6 +33,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--bias", action="store_true", help="a [1, N, T, S] bias with dbias")
     parser.add_argument("--bias-per-batch", action="store_true",
                         help="a [B, N, T, S] bias instead (implies --bias)")
+    parser.add_argument("--alibi", action="store_true", help="ALiBi slopes per head")
+    parser.add_argument("--soft-cap", type=float, default=None, help="logits_soft_cap")
     parser.add_argument("--end-to-end-only", action="store_true",
                         help="skip the per-kernel timings")
     args = parser.parse_args(argv)
@@ -45,7 +49,8 @@ def main(argv: list[str] | None = None) -> int:
     heuristic, runner = autotune.kernel_runner(
         batch=args.batch, q_len=args.seq_len, kv_len=args.seq_len, heads=args.heads,
         kv_heads=args.heads, head_dim=args.head_dim, is_causal=args.causal, bias=args.bias,
-        bias_per_batch=args.bias_per_batch, mosaic_forward=True)
+        bias_per_batch=args.bias_per_batch, alibi=args.alibi, soft_cap=args.soft_cap,
+        mosaic_forward=True)
     kernels = ["forward", "dkdv", "dq"] + (["dbias"] if args.bias else [])
     # dK/dV writing dbias: the Mosaic kernel for either bias, the Triton one only for
     # a bias per batch entry.
@@ -67,14 +72,16 @@ def main(argv: list[str] | None = None) -> int:
             print(f"| {kernel} | {tiles} | fails: {type(e).__name__}: {str(e)[:200]} |")
     # End to end: one jitted forward+backward (as `bench` times it), for a bias both
     # ways of computing dbias.
-    shape = bench.Shape(args.batch, args.seq_len, args.seq_len, args.heads, args.heads,
-                        args.head_dim, args.causal)
-    inputs = bench.make_inputs(shape)
+    features = []
     if args.bias:
-        bias_shape = ((args.batch if args.bias_per_batch else 1), args.heads, args.seq_len,
-                      args.seq_len)
-        inputs["kwargs"]["bias"] = jax.random.normal(jax.random.key(9), bias_shape,
-                                                     inputs["query"].dtype)
+        features.append(("bias_per_batch" if args.bias_per_batch else "bias", None))
+    if args.alibi:
+        features.append(("alibi", None))
+    if args.soft_cap is not None:
+        features.append(("softcap", args.soft_cap))
+    shape = bench.Shape(args.batch, args.seq_len, args.seq_len, args.heads, args.heads,
+                        args.head_dim, args.causal, tuple(features))
+    inputs = bench.make_inputs(shape)
     for fuse in (False, True) if args.bias_per_batch else (None,):
         blocks = dataclasses.replace(heuristic, fuse_dbias=fuse)
         attention = functools.partial(pallas_attn.dot_product_attention,

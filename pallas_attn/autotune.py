@@ -205,12 +205,13 @@ def sweep_entries(kernel: str, head_dim: int, value_head_dim: int, dtype: Any, b
 
 def kernel_runner(*, batch: int, q_len: int, kv_len: int, heads: int, kv_heads: int,
                   head_dim: int, dtype: Any = jnp.bfloat16, is_causal: bool = False,
-                  bias: bool = False, bias_per_batch: bool = False,
-                  mosaic_forward: bool = False
+                  bias: bool = False, bias_per_batch: bool = False, alibi: bool = False,
+                  soft_cap: float | None = None, mosaic_forward: bool = False
                   ) -> tuple[Any, Callable[[str, Any], Callable[[], Any]]]:
     """(heuristic BlockSizes, runner) for one problem on the current GPU.
 
-    bias: a [1, N, T, S] bias ([B, N, T, S] with bias_per_batch). mosaic_forward: the
+    bias: a [1, N, T, S] bias ([B, N, T, S] with bias_per_batch). alibi: ALiBi slopes
+    per head; soft_cap: logits_soft_cap. mosaic_forward: the
     heuristic may pick the Mosaic forward, as dot_product_attention's does (off for
     tuning, which sweeps the Triton forward's tiles).
 
@@ -230,14 +231,17 @@ def kernel_runner(*, batch: int, q_len: int, kv_len: int, heads: int, kv_heads: 
     v = jax.random.normal(keys[2], (batch, kv_len, kv_heads, head_dim), dtype)
     bias_array = (jax.random.normal(keys[4], (batch if bias_per_batch else 1, heads, q_len,
                                               kv_len), dtype) if bias else None)
-    spec, ops, _ = normalize(q, k, v, bias_array, is_causal=is_causal)
-    features = {"is_causal": is_causal, "has_bias": bias,
+    slopes = 2.0 ** (-8.0 * jnp.arange(1, heads + 1) / heads) if alibi else None
+    spec, ops, _ = normalize(q, k, v, bias_array, is_causal=is_causal, alibi_slopes=slopes,
+                             logits_soft_cap=soft_cap)
+    features = {"is_causal": is_causal, "has_bias": bias, "has_soft_cap": soft_cap is not None,
                 "bias_dtype": None if bias_array is None else bias_array.dtype}
     triton_tiles = tuning.choose_block_sizes(head_dim, dtype, q_len=q_len, kv_len=kv_len,
                                              device=device, **features)
     heuristic = triton_tiles
     if mosaic_forward:
-        scores = not mosaic_fwd.unsupported_scores(spec, ("bias",) if bias else ())
+        present = ("bias",) * bias + ("alibi_slopes",) * alibi
+        scores = not mosaic_fwd.unsupported_scores(spec, present)
         heuristic = tuning.choose_block_sizes(head_dim, dtype, q_len=q_len, kv_len=kv_len,
                                               device=device, mosaic_scores=scores,
                                               **features)
@@ -277,7 +281,8 @@ def kernel_runner(*, batch: int, q_len: int, kv_len: int, heads: int, kv_heads: 
                     x = dict(zip(names, a, strict=True))
                     return mosaic_dkv.dkdv(p, x["q"], x["k"], x["v"], x["do"],
                                            (x["row_max"], x["log2_sum"]), x["delta"],
-                                           x.get("bias"), fused is not None)
+                                           x.get("bias"), fused is not None,
+                                           x.get("alibi_slopes"))
             else:
                 def fn(*a):
                     return triton_bwd.dkdv(p, names, list(a), fused)
@@ -288,7 +293,8 @@ def kernel_runner(*, batch: int, q_len: int, kv_len: int, heads: int, kv_heads: 
             def fn(*a):
                 x = dict(zip(names, a, strict=True))
                 return mosaic_dbias.dbias(p, x["q"], x["k"], x["v"], x["do"],
-                                          (x["row_max"], x["log2_sum"]), x["delta"], x["bias"])
+                                          (x["row_max"], x["log2_sum"]), x["delta"], x["bias"],
+                                          x.get("alibi_slopes"))
             args = bwd_inputs
         else:
             fn, args = (lambda *a: triton_bwd.dbias(p, names, list(a), optional["bias"])), \

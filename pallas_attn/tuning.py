@@ -127,14 +127,15 @@ class BlockSizes:
     fuse_dbias: True: the dK/dV kernel writes dbias from the dS tiles it computes
     anyway (the Triton one only for a bias with its own entry per batch entry, head
     and key, `fusable_dbias`; the Mosaic one also for a bias shared by the batch
-    entries, `mosaic_fusable_dbias`; else ValueError); False: a separate dbias kernel recomputes dS;
-    None (default): decided by `resolve_fuse_dbias` for the problem and device.
+    entries, `mosaic_fusable_dbias`; else ValueError); False: a separate dbias kernel
+    recomputes dS; None (default): decided by `resolve_fuse_dbias` for the problem and
+    device.
 
     forward_backend: "triton" (every GPU from sm80 and every feature) or "mosaic",
     the warp-specialised Hopper forward (kernels/mosaic_fwd.py: sm90, 16-bit
-    inputs, padded head dims 64 or 128, no operand besides q, k, v, no dropout;
-    block_q must be its 128 rows per work item, block_k 64 or 128, num_stages >= 2
-    shared-memory slots; num_warps does not apply).
+    inputs, padded head dims 64 or 128, no operand besides q, k, v, a bias and ALiBi
+    slopes, no dropout; block_q must be its 128 rows per work item, block_k 64 or
+    128, num_stages >= 2 shared-memory slots; num_warps does not apply).
 
     dbias_backend: "triton" or "mosaic", the warp-specialised Hopper dbias kernel
     (kernels/mosaic_dbias.py: for a bias broadcast over batch entries or heads, in

@@ -90,6 +90,19 @@ CASES = {
     "mosaic_dkv_per_batch_bias_window_float16": dict(
         dtype=jnp.float16, bias=jnp.ones((2, 4, 256, 256), jnp.float16), is_causal=True,
         local_window_size=(64, 32), block_sizes=pallas_attn.BlockSizes(**_MOSAIC_DKV)),
+    # ALiBi in the Hopper kernels: per-head slopes under causal masking (forward and
+    # dK/dV), per-batch slopes with a batch-shared bias and a soft cap (dK/dV writing
+    # dbias), and a head-shared bias's dbias kernel.
+    "mosaic_alibi_causal": dict(H=128, alibi_slopes=jnp.ones(4), is_causal=True,
+                                block_sizes=dataclasses.replace(_MOSAIC, **_MOSAIC_DKV)),
+    "mosaic_alibi_shared_bias_softcap": dict(
+        T=200, S=300, K=2, alibi_slopes=jnp.ones((2, 4)), logits_soft_cap=20.0,
+        bias=jnp.ones((1, 4, 200, 300), jnp.bfloat16),
+        block_sizes=dataclasses.replace(_MOSAIC, **_MOSAIC_DKV)),
+    "mosaic_alibi_dbias_head_shared": dict(
+        T=200, S=300, K=2, alibi_slopes=jnp.ones((2, 4)),
+        bias=jnp.ones((2, 1, 200, 300), jnp.bfloat16),
+        block_sizes=dataclasses.replace(_MOSAIC, **_MOSAIC_DBIAS)),
     "mosaic_dkv_h80_one_slot": dict(T=200, S=300, N=8, K=2, H=80, Hv=64, is_causal=True,
                                     block_sizes=pallas_attn.BlockSizes(
                                         **dict(_MOSAIC_DKV, num_stages_dkv=1))),

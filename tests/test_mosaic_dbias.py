@@ -53,6 +53,9 @@ CASES = [
      dict(logits_soft_cap=5.0, is_causal=True), dict(block_k_dbias=128)),
     ("soft_cap_running_max_H80_Hv64", dict(B=1, T=150, S=120, N=2, H=80, Hv=64), (1, 2),
      dict(logits_soft_cap=100.0, scale=0.3), {}),
+    # ALiBi: each member's own slope (per batch entry and head), with a soft cap.
+    ("head_shared_alibi_soft_cap", dict(B=2, T=130, S=150, N=2), (2, 1),
+     dict(alibi_slopes=jnp.array([[0.5, 0.05], [0.02, 0.3]]), logits_soft_cap=5.0), {}),
 ]
 
 
@@ -72,7 +75,8 @@ def _kernel_outputs(dtype: str, bias_dtype: str, shapes: dict, bias_shape: tuple
     out, row_stats = triton_fwd.forward(problem, q, k, v, operands)
     do = jax.random.normal(jax.random.key(11), out.shape, out.dtype)
     delta = jnp.einsum("btnh,btnh->bnt", do.astype(jnp.float32), out.astype(jnp.float32))
-    mosaic = mosaic_dbias.dbias(problem, q, k, v, do, row_stats, delta, operands["bias"])
+    mosaic = mosaic_dbias.dbias(problem, q, k, v, do, row_stats, delta, operands["bias"],
+                                operands.get("alibi_slopes"))
     triton_problem = dataclasses.replace(problem, blocks=dataclasses.replace(
         block_sizes, block_q_dbias=32, block_k_dbias=32, dbias_backend="triton"))
     names, bwd_inputs = triton_bwd.backward_inputs(q, k, v, operands, row_stats, do, delta)
@@ -126,7 +130,7 @@ def test_gradients_with_the_mosaic_dbias_against_reference_and_float64(dtype, sh
 
 
 @pytest.mark.parametrize("kwargs,match", [
-    (dict(mask=True), "no operand besides q, k, v and a bias, got mask"),
+    (dict(mask=True), "no operand besides q, k, v, a bias and ALiBi slopes, got mask"),
     (dict(dropout_rate=0.1, dropout_rng=jax.random.key(0)), "no dropout"),
     (dict(dtype=jnp.float32), "bfloat16 or float16"),
     (dict(bias=(1, 1, 1, 16)), "broadcast along queries or keys"),

@@ -56,6 +56,13 @@ CASES = [
      dict(local_window_size=(40, 10), logits_soft_cap=5.0), {}),
     ("bottom_right_T>S_H128_no_grad_bias", dict(B=2, T=200, S=100, N=2, H=128), (1, 2),
      dict(is_causal=True, causal_alignment="bottom_right"), dict(bias_grad=False)),
+    # ALiBi slopes per batch entry and head: alone under causal GQA (log2 units), and
+    # with a batch-shared bias and a soft cap (natural units, then the cap).
+    ("alibi_causal_gqa", dict(B=2, T=130, S=200, N=4, K=2), None,
+     dict(is_causal=True, alibi_slopes=jnp.array([[0.5, 0.25, 0.125, 0.0625],
+                                                   [0.03, 0.2, 0.7, 0.01]])), {}),
+    ("alibi_soft_cap_shared_bias", dict(B=2, T=100, S=140, N=2), (1, 2),
+     dict(alibi_slopes=jnp.array([0.3, 0.05]), logits_soft_cap=5.0), {}),
 ]
 
 
@@ -79,7 +86,7 @@ def _kernel_outputs(dtype: str, shapes: dict, bias_shape: tuple | None, kwargs: 
     do = jax.random.normal(jax.random.key(11), out.shape, out.dtype)
     delta = jnp.einsum("btnh,btnh->bnt", do.astype(jnp.float32), out.astype(jnp.float32))
     mosaic = mosaic_dkv.dkdv(problem, q, k, v, do, row_stats, delta, operands.get("bias"),
-                             bias_grad)
+                             bias_grad, operands.get("alibi_slopes"))
     triton_problem = dataclasses.replace(problem, blocks=dataclasses.replace(
         block_sizes, **TRITON_TILES))
     names, bwd_inputs = triton_bwd.backward_inputs(q, k, v, operands, row_stats, do, delta)
@@ -123,7 +130,11 @@ def test_mosaic_dkv_matches_the_triton_kernels(dtype, shapes, bias_shape, kwargs
     (dict(B=2, T=70, S=200, N=2, H=48), (2, 2), dict(logits_soft_cap=8.0,
                                                      local_window_size=(60, 20))),
     (dict(B=2, T=100, S=130, N=2, H=80, Hv=64), None, {}),
-], ids=["batch_shared_causal_mqa", "per_batch_window_soft_cap_H48", "no_bias_H80_Hv64"])
+    (dict(B=2, T=90, S=150, N=2, H=64), (1, 2),
+     dict(alibi_slopes=jnp.array([0.2, 0.04]), is_causal=True,
+          causal_alignment="bottom_right")),
+], ids=["batch_shared_causal_mqa", "per_batch_window_soft_cap_H48", "no_bias_H80_Hv64",
+        "alibi_batch_shared_bias_bottom_right"])
 def test_gradients_with_the_mosaic_dkv_against_reference_and_float64(shapes, bias_shape,
                                                                      kwargs):
     dtype = jnp.bfloat16
@@ -142,7 +153,8 @@ def test_gradients_with_the_mosaic_dkv_against_reference_and_float64(shapes, bia
 
 
 @pytest.mark.parametrize("kwargs,match", [
-    (dict(mask=True), "dkv_backend='mosaic'.*no operand besides q, k, v and a bias, got mask"),
+    (dict(mask=True),
+     "dkv_backend='mosaic'.*no operand besides q, k, v, a bias and ALiBi slopes, got mask"),
     (dict(dropout_rate=0.1, dropout_rng=jax.random.key(0)), "dkv_backend='mosaic'.*no dropout"),
     (dict(dtype=jnp.float32), "dkv_backend='mosaic'.*bfloat16 or float16"),
     (dict(H=256), "dkv_backend='mosaic'.*head dims must pad to"),

@@ -76,6 +76,15 @@ CASES = [
      dict(block_k=128)),
     ("bias_extreme_rows", dict(B=1, T=140, S=150, N=2, H=64),
      dict(bias=((1, 2, 140, 150), "extreme")), {}),
+    # ALiBi (an iota term with the head's slope, read from global memory per item):
+    # slopes per batch entry and head (log2-unit scores) under causal GQA, and slopes
+    # per head with a bias and a soft cap over a window (natural units, then the cap).
+    ("alibi_per_batch_causal_gqa", dict(B=2, T=200, S=150, N=4, K=2, H=64),
+     dict(is_causal=True, alibi_slopes=jnp.array([[0.5, 0.25, 0.125, 0.0625],
+                                                   [0.03, 0.2, 0.7, 0.01]])), {}),
+    ("alibi_bias_soft_cap_window", dict(B=1, T=140, S=260, N=2, H=64),
+     dict(alibi_slopes=jnp.array([0.3, 0.05]), bias=((1, 2, 140, 260), None),
+          logits_soft_cap=5.0, local_window_size=(90, 30)), dict(block_k=128)),
 ]
 
 
@@ -199,7 +208,7 @@ def test_gradients_through_the_mosaic_forward_match_the_triton_forward():
 # ----------------------------------------------------------------- what it refuses
 @pytest.mark.parametrize("kwargs,match", [
     (dict(dtype=jnp.float32), "bfloat16 or float16"),
-    (dict(mask=True), "no operand besides q, k, v and a bias, got mask"),
+    (dict(mask=True), "no operand besides q, k, v, a bias and ALiBi slopes, got mask"),
     (dict(bias=(1, 1, 1, 16)), r"broadcast along queries or keys"),
     (dict(bias=(1, 1, 16, 1)), r"broadcast along queries or keys"),
     (dict(dropout_rate=0.1, dropout_rng=jax.random.key(0)), "no dropout"),

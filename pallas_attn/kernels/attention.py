@@ -189,12 +189,14 @@ def _backward(problem: Problem, q, k, v, operands: dict, row_stats, do, delta,
     fused = bias_grad and bool(blocks.fuse_dbias)
     names, inputs = triton_bwd.backward_inputs(q, k, v, operands, row_stats, do, delta)
     if blocks.dkv_backend == "mosaic":
-        dk, dv, dbias = mosaic_dkv.dkdv(problem, q, k, v, do, row_stats, delta, bias, fused)
+        dk, dv, dbias = mosaic_dkv.dkdv(problem, q, k, v, do, row_stats, delta, bias, fused,
+                                        operands.get("alibi_slopes"))
     else:
         dk, dv, dbias = triton_bwd.dkdv(problem, names, inputs, bias if fused else None)
     dq = triton_bwd.dq(problem, names, inputs)
     if bias_grad and not fused:
-        dbias = (mosaic_dbias.dbias(problem, q, k, v, do, row_stats, delta, bias)
+        dbias = (mosaic_dbias.dbias(problem, q, k, v, do, row_stats, delta, bias,
+                                    operands.get("alibi_slopes"))
                  if _mosaic_dbias(problem) else triton_bwd.dbias(problem, names, inputs, bias))
     return dq, dk, dv, dbias
 

@@ -255,6 +255,36 @@ def run_tile_loops(first: Any, stop: Any, full_first: Any, full_stop: Any,
     return loop(full_stop, stop, True, carry)
 
 
+def logit_scores(problem: Problem, s: jax.Array, rows: Any, cols: Any, *,
+                 bias: jax.Array | None = None, slope: Any = None,
+                 tanh: Callable[[jax.Array], jax.Array] = jnp.tanh
+                 ) -> tuple[jax.Array, jax.Array | None]:
+    """(scores in the problem's units, t = tanh(logits / cap) or None) of a tile from
+    the raw products s = q.k (float32), before any visibility rule.
+
+    rows / cols: the tile's query and key positions, broadcasting against s (only
+    read with ALiBi); bias: the tile's bias or None; slope: the head's ALiBi slope or
+    None. Every kernel builds its scores here (the module doc describes the units).
+    """
+    spec, cap = problem.spec, problem.spec.logits_soft_cap
+    cap_tanh = None
+    # Natural units where a bias may be near finfo.min, or where ALiBi must be added
+    # before the cap; otherwise log2 factors fold into the multiplies.
+    if bias is not None or (cap is not None and slope is not None):
+        s = scores.add_logit_terms(s * spec.scale, rows, cols, problem.offset, bias=bias,
+                                   alibi_slope=slope)  # natural units
+        if cap is not None:
+            cap_tanh = scores.soft_cap_tanh(s, cap, tanh)
+    elif cap is not None:
+        cap_tanh = scores.soft_cap_tanh(s, cap / spec.scale, tanh)  # scale folded in
+    else:  # log2 units, log2(e) folded into the scale and the ALiBi slope
+        s = scores.add_logit_terms(s * (spec.scale * LOG2E), rows, cols, problem.offset,
+                                   alibi_slope=None if slope is None else slope * LOG2E)
+    if cap_tanh is not None:
+        s = cap_tanh * (cap * LOG2E)  # log2 units: capped scores are bounded
+    return s, cap_tanh
+
+
 class TileContext:
     """Per-program state for computing score tiles of query head n of batch entry b."""
 
@@ -264,10 +294,8 @@ class TileContext:
         self.b = b
         self.n = n
         spec = problem.spec
-        self.slope = self.slope_log2 = None
-        if problem.has("alibi_slopes"):
-            self.slope = refs["alibi_slopes"][b, n]
-            self.slope_log2 = self.slope * LOG2E
+        # The Mosaic kernels build contexts without refs, for the tile ranges only.
+        self.slope = refs["alibi_slopes"][b, n] if "alibi_slopes" in refs else None
         self.kv_length = (refs["key_value_seq_lengths"][b]
                           if problem.has("key_value_seq_lengths") else None)
         self.q_length = (refs["query_seq_lengths"][b]
@@ -343,23 +371,10 @@ class TileContext:
         s = plgpu.dot(q, k, trans_b=True, precision=p.precision)
         rows = (q0 + lax.broadcasted_iota(jnp.int32, (block_q, 1), 0))
         cols = (k0 + lax.broadcasted_iota(jnp.int32, (1, block_k), 1))
-        cap, cap_tanh = spec.logits_soft_cap, None
-        # Natural units where a bias may be near finfo.min, or where ALiBi must be added
-        # before the cap; otherwise log2 factors fold into the multiplies.
-        if p.has("bias") or (cap is not None and self.slope is not None):
-            bias = (self._load_broadcast("bias", spec.bias_shape, q0, k0, block_q, block_k)
-                    if p.has("bias") else None)
-            s = scores.add_logit_terms(s * spec.scale, rows, cols, p.offset, bias=bias,
-                                       alibi_slope=self.slope)  # natural units
-            if cap is not None:
-                cap_tanh = scores.soft_cap_tanh(s, cap, p.tanh)
-        elif cap is not None:
-            cap_tanh = scores.soft_cap_tanh(s, cap / spec.scale, p.tanh)  # scale folded in
-        else:  # log2 units, log2(e) folded into the scale and the ALiBi slope
-            s = scores.add_logit_terms(s * (spec.scale * LOG2E), rows, cols, p.offset,
-                                       alibi_slope=self.slope_log2)
-        if cap_tanh is not None:
-            s = cap_tanh * (cap * LOG2E)  # log2 units: capped scores are bounded
+        bias = (self._load_broadcast("bias", spec.bias_shape, q0, k0, block_q, block_k)
+                if p.has("bias") else None)
+        s, cap_tanh = logit_scores(p, s, rows, cols, bias=bias, slope=self.slope,
+                                   tanh=p.tanh)
         mask = (self._load_broadcast("mask", spec.mask_shape, q0, k0, block_q, block_k)
                 if p.has("mask") else None)
         q_seg = kv_seg = None

@@ -32,12 +32,14 @@ One program per multiprocessor loops over items round-robin with three warpgroup
 Items outside the causal/window band or past the keys get zeros and stream
 nothing; items the band crosses apply the band masks, the others do not. Scope:
 the Mosaic forward's (`mosaic_fwd.unsupported`: 16-bit inputs, padded head dims 64
-or 128, no operand besides q, k, v and the bias, no dropout; causal, windows, soft
-cap, GQA and ragged lengths are covered), with a bias that has its own entry per
-query and key.
+or 128, no operand besides q, k, v, the bias and ALiBi slopes, no dropout; causal,
+windows, soft cap, ALiBi (each member's own slope), GQA and ragged lengths are
+covered), with a bias that has its own entry per query and key.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -47,12 +49,13 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_attn import tuning
 from pallas_attn.kernels import mosaic_fwd, scores
-from pallas_attn.kernels.common import LOG2E, Problem, TileContext
+from pallas_attn.kernels.common import Problem, TileContext
 from pallas_attn.kernels.mosaic_fwd import (
     CONSUMER_REGISTERS,
     CONSUMERS,
     PRODUCER_REGISTERS,
     ROWS_PER_CONSUMER,
+    head_slope,
     smem_tiles,
 )
 from pallas_attn.tuning import MOSAIC_BLOCK_Q
@@ -67,8 +70,8 @@ def unsupported(problem: Problem) -> str:
     return mosaic_fwd.unsupported(problem)
 
 
-def _kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, bias_ref, dbias_ref, scratch, *,
-            problem: Problem, programs: int):
+def _kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, bias_ref, slopes_ref, dbias_ref, scratch,
+            *, problem: Problem, programs: int):
     (q_smem, k_smem, do_smem, v_smem, stats_smem, bias_smem), barriers = scratch
     qk_loaded, qk_consumed, dov_loaded, dov_consumed, bias_loaded = barriers
     block_k = problem.blocks.block_k_dbias
@@ -184,7 +187,8 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, bias_ref, dbias_ref, scratch
             pl.when(steps > 0)(lambda: plgpu.barrier_wait(bias_ready))
             member = _member_step(problem, wg, row0, k0, steps,
                                   (q_smem, k_smem, do_smem, v_smem, stats_smem, bias_mine),
-                                  barriers, lambda: load_bias(following))
+                                  barriers, lambda: load_bias(following),
+                                  lambda i: head_slope(slopes_ref, valid, *member_of(bb, nb, i)))
             acc = plgpu.layout_cast(jnp.zeros((rows_n, block_k), jnp.float32),
                                     plgpu.Layout.WGMMA)
             acc = lax.fori_loop(0, plain, lambda i, a: member(step, i, a, False), acc)
@@ -201,9 +205,11 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, bias_ref, dbias_ref, scratch
         lax.fori_loop(0, rounds, work, jnp.int32(0))
 
 
-def _member_step(problem: Problem, wg, row0, k0, steps, buffers, barriers, load_next_bias):
+def _member_step(problem: Problem, wg, row0, k0, steps, buffers, barriers, load_next_bias,
+                 slope_of):
     """The consumer's work on one member of an item: a function
-    (ring step of the item's first member, member index, acc, masked) -> acc."""
+    (ring step of the item's first member, member index, acc, masked) -> acc.
+    slope_of(i): member i's ALiBi slope or None."""
     q_smem, k_smem, do_smem, v_smem, stats_smem, bias_mine = buffers
     qk_loaded, qk_consumed, dov_loaded, dov_consumed, _ = barriers
     rows_n = ROWS_PER_CONSUMER
@@ -234,51 +240,37 @@ def _member_step(problem: Problem, wg, row0, k0, steps, buffers, barriers, load_
         pl.when(i == steps - 1)(load_next_bias)
 
         _, ds = tile_gradient(problem, s, dp, bias, (row_max, log2_sum, delta), row0, k0,
-                              masked)
+                              masked, slope_of(i))
         return acc + ds
     return step
 
 
 def tile_gradient(problem: Problem, s: jax.Array, dp: jax.Array, bias: jax.Array | None,
                   residuals: tuple[jax.Array, jax.Array, jax.Array], row0, k0,
-                  masked: bool) -> tuple[jax.Array, jax.Array]:
+                  masked: bool, slope: Any = None) -> tuple[jax.Array, jax.Array]:
     """(P, dS) of a [rows, keys] tile in the WGMMA layout, float32, from the raw
-    products s = Q K^T and dp = dO V^T, the tile's bias (or None) and its rows' residuals
-    (row reference, log2 row sum, delta; WGMMA.reduce(1) layout). masked applies the
-    band masks (causal, window, padded keys) of rows from row0 and keys from k0."""
-    spec = problem.spec
+    products s = Q K^T and dp = dO V^T, the tile's bias (or None), the head's ALiBi
+    slope (or None) and its rows' residuals (row reference, log2 row sum, delta;
+    WGMMA.reduce(1) layout). masked applies the band masks (causal, window, padded
+    keys) of rows from row0 and keys from k0."""
     row_max, log2_sum, delta = residuals
-    shape = s.shape
 
     def rows_of(x):
-        return lax.broadcast_in_dim(x, shape, [0])
+        return lax.broadcast_in_dim(x, s.shape, [0])
 
     dp = dp - rows_of(delta)
-    cap = spec.logits_soft_cap
-    if bias is not None:
-        s = s * spec.scale + bias  # natural units: a bias may lie near finfo.min
-    elif cap is None:
-        s = s * (spec.scale * LOG2E)  # log2 units
-    if cap is not None:  # dS picks up the cap's derivative 1 - t^2
-        t = scores.soft_cap_tanh(s, cap if bias is not None else cap / spec.scale)
-        dp = dp * scores.soft_cap_slope(t)
-        s = t * (cap * LOG2E)  # log2 units: capped scores are bounded
-    if masked:
-        rows = row0 + plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=plgpu.Layout.WGMMA)
-        cols = k0 + plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA)
-        visible = scores.visibility(
-            rows, cols, spec, problem.offset,
-            kv_bound=problem.kv_len if problem.kv_pad != problem.kv_len else None)
-        if visible is not None:
-            s = jnp.where(visible, s, -jnp.inf)
+    s, cap_tanh = mosaic_fwd.tile_scores(problem, s, row0, k0, masked, bias=bias, slope=slope)
+    if cap_tanh is not None:  # dS picks up the cap's derivative 1 - t^2
+        dp = dp * scores.soft_cap_slope(cap_tanh)
     prob = problem.probabilities(s, row_max, log2_sum, rows=rows_of)
     return prob, prob * dp
 
 
 def dbias(problem: Problem, q: jax.Array, k: jax.Array, v: jax.Array, do: jax.Array,
-          row_stats: tuple[jax.Array, jax.Array], delta: jax.Array, bias: jax.Array
-          ) -> jax.Array:
-    """dbias of the bias's (padded) shape for padded inputs; delta [B, N, Tp]."""
+          row_stats: tuple[jax.Array, jax.Array], delta: jax.Array, bias: jax.Array,
+          slopes: jax.Array | None = None) -> jax.Array:
+    """dbias of the bias's (padded) shape for padded inputs; delta [B, N, Tp]; slopes:
+    ALiBi slopes [B, N] or None."""
     if why := unsupported(problem):
         raise AssertionError(f"mosaic_dbias.dbias called for an unsupported problem: {why}")
     B, Tp, N, hp = q.shape
@@ -291,7 +283,9 @@ def dbias(problem: Problem, q: jax.Array, k: jax.Array, v: jax.Array, do: jax.Ar
     # The member's three row residuals travel in one bulk copy per consumer.
     stats = jnp.stack([*row_stats, delta], axis=2)  # [B, N, 3, Tp]
 
-    def entry(q_ref, k_ref, v_ref, do_ref, stats_ref, bias_ref, dbias_ref):
+    def entry(q_ref, k_ref, v_ref, do_ref, stats_ref, bias_ref, *refs):
+        slopes_ref = refs[0] if slopes is not None else None
+        dbias_ref = refs[-1]
         buffers = (
             smem_tiles((stages, CONSUMERS, ROWS_PER_CONSUMER, hp), dtype),
             smem_tiles((stages, block_k, hp), dtype),
@@ -310,7 +304,7 @@ def dbias(problem: Problem, q: jax.Array, k: jax.Array, v: jax.Array, do: jax.Ar
         )
         pl.run_scoped(
             lambda *scratch: _kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, bias_ref,
-                                     dbias_ref, (scratch[:6], scratch[6:]),
+                                     slopes_ref, dbias_ref, (scratch[:6], scratch[6:]),
                                      problem=problem, programs=programs),
             *buffers, *barriers, collective_axes="wg")
 
@@ -318,4 +312,5 @@ def dbias(problem: Problem, q: jax.Array, k: jax.Array, v: jax.Array, do: jax.Ar
     programs = tuning.persistent_programs(
         Tb // ITEM_ROWS * (Sb // block_k) * Bb * Nb, problem.interpret)
     return mosaic_fwd.launch(entry, jax.ShapeDtypeStruct(bias.shape, bias.dtype), programs,
-                             problem.interpret)(q, k, v, do, stats, bias)
+                             problem.interpret)(
+        q, k, v, do, stats, bias, *([] if slopes is None else [slopes]))

@@ -59,6 +59,8 @@ from pallas_attn.kernels.mosaic_fwd import (
     CONSUMERS,
     PRODUCER_REGISTERS,
     ROWS_PER_CONSUMER,
+    head_slope,
+    optional_refs,
     smem_tiles,
 )
 
@@ -72,8 +74,8 @@ def unsupported(problem: Problem) -> str:
     return mosaic_fwd.unsupported(problem)
 
 
-def _kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, bias_ref, dk_ref, dv_ref, dbias_ref,
-            smem, barriers, *, problem: Problem, programs: int, passes: int):
+def _kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, bias_ref, slopes_ref, dk_ref, dv_ref,
+            dbias_ref, smem, barriers, *, problem: Problem, programs: int, passes: int):
     q_smem, do_smem, stats_smem, k_smem, v_smem = (
         smem[name] for name in ("q", "do", "stats", "k", "v"))
     bias_smem, zero_tile = smem.get("bias"), smem.get("zeros")
@@ -182,7 +184,7 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, bias_ref, dk_ref, dv_ref, db
     @pl.when(wg < CONSUMERS)
     def _consumer():
         plgpu.set_max_registers(CONSUMER_REGISTERS, action="increase")
-        _consume(problem, wg, unit_of, units, (dk_ref, dv_ref, dbias_ref),
+        _consume(problem, wg, unit_of, units, (slopes_ref, dk_ref, dv_ref, dbias_ref),
                  (q_smem, do_smem, stats_smem, bias_smem,
                   k_smem.at[wg], v_smem.at[wg], smem["p"].at[wg], smem["ds"].at[wg]),
                  barriers)
@@ -190,7 +192,7 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, bias_ref, dk_ref, dv_ref, db
 
 def _consume(problem: Problem, wg, unit_of, units, refs, buffers, barriers):
     """A consumer's loop over its program's units: dK and dV of its 64 keys per unit."""
-    dk_ref, dv_ref, dbias_ref = refs
+    slopes_ref, dk_ref, dv_ref, dbias_ref = refs
     has_dbias = dbias_ref is not None
     q_smem, do_smem, stats_smem, bias_smem, k_mine, v_mine, p_mine, ds_mine = buffers
     step_loaded, step_consumed, kv_loaded, kv_consumed = barriers
@@ -214,8 +216,8 @@ def _consume(problem: Problem, wg, unit_of, units, refs, buffers, barriers):
 
         pl.when(tiles > 0)(lambda: plgpu.barrier_wait(kv_loaded))
 
-        def step_fn(i, carry, masked: bool):
-            """Query tile i of head h (ring step `at`)."""
+        def step_fn(i, carry, masked: bool, slope):
+            """Query tile i of head h (ring step `at`), the head's ALiBi slope."""
             dk, dv, at, h = carry
             slot = lax.rem(at, jnp.int32(stages))
             n = kh * group + h
@@ -235,7 +237,8 @@ def _consume(problem: Problem, wg, unit_of, units, refs, buffers, barriers):
             if bias_smem is not None:
                 bias = plgpu.load(bias_smem.at[slot, wg],
                                   layout=plgpu.Layout.WGMMA).astype(jnp.float32)
-            prob, ds = tile_gradient(problem, s, dp, bias, residuals, row0, k_own, masked)
+            prob, ds = tile_gradient(problem, s, dp, bias, residuals, row0, k_own, masked,
+                                     slope)
             ds_slot = ds_mine.at[lax.rem(at, 2)]
             if has_dbias and not reduce_in_registers:
                 # The dbias copy issued two steps ago has read this buffer.
@@ -253,8 +256,10 @@ def _consume(problem: Problem, wg, unit_of, units, refs, buffers, barriers):
             return dk, dv, at + 1, h
 
         def head(h, carry):
-            dk, dv, at, _ = run_tile_loops(first, stop, full_first, full_stop, step_fn,
-                                           (*carry, h))
+            slope = head_slope(slopes_ref, valid, b, kh * group + h)
+            dk, dv, at, _ = run_tile_loops(
+                first, stop, full_first, full_stop,
+                lambda i, c, masked: step_fn(i, c, masked, slope), (*carry, h))
             return dk, dv, at
 
         dk = plgpu.layout_cast(jnp.zeros((keys_n, hp), jnp.float32), plgpu.Layout.WGMMA)
@@ -344,9 +349,11 @@ def _store_dbias(ds_smem, dst, ds, accumulate, reduce_in_registers: bool):
 
 def dkdv(problem: Problem, q: jax.Array, k: jax.Array, v: jax.Array, do: jax.Array,
          row_stats: tuple[jax.Array, jax.Array], delta: jax.Array, bias: jax.Array | None,
-         bias_grad: bool) -> tuple[jax.Array, jax.Array, jax.Array | None]:
-    """(dk, dv, dbias or None) for padded inputs; delta [B, N, Tp]. bias_grad: also
-    write the gradient of the (present) bias (`tuning.mosaic_fusable_dbias`)."""
+         bias_grad: bool, slopes: jax.Array | None = None
+         ) -> tuple[jax.Array, jax.Array, jax.Array | None]:
+    """(dk, dv, dbias or None) for padded inputs; delta [B, N, Tp]; slopes: ALiBi
+    slopes [B, N] or None. bias_grad: also write the gradient of the (present) bias
+    (`tuning.mosaic_fusable_dbias`)."""
     if why := unsupported(problem):
         raise AssertionError(f"mosaic_dkv.dkdv called for an unsupported problem: {why}")
     if bias_grad and not tuning.mosaic_fusable_dbias(
@@ -368,8 +375,8 @@ def dkdv(problem: Problem, q: jax.Array, k: jax.Array, v: jax.Array, do: jax.Arr
 
     def entry(*refs):
         q_ref, k_ref, v_ref, do_ref, stats_ref, *rest = refs
-        bias_ref = rest.pop(0) if has_bias else None
-        dk_ref, dv_ref, *dbias_ref = rest
+        bias_ref, slopes_ref = optional_refs(rest, bias, slopes)
+        dk_ref, dv_ref, *dbias_ref = rest[(bias is not None) + (slopes is not None):]
         kinds = dict(
             q=smem_tiles((stages, STEP_ROWS, hp), dtype),
             do=smem_tiles((stages, STEP_ROWS, hvp), dtype),
@@ -393,8 +400,8 @@ def dkdv(problem: Problem, q: jax.Array, k: jax.Array, v: jax.Array, do: jax.Arr
 
         def body(*scratch):
             smem = dict(zip(kinds, scratch, strict=False))
-            _kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, bias_ref, dk_ref, dv_ref,
-                    dbias_ref[0] if dbias_ref else None, smem, scratch[len(kinds):],
+            _kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, bias_ref, slopes_ref, dk_ref,
+                    dv_ref, dbias_ref[0] if dbias_ref else None, smem, scratch[len(kinds):],
                     problem=problem, programs=programs, passes=passes)
 
         pl.run_scoped(body, *kinds.values(), *barriers, collective_axes="wg")
@@ -404,6 +411,6 @@ def dkdv(problem: Problem, q: jax.Array, k: jax.Array, v: jax.Array, do: jax.Arr
     out_type = [jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)]
     if bias_grad:
         out_type.append(jax.ShapeDtypeStruct(bias.shape, bias.dtype))
-    operands = [q, k, v, do, stats] + ([bias] if has_bias else [])
+    operands = [q, k, v, do, stats] + [x for x in (bias, slopes) if x is not None]
     results = mosaic_fwd.launch(entry, out_type, programs, problem.interpret)(*operands)
     return results[0], results[1], results[2] if bias_grad else None

@@ -29,10 +29,11 @@ residuals (row reference, +inf for rows that see no key, and log2 of the row
 sum), so the Triton backward kernels consume them unchanged.
 
 Scope (`unsupported` says what lies outside it): 16-bit inputs, padded head dims
-64 or 128, no operand besides q, k, v and a bias with its own entry per query and
-key (no mask, ALiBi, segments, lengths or dropout); causal, local windows in both
-alignments, soft cap (with the Triton forward's fixed row reference where it
-applies), GQA and ragged lengths are covered. Everything else runs the Triton
+64 or 128, no operand besides q, k, v, a bias with its own entry per query and key
+and ALiBi slopes (no mask, segments, lengths or dropout); causal, local windows in
+both alignments, soft cap (with the Triton forward's fixed row reference where it
+applies), ALiBi (each consumer reads its item's slope), GQA and ragged lengths are
+covered. Everything else runs the Triton
 forward. With the default tiles (block_k 128) a float32 bias does not fit the shared
 memory next to two K/V slots (tuning.shared_memory_estimate), so the heuristic gives
 it the Triton forward; explicit tiles with block_k 64 run it here.
@@ -62,7 +63,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_attn import tuning
 from pallas_attn.kernels import scores
-from pallas_attn.kernels.common import LOG2E, MAX_FLOOR, Problem, TileContext
+from pallas_attn.kernels.common import MAX_FLOOR, Problem, TileContext, logit_scores
 from pallas_attn.spec import AttentionSpec
 from pallas_attn.tuning import MOSAIC_BLOCK_Q, padded_head_dim
 
@@ -84,9 +85,10 @@ def unsupported_scores(spec: AttentionSpec, present: tuple[str, ...]) -> str:
     `unsupported` known before tiles are chosen)."""
     if spec.has_dropout:
         return f"no dropout, got dropout_rate={spec.dropout_rate}"
-    others = [name for name in present if name != "bias"]
+    others = [name for name in present if name not in ("bias", "alibi_slopes")]
     if others:
-        return f"it takes no operand besides q, k, v and a bias, got {', '.join(others)}"
+        return (f"it takes no operand besides q, k, v, a bias and ALiBi slopes, got "
+                f"{', '.join(others)}")
     if spec.has_bias and 1 in spec.bias_shape[2:]:
         return (f"the bias needs its own entry per query and key, got a bias of shape "
                 f"{spec.bias_shape} (broadcast along queries or keys)")
@@ -132,8 +134,8 @@ class _Item:
     n: Any
 
 
-def _kernel(q_ref, k_ref, v_ref, bias_ref, out_ref, row_max_ref, log2_sum_ref, scratch, *,
-            problem: Problem, programs: int):
+def _kernel(q_ref, k_ref, v_ref, bias_ref, slopes_ref, out_ref, row_max_ref, log2_sum_ref,
+            scratch, *, problem: Problem, programs: int):
     (q_smem, o_smem, k_smem, v_smem, p_smem, bias_smem), barriers = scratch
     o_smem = p_smem if o_smem is None else o_smem
     q_loaded, k_loaded, v_loaded, k_consumed, v_consumed, schedule, bias_loaded = barriers
@@ -233,7 +235,8 @@ def _kernel(q_ref, k_ref, v_ref, bias_ref, out_ref, row_max_ref, log2_sum_ref, s
             acc, m, l_sum = _consume(
                 problem, ctx, tiles, lambda t: slot_of(step + t - tiles.first), row0,
                 tiles.first + steps, q_mine, k_smem, v_smem, p_mine, o_mine.shape[-1],
-                (k_loaded, v_loaded, k_consumed, v_consumed), schedule, bias)
+                (k_loaded, v_loaded, k_consumed, v_consumed), schedule, bias,
+                head_slope(slopes_ref, item.valid, item.b, item.n))
             load_q(item_of(r + 1))  # every Q K^T of this item is done: q_mine is free
 
             @pl.when(item.valid)
@@ -266,7 +269,7 @@ def _take_turn(schedule) -> None:
 
 def _consume(problem: Problem, ctx: TileContext, tiles: _Band, slot_of, row0, stop,
              q_smem, k_smem, v_smem, p_smem, hv: int, ring, schedule,
-             bias_in) -> tuple[Any, Any, Any]:
+             bias_in, slope) -> tuple[Any, Any, Any]:
     """One consumer warpgroup: (acc, row reference, row sum) of rows [row0, row0 + 64)
     against key tiles [tiles.first, stop) (stop = tiles.first for no work).
 
@@ -280,10 +283,11 @@ def _consume(problem: Problem, ctx: TileContext, tiles: _Band, slot_of, row0, st
     [64, block_k] buffer, the buffer's barrier). The consumer itself copies each key
     tile's bias into the buffer one step ahead (a bulk copy issued as soon as the
     previous tile is in registers); scores with a bias stay in natural units
-    (Problem.exp2_factor), as in the Triton forward.
+    (Problem.exp2_factor), as in the Triton forward. slope: the head's ALiBi slope or
+    None.
     """
     k_loaded, v_loaded, k_consumed, v_consumed = ring
-    spec, block_k = problem.spec, problem.blocks.block_k
+    block_k = problem.blocks.block_k
     fixed = problem.fixed_row_reference
     rows_n = ROWS_PER_CONSUMER
     dtype = q_smem.dtype
@@ -325,24 +329,7 @@ def _consume(problem: Problem, ctx: TileContext, tiles: _Band, slot_of, row0, st
 
         s = pl.run_scoped(qk, plgpu.ACC((rows_n, block_k), jnp.float32))
         plgpu.barrier_arrive(k_consumed.at[slot])
-        cap = spec.logits_soft_cap
-        if bias is not None:  # natural units: a bias may lie near finfo.min
-            s = s * spec.scale + bias
-            if cap is not None:
-                s = scores.soft_cap_tanh(s, cap) * (cap * LOG2E)
-        elif cap is None:
-            s = s * (spec.scale * LOG2E)  # log2 units
-        else:  # the scale folds into the tanh's argument; capped scores in log2 units
-            s = scores.soft_cap_tanh(s, cap / spec.scale) * (cap * LOG2E)
-        if masked:
-            rows = row0 + plgpu.broadcasted_iota(jnp.int32, s.shape, 0, layout=plgpu.Layout.WGMMA)
-            cols = t * block_k + plgpu.broadcasted_iota(jnp.int32, s.shape, 1,
-                                                        layout=plgpu.Layout.WGMMA)
-            visible = scores.visibility(
-                rows, cols, spec, problem.offset,
-                kv_bound=problem.kv_len if problem.kv_pad != problem.kv_len else None)
-            if visible is not None:
-                s = jnp.where(visible, s, -jnp.inf)
+        s, _ = tile_scores(problem, s, row0, t * block_k, masked, bias=bias, slope=slope)
         if fixed is not None:  # bounded scores: the bound is every row's reference
             m_next, alpha = m_prev, None
             prob = jnp.exp2(s - fixed)
@@ -393,10 +380,34 @@ def _consume(problem: Problem, ctx: TileContext, tiles: _Band, slot_of, row0, st
     return acc, m, l_sum
 
 
+def tile_scores(problem: Problem, s: jax.Array, row0, k0, masked: bool, *,
+                bias: jax.Array | None = None, slope: Any = None
+                ) -> tuple[jax.Array, jax.Array | None]:
+    """(scores, t = tanh(logits / cap) or None) of a [rows, keys] tile in the WGMMA
+    layout from the raw products s = Q K^T: common.logit_scores, then the band masks
+    (causal, window, padded keys) of rows from row0 and keys from k0 where masked,
+    invisible entries at -inf. bias: the tile's bias (float32) or None; slope: the
+    head's ALiBi slope (a scalar) or None. The Mosaic kernels' one score rule."""
+    rows = cols = None
+    if masked or slope is not None:
+        def iota(dim):
+            return plgpu.broadcasted_iota(jnp.int32, s.shape, dim, layout=plgpu.Layout.WGMMA)
+        rows, cols = row0 + iota(0), k0 + iota(1)
+    s, cap_tanh = logit_scores(problem, s, rows, cols, bias=bias, slope=slope)
+    if masked:
+        visible = scores.visibility(
+            rows, cols, problem.spec, problem.offset,
+            kv_bound=problem.kv_len if problem.kv_pad != problem.kv_len else None)
+        if visible is not None:
+            s = jnp.where(visible, s, -jnp.inf)
+    return s, cap_tanh
+
+
 def forward(problem: Problem, q: jax.Array, k: jax.Array, v: jax.Array,
             optional: dict[str, jax.Array]) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
     """(out [B, Tp, N, Hvp], (row_max, log2_sum) [B, N, Tp]) for padded inputs."""
-    if set(optional) - {"bias"} or unsupported(problem) or problem.blocks.block_q != ITEM_ROWS:
+    if (set(optional) - {"bias", "alibi_slopes"} or unsupported(problem)
+            or problem.blocks.block_q != ITEM_ROWS):
         raise AssertionError(f"mosaic_fwd.forward called for an unsupported problem: "
                              f"{unsupported(problem) or problem.blocks}")
     B, Tp, N, hp = q.shape
@@ -407,10 +418,10 @@ def forward(problem: Problem, q: jax.Array, k: jax.Array, v: jax.Array,
     row = jax.ShapeDtypeStruct((B, N, Tp), jnp.float32)
     out_type = (jax.ShapeDtypeStruct((B, Tp, N, hvp), dtype), row, row)
 
-    bias = optional.get("bias")
+    bias, slopes = optional.get("bias"), optional.get("alibi_slopes")
 
     def entry(q_ref, k_ref, v_ref, *refs):
-        bias_ref = refs[0] if bias is not None else None
+        bias_ref, slopes_ref = optional_refs(refs, bias, slopes)
         out_ref, row_max_ref, log2_sum_ref = refs[-3:]
         buffers = (
             smem_tiles((CONSUMERS, ROWS_PER_CONSUMER, hp), dtype),
@@ -432,15 +443,31 @@ def forward(problem: Problem, q: jax.Array, k: jax.Array, v: jax.Array,
             None if bias is None else plgpu.Barrier(num_barriers=CONSUMERS),
         )
         pl.run_scoped(
-            lambda *scratch: _kernel(q_ref, k_ref, v_ref, bias_ref, out_ref, row_max_ref,
-                                     log2_sum_ref, (scratch[:6], scratch[6:]),
+            lambda *scratch: _kernel(q_ref, k_ref, v_ref, bias_ref, slopes_ref, out_ref,
+                                     row_max_ref, log2_sum_ref, (scratch[:6], scratch[6:]),
                                      problem=problem, programs=programs),
             *buffers, *barriers, collective_axes="wg")
 
     programs = tuning.persistent_programs(Tp // ITEM_ROWS * B * N, problem.interpret)
     out, row_max, log2_sum = launch(entry, out_type, programs, problem.interpret)(
-        q, k, v, *([bias] if bias is not None else []))
+        q, k, v, *(x for x in (bias, slopes) if x is not None))
     return out, (row_max, log2_sum)
+
+
+def optional_refs(refs, *operands) -> list[Any]:
+    """The refs of the optional operands among a kernel's refs (which start with them, in
+    this order), None for an operand that is None."""
+    refs = iter(refs)
+    return [None if x is None else next(refs) for x in operands]
+
+
+def head_slope(slopes_ref, valid, b, n) -> Any:
+    """The ALiBi slope of head n of batch entry b (a scalar loaded from global memory),
+    or None without ALiBi; (b, n) of an invalid work item may lie past the arrays, so
+    it reads entry (0, 0) instead."""
+    if slopes_ref is None:
+        return None
+    return slopes_ref[jnp.where(valid, b, 0), jnp.where(valid, n, 0)]
 
 
 def launch(entry, out_type: Any, programs: int, interpret: bool) -> Any:
