@@ -221,7 +221,14 @@ def kernel_runner(*, batch: int, q_len: int, kv_len: int, heads: int, kv_heads: 
     """
     from pallas_attn import tuning
     from pallas_attn.kernels import attention as kernel_attention
-    from pallas_attn.kernels import mosaic_dbias, mosaic_dkv, mosaic_fwd, triton_bwd, triton_fwd
+    from pallas_attn.kernels import (
+        mosaic_dbias,
+        mosaic_dkv,
+        mosaic_dq,
+        mosaic_fwd,
+        triton_bwd,
+        triton_fwd,
+    )
     from pallas_attn.spec import normalize
 
     device = tuning.DeviceInfo.current()
@@ -286,6 +293,13 @@ def kernel_runner(*, batch: int, q_len: int, kv_len: int, heads: int, kv_heads: 
             else:
                 def fn(*a):
                     return triton_bwd.dkdv(p, names, list(a), fused)
+            args = bwd_inputs
+        elif kernel == "dq" and blocks.dq_backend == "mosaic":
+            def fn(*a):
+                x = dict(zip(names, a, strict=True))
+                return mosaic_dq.dq(p, x["q"], x["k"], x["v"], x["do"],
+                                    (x["row_max"], x["log2_sum"]), x["delta"], x.get("bias"),
+                                    x.get("alibi_slopes"))
             args = bwd_inputs
         elif kernel == "dq":
             fn, args = (lambda *a: triton_bwd.dq(p, names, list(a))), bwd_inputs

@@ -108,11 +108,14 @@ _KERNELS = ("forward", "dkdv", "dq", "dbias")
 FORWARD_BACKENDS = ("triton", "mosaic")
 DBIAS_BACKENDS = FORWARD_BACKENDS
 DKV_BACKENDS = FORWARD_BACKENDS
+DQ_BACKENDS = FORWARD_BACKENDS
 # The Mosaic forward: work items of 128 query rows, 64 per consumer warpgroup.
 MOSAIC_BLOCK_Q = 128
 MOSAIC_BLOCK_K = (64, 128)
 # The Mosaic dK/dV kernel: steps of 64 query rows, units of 128 keys (64 per consumer).
 MOSAIC_DKV_TILES = (64, 128)
+# The Mosaic dQ kernel: the forward's items of 128 query rows, key tiles of 64.
+MOSAIC_DQ_TILES = (MOSAIC_BLOCK_Q, 64)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,7 +152,14 @@ class BlockSizes:
     block_k_dkv must be its (64, 128), num_stages_dkv its Q/dO slots, one slot runs
     but slowly; num_warps_dkv does not apply). With fuse_dbias it writes dbias for
     a bias of shape [B, N, T, S] or [1, N, T, S] in the inputs' dtype, adding the
-    batch entries' dS tiles with reduce-add bulk copies. The dQ kernel is Triton.
+    batch entries' dS tiles with reduce-add bulk copies.
+
+    dq_backend: "triton" or "mosaic", the warp-specialised Hopper dQ kernel
+    (kernels/mosaic_dq.py: in the Mosaic forward's scope; block_q_dq and block_k_dq
+    must be its (128, 64), num_stages_dq its K/V slots, at least 2; num_warps_dq
+    does not apply). The heuristic never picks it: faster alone with a soft cap or
+    a bias, it made every measured forward+backward slower (BENCHMARKS.md, session
+    11).
     """
 
     block_q: int = 128
@@ -172,6 +182,7 @@ class BlockSizes:
     forward_backend: str = "triton"
     dbias_backend: str = "triton"
     dkv_backend: str = "triton"
+    dq_backend: str = "triton"
 
     def __post_init__(self):
         for field in ("block_q", "block_k", "block_q_dkv", "block_k_dkv", "block_q_dq",
@@ -193,7 +204,8 @@ class BlockSizes:
                 f"BlockSizes.fuse_dbias must be True, False or None, got {self.fuse_dbias!r}")
         for field, backends in (("forward_backend", FORWARD_BACKENDS),
                                 ("dbias_backend", DBIAS_BACKENDS),
-                                ("dkv_backend", DKV_BACKENDS)):
+                                ("dkv_backend", DKV_BACKENDS),
+                                ("dq_backend", DQ_BACKENDS)):
             if getattr(self, field) not in backends:
                 raise ValueError(f"BlockSizes.{field} must be one of {backends}, "
                                  f"got {getattr(self, field)!r}")
@@ -215,6 +227,13 @@ class BlockSizes:
             raise ValueError(
                 f"BlockSizes.dkv_backend='mosaic' needs (block_q_dkv, block_k_dkv) = "
                 f"{MOSAIC_DKV_TILES}, got ({self.block_q_dkv}, {self.block_k_dkv})")
+        if self.dq_backend == "mosaic" and (
+                (self.block_q_dq, self.block_k_dq) != MOSAIC_DQ_TILES
+                or self.num_stages_dq < 2):
+            raise ValueError(
+                f"BlockSizes.dq_backend='mosaic' needs (block_q_dq, block_k_dq) = "
+                f"{MOSAIC_DQ_TILES} and num_stages_dq >= 2, got ({self.block_q_dq}, "
+                f"{self.block_k_dq}) and num_stages_dq={self.num_stages_dq}")
 
     def clamp(self, q_len: int, kv_len: int) -> BlockSizes:
         """Shrinks tiles that are longer than the (power-of-two rounded) sequences."""
@@ -225,13 +244,15 @@ class BlockSizes:
         mosaic = self.forward_backend == "mosaic"
         mosaic_dbias = self.dbias_backend == "mosaic"
         mosaic_dkv = self.dkv_backend == "mosaic"
+        mosaic_dq = self.dq_backend == "mosaic"
         return dataclasses.replace(
             self,
             block_q=self.block_q if mosaic else min(self.block_q, q_cap),
             block_k=self.block_k if mosaic else min(self.block_k, k_cap),
             block_q_dkv=self.block_q_dkv if mosaic_dkv else min(self.block_q_dkv, q_cap),
             block_k_dkv=self.block_k_dkv if mosaic_dkv else min(self.block_k_dkv, k_cap),
-            block_q_dq=min(self.block_q_dq, q_cap), block_k_dq=min(self.block_k_dq, k_cap),
+            block_q_dq=self.block_q_dq if mosaic_dq else min(self.block_q_dq, q_cap),
+            block_k_dq=self.block_k_dq if mosaic_dq else min(self.block_k_dq, k_cap),
             block_q_dbias=self.block_q_dbias if mosaic_dbias else min(self.block_q_dbias, q_cap),
             block_k_dbias=self.block_k_dbias if mosaic_dbias else min(self.block_k_dbias, k_cap))
 
@@ -368,8 +389,16 @@ def shared_memory_estimate(block_sizes: BlockSizes, head_dim: int, value_head_di
                 + 2 * b.block_q_dkv * b.block_k_dkv * size
                 + tile_inputs(b.block_q_dkv, b.block_k_dkv, b.num_stages_dkv))
     dq = (b.block_q_dq * (hd + hv) * size + b.num_stages_dq * b.block_k_dq * (hd + hv) * size
-          + b.block_q_dq * b.block_k_dq * size
-          + tile_inputs(b.block_q_dq, b.block_k_dq, b.num_stages_dq))
+          + b.block_q_dq * b.block_k_dq * size)
+    if b.dq_backend == "mosaic":
+        # The Triton kernel's Q, dO, K/V ring and dS, plus the three float32 row
+        # residuals, each consumer's bias tile (its own buffer, not multi-buffered)
+        # and 8-byte barriers (rows per consumer, loaded and consumed per slot for K
+        # and V, the turns, the bias buffers').
+        dq += (3 * b.block_q_dq * 4 + b.block_q_dq * b.block_k_dq * extra
+               + 8 * (4 * b.num_stages_dq + 3 + (2 if bias_dtype is not None else 0)))
+    else:
+        dq += tile_inputs(b.block_q_dq, b.block_k_dq, b.num_stages_dq)
     estimate = {"forward": forward, "dkdv": dkdv, "dq": dq}
     if bias_dtype is not None:
         bias_size = np.dtype(jnp.dtype(bias_dtype)).itemsize
@@ -490,7 +519,8 @@ def choose_block_sizes(head_dim: int, dtype: Any = jnp.bfloat16, *, q_len: int, 
     the device, dtype and head dims) selects the Mosaic forward, which replaces
     the Triton forward's tiles, tuned or not (`prefers_mosaic_forward`); the Mosaic
     dK/dV kernel (`prefers_mosaic_dkv`) and with a bias the Mosaic dbias kernel
-    (`prefers_mosaic_dbias`) likewise.
+    (`prefers_mosaic_dbias`) likewise. The Mosaic dQ kernel runs only when asked for
+    (`BlockSizes.dq_backend`).
     """
     if not isinstance(head_dim, int) or not 1 <= head_dim <= 256:
         raise ValueError(f"head_dim must be an int in [1, 256], got {head_dim!r}")

@@ -1,5 +1,5 @@
 """Lower every kernel for an sm90 GPU on CPU (jaxpr -> Triton IR, and Mosaic GPU IR for
-the Hopper forward, dK/dV and dbias kernels).
+the Hopper forward, dK/dV, dQ and dbias kernels).
 
 The interpreters run the kernels' semantics; this catches what only the lowerings
 reject (types, layouts, unsupported primitives) without a GPU. The final
@@ -25,6 +25,7 @@ _MOSAIC = pallas_attn.BlockSizes(128, 128, num_stages=2, forward_backend="mosaic
 _MOSAIC_DBIAS = dict(block_q_dbias=128, block_k_dbias=64, num_stages_dbias=2,
                      dbias_backend="mosaic")
 _MOSAIC_DKV = dict(block_q_dkv=64, block_k_dkv=128, num_stages_dkv=2, dkv_backend="mosaic")
+_MOSAIC_DQ = dict(block_q_dq=128, block_k_dq=64, num_stages_dq=2, dq_backend="mosaic")
 
 CASES = {
     "plain": dict(),
@@ -103,6 +104,15 @@ CASES = {
         T=200, S=300, K=2, alibi_slopes=jnp.ones((2, 4)),
         bias=jnp.ones((2, 1, 200, 300), jnp.bfloat16),
         block_sizes=dataclasses.replace(_MOSAIC, **_MOSAIC_DBIAS)),
+    # The Hopper dQ kernel: a batch-shared bias under a soft cap with ALiBi (GQA,
+    # ragged, every other kernel Mosaic too), and causal at H80/Hv64 with three slots.
+    "mosaic_dq_bias_softcap_alibi": dict(
+        T=200, S=300, K=2, H=128, alibi_slopes=jnp.ones(4), logits_soft_cap=20.0,
+        bias=jnp.ones((1, 4, 200, 300), jnp.bfloat16),
+        block_sizes=dataclasses.replace(_MOSAIC, **_MOSAIC_DKV, **_MOSAIC_DQ)),
+    "mosaic_dq_causal_h80_three_slots": dict(
+        T=200, S=300, N=8, K=2, H=80, Hv=64, is_causal=True,
+        block_sizes=pallas_attn.BlockSizes(**dict(_MOSAIC_DQ, num_stages_dq=3))),
     "mosaic_dkv_h80_one_slot": dict(T=200, S=300, N=8, K=2, H=80, Hv=64, is_causal=True,
                                     block_sizes=pallas_attn.BlockSizes(
                                         **dict(_MOSAIC_DKV, num_stages_dkv=1))),

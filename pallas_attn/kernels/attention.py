@@ -19,7 +19,14 @@ import jax.numpy as jnp
 from jax.custom_derivatives import SymbolicZero
 
 from pallas_attn import tuning
-from pallas_attn.kernels import mosaic_dbias, mosaic_dkv, mosaic_fwd, triton_bwd, triton_fwd
+from pallas_attn.kernels import (
+    mosaic_dbias,
+    mosaic_dkv,
+    mosaic_dq,
+    mosaic_fwd,
+    triton_bwd,
+    triton_fwd,
+)
 from pallas_attn.kernels.common import OPTIONAL_INPUTS, Problem
 from pallas_attn.spec import AttentionSpec, Operands
 from pallas_attn.tuning import BlockSizes, DeviceInfo
@@ -54,7 +61,7 @@ def resolve_block_sizes(spec: AttentionSpec, ops: Operands, block_sizes: BlockSi
                                                 value_head_dim=Hv, device=device, **features)
     elif not interpret:
         tuning.check_fits(block_sizes, H, Hv, ops.query.dtype, device, **smem)
-        for field in ("forward_backend", "dbias_backend", "dkv_backend"):
+        for field in ("forward_backend", "dbias_backend", "dkv_backend", "dq_backend"):
             if getattr(block_sizes, field) == "mosaic" and device.compute_capability != (9, 0):
                 raise ValueError(
                     f"block_sizes.{field}='mosaic' needs an sm90 (Hopper) GPU, this one "
@@ -112,6 +119,8 @@ def attention(spec: AttentionSpec, ops: Operands, *, block_sizes: BlockSizes | N
         raise ValueError(f"block_sizes.dbias_backend='mosaic' does not cover this call: {why}")
     if blocks.dkv_backend == "mosaic" and (why := mosaic_dkv.unsupported(problem)):
         raise ValueError(f"block_sizes.dkv_backend='mosaic' does not cover this call: {why}")
+    if blocks.dq_backend == "mosaic" and (why := mosaic_dq.unsupported(problem)):
+        raise ValueError(f"block_sizes.dq_backend='mosaic' does not cover this call: {why}")
     out, lse = _fused(problem, qp, kp, vp, differentiable, optional)
     T, Hv = ops.query.shape[1], ops.value.shape[-1]
     lse = jnp.where(lse == jnp.inf, -jnp.inf, lse)[:, :, :T]  # public: -inf for empty rows
@@ -193,7 +202,11 @@ def _backward(problem: Problem, q, k, v, operands: dict, row_stats, do, delta,
                                         operands.get("alibi_slopes"))
     else:
         dk, dv, dbias = triton_bwd.dkdv(problem, names, inputs, bias if fused else None)
-    dq = triton_bwd.dq(problem, names, inputs)
+    if blocks.dq_backend == "mosaic":
+        dq = mosaic_dq.dq(problem, q, k, v, do, row_stats, delta, bias,
+                          operands.get("alibi_slopes"))
+    else:
+        dq = triton_bwd.dq(problem, names, inputs)
     if bias_grad and not fused:
         dbias = (mosaic_dbias.dbias(problem, q, k, v, do, row_stats, delta, bias,
                                     operands.get("alibi_slopes"))

@@ -34,8 +34,8 @@ dK/dV and Mosaic dbias kernels; without a bias 2.00 against 2.25.
 
 The Pallas interpreter has neither reduce-add copies nor accumulators initialised
 from registers: interpreted, the kernel adds later passes' dbias tiles and each
-step's dK/dV products through registers (`_store_dbias`, `_accumulate`), the only
-places where it differs from the compiled kernel.
+step's dK/dV products through registers (`_store_dbias`, `mosaic_fwd.accumulate`),
+the only places where it differs from the compiled kernel.
 
 Scope: the Mosaic forward's (`mosaic_fwd.unsupported`), and a bias gradient only
 for a bias of shape [B, N, T, S] or [1, N, T, S] in the inputs' dtype
@@ -59,6 +59,7 @@ from pallas_attn.kernels.mosaic_fwd import (
     CONSUMERS,
     PRODUCER_REGISTERS,
     ROWS_PER_CONSUMER,
+    accumulate,
     head_slope,
     optional_refs,
     smem_tiles,
@@ -247,9 +248,9 @@ def _consume(problem: Problem, wg, unit_of, units, refs, buffers, barriers):
             ds_slot[...] = ds.astype(dtype)
             plgpu.commit_smem()
 
-            dv, dk = _accumulate(((dv, p_mine.transpose((1, 0)), do_smem.at[slot]),
-                                  (dk, ds_slot.transpose((1, 0)), q_smem.at[slot])),
-                                 problem.interpret)
+            dv, dk = accumulate(((dv, p_mine.transpose((1, 0)), do_smem.at[slot]),
+                                 (dk, ds_slot.transpose((1, 0)), q_smem.at[slot])),
+                                problem.interpret)
             plgpu.barrier_arrive(step_consumed.at[slot])
             if has_dbias:
                 _store_dbias(ds_slot, dbias_tile(n, i), ds, p > 0, reduce_in_registers)
@@ -302,47 +303,25 @@ def _zeros_outside_band(zero_tile, dbias_ref, when, b, kh, k0, first, stop, grou
                         zero_tile, dbias_ref.at[bb, n, pl.ds(t * STEP_ROWS, STEP_ROWS), keys])
 
 
-def _accumulate(products, interpret: bool) -> tuple[jax.Array, ...]:
-    """acc + A B with wgmma for each (acc, A, B) of products (A and B in shared memory),
-    one wait for all. The interpreter has no accumulator initialised from registers
-    (pl.run_state over plgpu.ACC.init): there the products start from zero and the
-    sums happen in registers."""
-    if not interpret:
-        def run(refs):
-            for ref, (_, a, b) in zip(refs, products, strict=True):
-                plgpu.wgmma(ref, a, b)
-
-        return pl.run_state(run)(tuple(plgpu.ACC.init(acc) for acc, _, _ in products))
-
-    def run_fresh(*refs):
-        for ref, (_, a, b) in zip(refs, products, strict=True):
-            plgpu.wgmma(ref, a, b)
-        return tuple(ref[...] for ref in refs)
-
-    fresh = pl.run_scoped(run_fresh, *(plgpu.ACC(acc.shape, jnp.float32)
-                                       for acc, _, _ in products))
-    return tuple(acc + x for (acc, _, _), x in zip(products, fresh, strict=True))
-
-
-def _store_dbias(ds_smem, dst, ds, accumulate, reduce_in_registers: bool):
+def _store_dbias(ds_smem, dst, ds, add, reduce_in_registers: bool):
     """Store the dS tile (staged in ds_smem) into dst, or add it to dst's contents
-    when accumulate (a later pass over the batch entries)."""
+    when add (a later pass over the batch entries)."""
     if reduce_in_registers:
-        @pl.when(accumulate)
+        @pl.when(add)
         def _add():
             old = plgpu.load(dst, layout=plgpu.Layout.WGMMA).astype(jnp.float32)
             dst[...] = (old + ds.astype(dst.dtype).astype(jnp.float32)).astype(dst.dtype)
 
-        @pl.when(~accumulate)
+        @pl.when(~add)
         def _store():
             dst[...] = ds.astype(dst.dtype)
         return
 
-    @pl.when(accumulate)
+    @pl.when(add)
     def _add():
         plgpu.copy_smem_to_gmem(ds_smem, dst, reduction_op="add")
 
-    @pl.when(~accumulate)
+    @pl.when(~add)
     def _store():
         plgpu.copy_smem_to_gmem(ds_smem, dst)
 

@@ -63,7 +63,13 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_attn import tuning
 from pallas_attn.kernels import scores
-from pallas_attn.kernels.common import MAX_FLOOR, Problem, TileContext, logit_scores
+from pallas_attn.kernels.common import (
+    MAX_FLOOR,
+    Problem,
+    TileContext,
+    logit_scores,
+    run_tile_loops,
+)
 from pallas_attn.spec import AttentionSpec
 from pallas_attn.tuning import MOSAIC_BLOCK_Q, padded_head_dim
 
@@ -134,49 +140,70 @@ class _Item:
     n: Any
 
 
-def _kernel(q_ref, k_ref, v_ref, bias_ref, slopes_ref, out_ref, row_max_ref, log2_sum_ref,
-            scratch, *, problem: Problem, programs: int):
-    (q_smem, o_smem, k_smem, v_smem, p_smem, bias_smem), barriers = scratch
-    o_smem = p_smem if o_smem is None else o_smem
-    q_loaded, k_loaded, v_loaded, k_consumed, v_consumed, schedule, bias_loaded = barriers
-    block_k, stages = problem.blocks.block_k, problem.blocks.num_stages
-    num_tiles = problem.q_pad // ITEM_ROWS
-    items = num_tiles * problem.batch * problem.num_heads
-    rounds = -(-items // programs)
-    pid, wg = lax.axis_index("program"), lax.axis_index("wg")
+@dataclasses.dataclass(frozen=True)
+class Walk:
+    """The persistent programs' walk over items of ITEM_ROWS query rows, each with its
+    band of key tiles streamed through a ring of shared-memory slots (the forward's
+    and the dQ kernel's).
 
-    def item_of(r) -> _Item:
-        # Round r gives program pid item r * programs + pid, the lanes reversed on odd
-        # rounds so that heavy and light causal tiles even out over the rounds. Items
-        # run query tiles fastest (heaviest first), so concurrent programs share K/V.
-        lane = jnp.where(lax.rem(r, 2) == 0, pid, programs - 1 - pid)
-        idx = r * programs + lane
-        batch_head = lax.div(idx, num_tiles)
-        return _Item(idx < items, (num_tiles - 1 - lax.rem(idx, num_tiles)) * ITEM_ROWS,
-                     lax.rem(batch_head, problem.batch), lax.div(batch_head, problem.batch))
+    Round r gives program pid item r * programs + pid, the lanes reversed on odd
+    rounds so that heavy and light causal tiles even out over the rounds. Items run
+    query tiles fastest (heaviest first), so concurrent programs share K/V.
+    """
 
-    def band(item: _Item) -> tuple[TileContext, _Band, Any]:
+    problem: Problem
+    programs: int
+    block_k: int
+    stages: int
+
+    @property
+    def num_tiles(self) -> int:
+        return self.problem.q_pad // ITEM_ROWS
+
+    @property
+    def items(self) -> int:
+        return self.num_tiles * self.problem.batch * self.problem.num_heads
+
+    @property
+    def rounds(self) -> int:
+        return -(-self.items // self.programs)
+
+    def item(self, r) -> _Item:
+        pid = lax.axis_index("program")
+        lane = jnp.where(lax.rem(r, 2) == 0, pid, self.programs - 1 - pid)
+        idx = r * self.programs + lane
+        batch_head = lax.div(idx, self.num_tiles)
+        return _Item(idx < self.items,
+                     (self.num_tiles - 1 - lax.rem(idx, self.num_tiles)) * ITEM_ROWS,
+                     lax.rem(batch_head, self.problem.batch),
+                     lax.div(batch_head, self.problem.batch))
+
+    def band(self, item: _Item) -> tuple[TileContext, _Band, Any]:
         """(context, key tiles, ring steps) of an item; no steps for an invalid one."""
-        ctx = TileContext(problem, {}, item.b, item.n)
-        tiles = _Band(*ctx.key_tiles(item.q0, item.q0 + ITEM_ROWS, block_k))
+        ctx = TileContext(self.problem, {}, item.b, item.n)
+        tiles = _Band(*ctx.key_tiles(item.q0, item.q0 + ITEM_ROWS, self.block_k))
         steps = jnp.where(item.valid, jnp.maximum(tiles.stop - tiles.first, 0), 0)
         return ctx, tiles, steps
 
-    def slot_of(step):
-        return lax.rem(step, jnp.int32(stages))
+    def slot(self, step):
+        return lax.rem(step, jnp.int32(self.stages))
 
-    @pl.when(wg == CONSUMERS)
-    def _producer():
-        plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
+    def stream(self, k_ref, v_ref, k_smem, v_smem, ring) -> None:
+        """The producer: bulk-copies every item's K and V tiles into the ring.
+
+        ring: the (k_loaded, v_loaded, k_consumed, v_consumed) barriers, one of each
+        per slot; a slot is refilled once both consumers released it."""
+        k_loaded, v_loaded, k_consumed, v_consumed = ring
+        block_k, stages, problem = self.block_k, self.stages, self.problem
 
         def stream(r, step):
-            item = item_of(r)
-            _, tiles, steps = band(item)
+            item = self.item(r)
+            _, tiles, steps = self.band(item)
             kh = lax.div(item.n, jnp.int32(problem.group))
 
             @pl.loop(0, steps)
             def _load(i):
-                slot = slot_of(step + i)
+                slot = self.slot(step + i)
 
                 @pl.when(step + i >= stages)
                 def _wait_released():
@@ -191,15 +218,104 @@ def _kernel(q_ref, k_ref, v_ref, bias_ref, slopes_ref, out_ref, row_max_ref, log
 
             return step + steps
 
-        total = lax.fori_loop(0, rounds, stream, jnp.int32(0))
+        total = lax.fori_loop(0, self.rounds, stream, jnp.int32(0))
 
         # Observe the last releases too, so every barrier ends in a phase this
         # warpgroup has seen (the interpreter checks it; it costs the tail of the
         # program nothing on the GPU).
         @pl.loop(jnp.maximum(total - stages, 0), total)
         def _drain(step):
-            plgpu.barrier_wait(k_consumed.at[slot_of(step)])
-            plgpu.barrier_wait(v_consumed.at[slot_of(step)])
+            plgpu.barrier_wait(k_consumed.at[self.slot(step)])
+            plgpu.barrier_wait(v_consumed.at[self.slot(step)])
+
+    def bias_rows(self, bias_ref, item: _Item, row0, buffers, barriers) -> Any:
+        """This consumer's bias stream (`BiasTiles`) over its rows of the item, through
+        its own buffer and barrier (of one per consumer), or None without a bias."""
+        if bias_ref is None:
+            return None
+        wg = lax.axis_index("wg")
+        Bb, Nb = self.problem.spec.bias_shape[:2]
+        rows = bias_ref.at[item.b if Bb > 1 else 0, item.n if Nb > 1 else 0,
+                           pl.ds(row0, ROWS_PER_CONSUMER)]
+        return BiasTiles(rows, buffers.at[wg], barriers.at[wg], self.block_k)
+
+
+@dataclasses.dataclass(frozen=True)
+class BiasTiles:
+    """One consumer's bias rows in global memory, read tile by tile through its own
+    shared-memory buffer: each tile's copy is issued as soon as the previous tile is in
+    registers, one step ahead."""
+
+    rows: Any
+    buffer: Any
+    loaded: Any
+    block_k: int
+
+    def start(self, t) -> None:
+        plgpu.copy_gmem_to_smem(self.rows.at[:, pl.ds(t * self.block_k, self.block_k)],
+                                self.buffer, self.loaded)
+
+    def take(self, t, stop) -> jax.Array:
+        """Key tile t of the bias (float32, WGMMA layout); starts tile t + 1 below stop."""
+        plgpu.barrier_wait(self.loaded)
+        bias = plgpu.load(self.buffer, layout=plgpu.Layout.WGMMA).astype(jnp.float32)
+        plgpu.commit_smem()  # the reads are done before the next copy overwrites
+        pl.when(t + 1 < stop)(lambda: self.start(t + 1))
+        return bias
+
+
+def own_band(ctx: TileContext, tiles: _Band, row0, stop, block_k: int) -> _Band:
+    """A consumer's key tiles (its 64 rows from row0), clipped into the item's
+    [tiles.first, stop) (they agree except at the band's ends)."""
+    own = _Band(*ctx.key_tiles(row0, row0 + ROWS_PER_CONSUMER, block_k))
+    first = jnp.clip(own.first, tiles.first, stop)
+    last = jnp.clip(own.stop, first, stop)
+    full_first = jnp.clip(own.full_first, first, last)
+    return _Band(first, last, full_first, jnp.clip(own.full_stop, full_first, last))
+
+
+def run_band(first, stop, own: _Band, release, step, carry) -> Any:
+    """A consumer's pass over the item's key tiles [first, stop): step(t, carry, masked)
+    on its own tiles (band masks only where `own` says), release(t) on the others.
+
+    Every key tile is two turns of the consumers' alternation for each consumer,
+    skipped tiles included (`release_slot`), so the turns stay paired."""
+    def skip(lo, hi):
+        @pl.loop(lo, jnp.maximum(hi, lo))
+        def _(t):
+            release(t)
+
+    skip(first, own.first)
+    carry = run_tile_loops(own.first, own.stop, own.full_first, own.full_stop, step, carry)
+    skip(own.stop, stop)
+    return carry
+
+
+def release_slot(slot, ring, schedule) -> None:
+    """A consumer's part in a key tile it skips: wait for the slot's K and V, give each
+    back and take the tile's two turns."""
+    k_loaded, v_loaded, k_consumed, v_consumed = ring
+    plgpu.barrier_wait(k_loaded.at[slot])
+    plgpu.barrier_arrive(k_consumed.at[slot])
+    take_turn(schedule)
+    plgpu.barrier_wait(v_loaded.at[slot])
+    plgpu.barrier_arrive(v_consumed.at[slot])
+    take_turn(schedule)
+
+
+def _kernel(q_ref, k_ref, v_ref, bias_ref, slopes_ref, out_ref, row_max_ref, log2_sum_ref,
+            scratch, *, problem: Problem, programs: int):
+    (q_smem, o_smem, k_smem, v_smem, p_smem, bias_smem), barriers = scratch
+    o_smem = p_smem if o_smem is None else o_smem
+    q_loaded, k_loaded, v_loaded, k_consumed, v_consumed, schedule, bias_loaded = barriers
+    ring = (k_loaded, v_loaded, k_consumed, v_consumed)
+    walk = Walk(problem, programs, problem.blocks.block_k, problem.blocks.num_stages)
+    wg = lax.axis_index("wg")
+
+    @pl.when(wg == CONSUMERS)
+    def _producer():
+        plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
+        walk.stream(k_ref, v_ref, k_smem, v_smem, ring)
 
     @pl.when(wg < CONSUMERS)
     def _consumer():
@@ -214,30 +330,24 @@ def _kernel(q_ref, k_ref, v_ref, bias_ref, slopes_ref, out_ref, row_max_ref, log
                     q_ref.at[item.b, pl.ds(item.q0 + wg * rows_n, rows_n), item.n], q_mine,
                     q_loaded.at[wg])
 
-        load_q(item_of(0))
+        load_q(walk.item(0))
         # Consumer 1 starts half a turn behind consumer 0 (see _consume) and
         # consumer 0 takes that half turn at the end.
-        pl.when(wg == 1)(lambda: _take_turn(schedule))
+        pl.when(wg == 1)(lambda: take_turn(schedule))
 
         def work(r, step):
-            item = item_of(r)
-            ctx, tiles, steps = band(item)
+            item = walk.item(r)
+            ctx, tiles, steps = walk.band(item)
             row0 = item.q0 + wg * rows_n
             # The previous item's output copies read o_mine, which may be p_mine.
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
             pl.when(item.valid)(lambda: plgpu.barrier_wait(q_loaded.at[wg]))
-            bias = None
-            if bias_ref is not None:  # this consumer's rows of the bias, its buffer
-                Bb, Nb = problem.spec.bias_shape[:2]
-                bias = (bias_ref.at[item.b if Bb > 1 else 0, item.n if Nb > 1 else 0,
-                                    pl.ds(row0, rows_n)],
-                        bias_smem.at[wg], bias_loaded.at[wg])
+            bias = walk.bias_rows(bias_ref, item, row0, bias_smem, bias_loaded)
             acc, m, l_sum = _consume(
-                problem, ctx, tiles, lambda t: slot_of(step + t - tiles.first), row0,
+                problem, ctx, tiles, lambda t: walk.slot(step + t - tiles.first), row0,
                 tiles.first + steps, q_mine, k_smem, v_smem, p_mine, o_mine.shape[-1],
-                (k_loaded, v_loaded, k_consumed, v_consumed), schedule, bias,
-                head_slope(slopes_ref, item.valid, item.b, item.n))
-            load_q(item_of(r + 1))  # every Q K^T of this item is done: q_mine is free
+                ring, schedule, bias, head_slope(slopes_ref, item.valid, item.b, item.n))
+            load_q(walk.item(r + 1))  # every Q K^T of this item is done: q_mine is free
 
             @pl.when(item.valid)
             def _store():
@@ -256,12 +366,12 @@ def _kernel(q_ref, k_ref, v_ref, bias_ref, slopes_ref, out_ref, row_max_ref, log
 
             return step + steps
 
-        lax.fori_loop(0, rounds, work, jnp.int32(0))
-        pl.when(wg == 0)(lambda: _take_turn(schedule))
+        lax.fori_loop(0, walk.rounds, work, jnp.int32(0))
+        pl.when(wg == 0)(lambda: take_turn(schedule))
         plgpu.wait_smem_to_gmem(0)
 
 
-def _take_turn(schedule) -> None:
+def take_turn(schedule) -> None:
     """Both consumers arrive, then both wait: one step of their alternation."""
     plgpu.barrier_arrive(schedule)
     plgpu.barrier_wait(schedule)
@@ -269,67 +379,40 @@ def _take_turn(schedule) -> None:
 
 def _consume(problem: Problem, ctx: TileContext, tiles: _Band, slot_of, row0, stop,
              q_smem, k_smem, v_smem, p_smem, hv: int, ring, schedule,
-             bias_in, slope) -> tuple[Any, Any, Any]:
+             bias: BiasTiles | None, slope) -> tuple[Any, Any, Any]:
     """One consumer warpgroup: (acc, row reference, row sum) of rows [row0, row0 + 64)
     against key tiles [tiles.first, stop) (stop = tiles.first for no work).
 
     The two consumers take turns on the tensor cores through the `schedule` barrier
     (two-arrival, FlashAttention-3's ping-pong): a consumer issues its P V and its
     next Q K^T, then waits until the other has finished its softmax, so one's
-    softmax runs while the other's products do. Every key tile is two turns for
-    each consumer, skipped tiles included, so the turns stay paired.
+    softmax runs while the other's products do (`run_band` keeps the turns paired).
 
-    bias_in: None, or (this consumer's [64, S] bias rows in global memory, its
-    [64, block_k] buffer, the buffer's barrier). The consumer itself copies each key
-    tile's bias into the buffer one step ahead (a bulk copy issued as soon as the
-    previous tile is in registers); scores with a bias stay in natural units
-    (Problem.exp2_factor), as in the Triton forward. slope: the head's ALiBi slope or
-    None.
+    bias: None, or this consumer's bias stream (`BiasTiles`); scores with a bias stay
+    in natural units (Problem.exp2_factor), as in the Triton forward. slope: the
+    head's ALiBi slope or None.
     """
     k_loaded, v_loaded, k_consumed, v_consumed = ring
     block_k = problem.blocks.block_k
     fixed = problem.fixed_row_reference
     rows_n = ROWS_PER_CONSUMER
     dtype = q_smem.dtype
-    own = _Band(*ctx.key_tiles(row0, row0 + rows_n, block_k))
-    # The consumer's own band, clipped into the item's (they agree except at the ends).
-    own_first = jnp.clip(own.first, tiles.first, stop)
-    own_stop = jnp.clip(own.stop, own_first, stop)
-
-    def release(t):
-        slot = slot_of(t)
-        plgpu.barrier_wait(k_loaded.at[slot])
-        plgpu.barrier_arrive(k_consumed.at[slot])
-        _take_turn(schedule)
-        plgpu.barrier_wait(v_loaded.at[slot])
-        plgpu.barrier_arrive(v_consumed.at[slot])
-        _take_turn(schedule)
-
-    def load_bias(t):
-        if bias_in is not None:
-            rows, buffer, loaded = bias_in
-            plgpu.copy_gmem_to_smem(rows.at[:, pl.ds(t * block_k, block_k)], buffer, loaded)
+    own = own_band(ctx, tiles, row0, stop, block_k)
 
     def step(t, carry, masked: bool):
         acc, m_prev, l_prev = carry
         slot = slot_of(t)
-        bias = None
-        if bias_in is not None:
-            _, buffer, loaded = bias_in
-            plgpu.barrier_wait(loaded)
-            bias = plgpu.load(buffer, layout=plgpu.Layout.WGMMA).astype(jnp.float32)
-            plgpu.commit_smem()  # the reads are done before the next copy overwrites
-            pl.when(t + 1 < own_stop)(lambda: load_bias(t + 1))
+        tile_bias = None if bias is None else bias.take(t, own.stop)
         plgpu.barrier_wait(k_loaded.at[slot])
 
         def qk(acc_ref):
             plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
-            _take_turn(schedule)  # the other consumer's softmax is done
+            take_turn(schedule)  # the other consumer's softmax is done
             return acc_ref[...]
 
         s = pl.run_scoped(qk, plgpu.ACC((rows_n, block_k), jnp.float32))
         plgpu.barrier_arrive(k_consumed.at[slot])
-        s, _ = tile_scores(problem, s, row0, t * block_k, masked, bias=bias, slope=slope)
+        s, _ = tile_scores(problem, s, row0, t * block_k, masked, bias=tile_bias, slope=slope)
         if fixed is not None:  # bounded scores: the bound is every row's reference
             m_next, alpha = m_prev, None
             prob = jnp.exp2(s - fixed)
@@ -360,24 +443,10 @@ def _consume(problem: Problem, ctx: TileContext, tiles: _Band, slot_of, row0, st
              plgpu.layout_cast(jnp.full((rows_n,), MAX_FLOOR if fixed is None else fixed,
                                         jnp.float32), row_layout),
              plgpu.layout_cast(jnp.zeros((rows_n,), jnp.float32), row_layout))
-    full_first = jnp.clip(own.full_first, own_first, own_stop)
-    full_stop = jnp.clip(own.full_stop, full_first, own_stop)
-
-    def skip(lo, hi):
-        @pl.loop(lo, jnp.maximum(hi, lo))
-        def _(t):
-            release(t)
-
-    def compute(lo, hi, masked, c):
-        return lax.fori_loop(lo, hi, lambda t, c: step(t, c, masked), c)
-
-    skip(tiles.first, own_first)
-    pl.when(own_first < own_stop)(lambda: load_bias(own_first))
-    carry = compute(own_first, full_first, True, carry)
-    carry = compute(full_first, full_stop, False, carry)
-    acc, m, l_sum = compute(full_stop, own_stop, True, carry)
-    skip(own_stop, stop)
-    return acc, m, l_sum
+    if bias is not None:
+        pl.when(own.first < own.stop)(lambda: bias.start(own.first))
+    return run_band(tiles.first, stop, own, lambda t: release_slot(slot_of(t), ring, schedule),
+                    step, carry)
 
 
 def tile_scores(problem: Problem, s: jax.Array, row0, k0, masked: bool, *,
@@ -468,6 +537,28 @@ def head_slope(slopes_ref, valid, b, n) -> Any:
     if slopes_ref is None:
         return None
     return slopes_ref[jnp.where(valid, b, 0), jnp.where(valid, n, 0)]
+
+
+def accumulate(products, interpret: bool) -> tuple[jax.Array, ...]:
+    """acc + A B with wgmma for each (acc, A, B) of products (A and B in shared memory),
+    one wait for all. The interpreter has no accumulator initialised from registers
+    (pl.run_state over plgpu.ACC.init): there the products start from zero and the
+    sums happen in registers."""
+    if not interpret:
+        def run(refs):
+            for ref, (_, a, b) in zip(refs, products, strict=True):
+                plgpu.wgmma(ref, a, b)
+
+        return pl.run_state(run)(tuple(plgpu.ACC.init(acc) for acc, _, _ in products))
+
+    def run_fresh(*refs):
+        for ref, (_, a, b) in zip(refs, products, strict=True):
+            plgpu.wgmma(ref, a, b)
+        return tuple(ref[...] for ref in refs)
+
+    fresh = pl.run_scoped(run_fresh, *(plgpu.ACC(acc.shape, jnp.float32)
+                                       for acc, _, _ in products))
+    return tuple(acc + x for (acc, _, _), x in zip(products, fresh, strict=True))
 
 
 def launch(entry, out_type: Any, programs: int, interpret: bool) -> Any:

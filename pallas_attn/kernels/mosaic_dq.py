@@ -1,0 +1,221 @@
+"""dQ kernel for Hopper (Pallas, Mosaic GPU backend): warp-specialised, persistent.
+
+It walks the forward's work items (`mosaic_fwd.Walk`: 128 query rows of one batch
+entry and head, one program per multiprocessor) with the forward's three
+warpgroups:
+
+* Warpgroup 2, the producer, streams each item's band of K and V tiles
+  (`MOSAIC_DQ_TILES`: 64 keys) into a ring of `num_stages_dq` slots, exactly as the
+  forward does.
+* Warpgroups 0 and 1, the consumers, each take 64 rows. Per item a consumer copies
+  its rows of Q, dO and the row residuals (row reference, log2 row sum, delta) into
+  buffers of its own; per key tile it computes S = Q K^T and dP = dO V^T with wgmma,
+  P and dS from the residuals and the shared score rules
+  (`mosaic_dbias.tile_gradient`), stages dS in shared memory and adds dS K into its
+  dQ accumulator with a third wgmma. The consumers take turns on the tensor cores
+  as in the forward (two turns per key tile), so one consumer's exponentials and
+  soft-cap tanh run while the other's products do; the bias comes through each
+  consumer's own buffer one tile ahead (`mosaic_fwd.BiasTiles`).
+
+dQ (times the softmax scale) is stored from registers. Rows that see no key get
+zeros. Scope: the Mosaic forward's (`mosaic_fwd.unsupported`).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_attn import tuning
+from pallas_attn.kernels import mosaic_fwd
+from pallas_attn.kernels.common import Problem
+from pallas_attn.kernels.mosaic_dbias import tile_gradient
+from pallas_attn.kernels.mosaic_fwd import (
+    CONSUMER_REGISTERS,
+    CONSUMERS,
+    ITEM_ROWS,
+    PRODUCER_REGISTERS,
+    ROWS_PER_CONSUMER,
+    Walk,
+    accumulate,
+    head_slope,
+    optional_refs,
+    own_band,
+    release_slot,
+    run_band,
+    smem_tiles,
+    take_turn,
+)
+from pallas_attn.tuning import MOSAIC_DQ_TILES
+
+
+def unsupported(problem: Problem) -> str:
+    """Why this kernel cannot compute the problem's dQ, or "" when it can."""
+    return mosaic_fwd.unsupported(problem)
+
+
+def _kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, bias_ref, slopes_ref, dq_ref, smem,
+            barriers, *, problem: Problem, programs: int):
+    rows_loaded, k_loaded, v_loaded, k_consumed, v_consumed, schedule, bias_loaded = barriers
+    ring = (k_loaded, v_loaded, k_consumed, v_consumed)
+    walk = Walk(problem, programs, problem.blocks.block_k_dq, problem.blocks.num_stages_dq)
+    wg = lax.axis_index("wg")
+
+    @pl.when(wg == CONSUMERS)
+    def _producer():
+        plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
+        walk.stream(k_ref, v_ref, smem["k"], smem["v"], ring)
+
+    @pl.when(wg < CONSUMERS)
+    def _consumer():
+        plgpu.set_max_registers(CONSUMER_REGISTERS, action="increase")
+        rows_n = ROWS_PER_CONSUMER
+        mine = {name: smem[name].at[wg] for name in ("q", "do", "stats", "ds")}
+
+        def load_rows(item):
+            @pl.when(item.valid)
+            def _():
+                rows = pl.ds(item.q0 + wg * rows_n, rows_n)
+                loaded = rows_loaded.at[wg]
+                plgpu.copy_gmem_to_smem(q_ref.at[item.b, rows, item.n], mine["q"], loaded)
+                plgpu.copy_gmem_to_smem(do_ref.at[item.b, rows, item.n], mine["do"], loaded)
+                plgpu.copy_gmem_to_smem(stats_ref.at[item.b, item.n, :, rows], mine["stats"],
+                                        loaded)
+
+        load_rows(walk.item(0))
+        # Consumer 1 starts half a turn behind consumer 0 and consumer 0 takes that
+        # half turn at the end (as in the forward).
+        pl.when(wg == 1)(lambda: take_turn(schedule))
+        row_layout = plgpu.Layout.WGMMA.reduce(1)
+
+        def work(r, step):
+            item = walk.item(r)
+            ctx, tiles, steps = walk.band(item)
+            row0 = item.q0 + wg * rows_n
+            pl.when(item.valid)(lambda: plgpu.barrier_wait(rows_loaded.at[wg]))
+            residuals = tuple(plgpu.load(mine["stats"].at[j], layout=row_layout)
+                              for j in range(3))
+            plgpu.commit_smem()  # the reads are done before the next item's copy lands
+            bias = walk.bias_rows(bias_ref, item, row0, smem.get("bias"), bias_loaded)
+            dq = _consume(problem, ctx, tiles, lambda t: walk.slot(step + t - tiles.first),
+                          row0, tiles.first + steps, mine, smem["k"], smem["v"], ring,
+                          schedule, bias, head_slope(slopes_ref, item.valid, item.b, item.n),
+                          residuals)
+            # Every product of this item is done: its rows' buffers are free.
+            load_rows(walk.item(r + 1))
+
+            @pl.when(item.valid)
+            def _store():
+                dq_ref.at[item.b, pl.ds(row0, rows_n), item.n][...] = (
+                    dq * problem.spec.scale).astype(dq_ref.dtype)
+
+            return step + steps
+
+        lax.fori_loop(0, walk.rounds, work, jnp.int32(0))
+        pl.when(wg == 0)(lambda: take_turn(schedule))
+
+
+def _consume(problem: Problem, ctx, tiles, slot_of, row0, stop, mine: dict, k_smem, v_smem,
+             ring, schedule, bias, slope, residuals) -> jax.Array:
+    """One consumer warpgroup: dQ / scale of rows [row0, row0 + 64) (float32) over key
+    tiles [tiles.first, stop), taking turns with the other consumer as the forward's
+    consumers do: a consumer issues S and dP, waits for the other's gradient math,
+    computes its own P and dS while the other's products run, then adds dS K."""
+    k_loaded, v_loaded, k_consumed, v_consumed = ring
+    block_k = problem.blocks.block_k_dq
+    rows_n = ROWS_PER_CONSUMER
+    own = own_band(ctx, tiles, row0, stop, block_k)
+    shape = (rows_n, block_k)
+
+    def step(t, dq, masked: bool):
+        slot = slot_of(t)
+        tile_bias = None if bias is None else bias.take(t, own.stop)
+        plgpu.barrier_wait(k_loaded.at[slot])
+        plgpu.barrier_wait(v_loaded.at[slot])
+
+        def products(s_ref, dp_ref):
+            plgpu.wgmma(s_ref, mine["q"], k_smem.at[slot].transpose((1, 0)))
+            plgpu.wgmma(dp_ref, mine["do"], v_smem.at[slot].transpose((1, 0)))
+            take_turn(schedule)  # the other consumer's gradient math is done
+            return s_ref[...], dp_ref[...]
+
+        s, dp = pl.run_scoped(products, plgpu.ACC(shape, jnp.float32),
+                              plgpu.ACC(shape, jnp.float32))
+        plgpu.barrier_arrive(v_consumed.at[slot])
+        _, ds = tile_gradient(problem, s, dp, tile_bias, residuals, row0, t * block_k, masked,
+                              slope)
+        mine["ds"][...] = ds.astype(mine["ds"].dtype)
+        plgpu.commit_smem()
+        plgpu.barrier_arrive(schedule)  # this gradient math is done
+        plgpu.barrier_wait(schedule)  # the other consumer has issued its products
+        (dq,) = accumulate(((dq, mine["ds"], k_smem.at[slot]),), problem.interpret)
+        plgpu.barrier_arrive(k_consumed.at[slot])
+        return dq
+
+    hp = k_smem.shape[-1]
+    dq = plgpu.layout_cast(jnp.zeros((rows_n, hp), jnp.float32), plgpu.Layout.WGMMA)
+    if bias is not None:
+        pl.when(own.first < own.stop)(lambda: bias.start(own.first))
+    return run_band(tiles.first, stop, own, lambda t: release_slot(slot_of(t), ring, schedule),
+                    step, dq)
+
+
+def dq(problem: Problem, q: jax.Array, k: jax.Array, v: jax.Array, do: jax.Array,
+       row_stats: tuple[jax.Array, jax.Array], delta: jax.Array, bias: jax.Array | None,
+       slopes: jax.Array | None = None) -> jax.Array:
+    """dq [B, Tp, N, Hp] for padded inputs; delta [B, N, Tp]; slopes: ALiBi slopes
+    [B, N] or None."""
+    if why := unsupported(problem):
+        raise AssertionError(f"mosaic_dq.dq called for an unsupported problem: {why}")
+    blocks = problem.blocks
+    if (blocks.block_q_dq, blocks.block_k_dq) != MOSAIC_DQ_TILES:
+        raise AssertionError(f"mosaic_dq.dq needs (block_q_dq, block_k_dq) = "
+                             f"{MOSAIC_DQ_TILES}: {blocks}")
+    B, Tp, N, hp = q.shape
+    hvp = v.shape[-1]
+    block_k, stages = blocks.block_k_dq, blocks.num_stages_dq
+    dtype = q.dtype
+    stats = jnp.stack([*row_stats, delta], axis=2)  # [B, N, 3, Tp]
+
+    def entry(q_ref, k_ref, v_ref, do_ref, stats_ref, *refs):
+        bias_ref, slopes_ref = optional_refs(refs, bias, slopes)
+        dq_ref = refs[-1]
+        kinds = dict(
+            q=smem_tiles((CONSUMERS, ROWS_PER_CONSUMER, hp), dtype),
+            do=smem_tiles((CONSUMERS, ROWS_PER_CONSUMER, hvp), dtype),
+            stats=plgpu.SMEM((CONSUMERS, 3, ROWS_PER_CONSUMER), jnp.float32),
+            k=smem_tiles((stages, block_k, hp), dtype),
+            v=smem_tiles((stages, block_k, hvp), dtype),
+            ds=smem_tiles((CONSUMERS, ROWS_PER_CONSUMER, block_k), dtype),
+            bias=(smem_tiles((CONSUMERS, ROWS_PER_CONSUMER, block_k), bias.dtype)
+                  if bias is not None else None),
+        )
+        kinds = {name: kind for name, kind in kinds.items() if kind is not None}
+        barriers = (
+            plgpu.Barrier(num_arrivals=3, num_barriers=CONSUMERS),  # Q, dO, residuals
+            plgpu.Barrier(num_barriers=stages),
+            plgpu.Barrier(num_barriers=stages),
+            plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=stages),
+            plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=stages),
+            plgpu.Barrier(num_arrivals=CONSUMERS),  # the consumers' turns
+            plgpu.Barrier(num_barriers=CONSUMERS) if bias is not None else None,
+        )
+
+        def body(*scratch):
+            smem = dict(zip(kinds, scratch, strict=False))
+            barrier_refs = list(scratch[len(kinds):])
+            if bias is None:
+                barrier_refs.append(None)
+            _kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, bias_ref, slopes_ref, dq_ref,
+                    smem, tuple(barrier_refs), problem=problem, programs=programs)
+
+        pl.run_scoped(body, *kinds.values(), *(b for b in barriers if b is not None),
+                      collective_axes="wg")
+
+    programs = tuning.persistent_programs(Tp // ITEM_ROWS * B * N, problem.interpret)
+    operands = [q, k, v, do, stats] + [x for x in (bias, slopes) if x is not None]
+    return mosaic_fwd.launch(entry, jax.ShapeDtypeStruct(q.shape, q.dtype), programs,
+                             problem.interpret)(*operands)

@@ -1,0 +1,186 @@
+"""The Hopper (Mosaic GPU) dQ kernel in the Mosaic GPU interpreter.
+
+The interpreter simulates the kernel's three warpgroups, the consumers' turns,
+barriers, bulk copies and wgmma on CPU, fills the output with NaN before the
+kernel runs (a tile the kernel never writes shows up as NaN) and runs its race
+detector. Two persistent programs loop over several items, with bands that skip
+leading key tiles, consumers whose bands differ and rows that see no key.
+
+The kernel is checked two ways: alone, against the Triton dQ kernel (Pallas
+interpreter) on the same row residuals, over its whole padded output; and through
+dot_product_attention, against the float64 oracle, with every gradient.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from kernel_helpers import (  # no_mosaic_races: an autouse fixture
+    DTYPES,
+    assert_empty_rows,
+    assert_fa_rule,
+    assert_needs_hopper,
+    assert_results_close,
+    empty_rows,
+    make_inputs,
+    no_mosaic_races,  # noqa: F401
+    oracle,
+    pallas_and_reference,
+    random_bias,
+)
+
+import pallas_attn
+from pallas_attn import tuning
+from pallas_attn.kernels import attention as kernel_attention
+from pallas_attn.kernels import mosaic_dq, triton_bwd, triton_fwd
+from pallas_attn.spec import normalize
+
+# Small Triton tiles around the Mosaic dQ kernel's (128, 64) tiles.
+MOSAIC_DQ = pallas_attn.BlockSizes(32, 32, 32, 32, 128, 64, block_q_dbias=32,
+                                   block_k_dbias=32, num_stages_dq=2, dq_backend="mosaic")
+
+# (id, shapes, bias shape as (Bb, Nb) or None, kwargs, tiles)
+CASES = [
+    ("plain_ragged", dict(B=1, T=130, S=200, N=2), None, {}, {}),
+    ("causal_gqa_alibi_per_batch", dict(B=2, T=200, S=150, N=4, K=2), None,
+     dict(is_causal=True, alibi_slopes=jnp.array([[0.5, 0.25, 0.125, 0.0625],
+                                                   [0.03, 0.2, 0.7, 0.01]])), {}),
+    ("shared_bias_soft_cap_window_3_slots", dict(B=1, T=140, S=260, N=2), (1, 2),
+     dict(logits_soft_cap=5.0, local_window_size=(90, 30)), dict(num_stages_dq=3)),
+    ("bottom_right_T>S_per_batch_bias_H128_Hv64", dict(B=2, T=200, S=100, N=2, H=128, Hv=64),
+     (2, 2), dict(is_causal=True, causal_alignment="bottom_right"), {}),
+]
+
+
+def _kernel_outputs(dtype: str, shapes: dict, bias_shape: tuple | None, kwargs: dict,
+                    blocks: dict) -> tuple[np.ndarray, np.ndarray, int]:
+    """(Mosaic dq, Triton dq) over the padded arrays, from the Triton forward's
+    residuals and a random dO, and the caller's T."""
+    shapes = dict(dict(H=64), **shapes)
+    inputs = make_inputs(sum(shapes.values()), dtype=DTYPES[dtype], **shapes)
+    T, S = shapes["T"], shapes["S"]
+    bias = (random_bias(3, (*bias_shape, T, S), DTYPES[dtype])
+            if bias_shape is not None else None)
+    spec, ops, _ = normalize(inputs["q"], inputs["k"], inputs["v"], bias, **kwargs)
+    block_sizes = dataclasses.replace(MOSAIC_DQ, **blocks)
+    problem, q, k, v, differentiable, optional = kernel_attention.prepare(
+        spec, ops, block_sizes, interpret=True)
+    operands = {**optional, **differentiable}
+    out, row_stats = triton_fwd.forward(problem, q, k, v, operands)
+    do = jax.random.normal(jax.random.key(11), out.shape, out.dtype)
+    delta = jnp.einsum("btnh,btnh->bnt", do.astype(jnp.float32), out.astype(jnp.float32))
+    mosaic = mosaic_dq.dq(problem, q, k, v, do, row_stats, delta, operands.get("bias"),
+                          operands.get("alibi_slopes"))
+    triton_problem = dataclasses.replace(problem, blocks=dataclasses.replace(
+        block_sizes, block_q_dq=32, block_k_dq=32, dq_backend="triton"))
+    names, bwd_inputs = triton_bwd.backward_inputs(q, k, v, operands, row_stats, do, delta)
+    triton = triton_bwd.dq(triton_problem, names, bwd_inputs)
+    assert mosaic.shape == q.shape and mosaic.dtype == q.dtype
+    return np.asarray(mosaic, np.float32), np.asarray(triton, np.float32), T
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("shapes,bias_shape,kwargs,blocks", [c[1:] for c in CASES],
+                         ids=[c[0] for c in CASES])
+def test_mosaic_dq_matches_the_triton_dq_kernel(dtype, shapes, bias_shape, kwargs, blocks):
+    mosaic, triton, T = _kernel_outputs(dtype, shapes, bias_shape, kwargs, blocks)
+    # Every element of the padded output is written (the interpreter poisons it with
+    # NaN), the padding included.
+    assert not np.isnan(mosaic).any()
+    mosaic, triton = mosaic[:, :T], triton[:, :T]
+    assert np.abs(triton).max() > 0.1
+    # Both sum float32 products over the same keys in other tiles, then round once.
+    tol = 2 * float(jnp.finfo(DTYPES[dtype]).eps) * np.abs(triton).max()
+    np.testing.assert_allclose(mosaic, triton, rtol=0, atol=tol)
+    if kwargs.get("causal_alignment") == "bottom_right":
+        # Rows that see no key (T > S, bottom-right causal) have zero gradient.
+        S = shapes["S"]
+        assert np.all(mosaic[:, : T - S] == 0.0)
+
+
+@pytest.mark.parametrize("shapes,bias_shape,kwargs", [
+    (dict(B=2, T=150, S=140, N=2, K=1, H=64), (1, 2), dict(is_causal=True,
+                                                           logits_soft_cap=8.0)),
+    (dict(B=2, T=200, S=100, N=2, H=80, Hv=64), None,
+     dict(is_causal=True, causal_alignment="bottom_right",
+          alibi_slopes=jnp.array([0.2, 0.04]))),
+], ids=["shared_bias_causal_soft_cap_mqa", "alibi_bottom_right_empty_rows_H80_Hv64"])
+def test_gradients_with_the_mosaic_dq_against_reference_and_float64(shapes, bias_shape,
+                                                                    kwargs):
+    dtype = jnp.bfloat16
+    inputs = make_inputs(sum(shapes.values()), dtype=dtype, **shapes)
+    bias = (random_bias(5, (*bias_shape, shapes["T"], shapes["S"]), dtype)
+            if bias_shape is not None else None)
+    # The forward and the backward op by op (kernel_helpers.make_runner).
+    kernel, reference = pallas_and_reference(inputs, block_sizes=MOSAIC_DQ, split="eager",
+                                             bias=bias, **kwargs)
+    exact = oracle(inputs, bias=bias, **kwargs)
+    assert_fa_rule(kernel, reference, exact, dtype)
+    assert_results_close(kernel, reference, dtype, label="vs reference: ")
+    assert_empty_rows(kernel, empty_rows(exact))
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(mask=True),
+     "dq_backend='mosaic'.*no operand besides q, k, v, a bias and ALiBi slopes, got mask"),
+    (dict(dropout_rate=0.1, dropout_rng=jax.random.key(0)), "dq_backend='mosaic'.*no dropout"),
+    (dict(dtype=jnp.float32), "dq_backend='mosaic'.*bfloat16 or float16"),
+    (dict(H=256), "dq_backend='mosaic'.*head dims must pad to"),
+])
+def test_unsupported_problems_name_the_reason(kwargs, match):
+    dtype = kwargs.pop("dtype", jnp.bfloat16)
+    inputs = make_inputs(1, B=2, T=16, S=16, N=2, H=kwargs.pop("H", 64), dtype=dtype)
+    if kwargs.pop("mask", False):
+        kwargs["mask"] = jnp.ones((1, 1, 16, 16), bool)
+    with pytest.raises(ValueError, match=match):
+        pallas_attn.dot_product_attention(inputs["q"], inputs["k"], inputs["v"],
+                                          interpret=True, block_sizes=MOSAIC_DQ, **kwargs)
+
+
+@pytest.mark.parametrize("fields,match", [
+    (dict(block_q_dq=64), r"\(block_q_dq, block_k_dq\) = \(128, 64\)"),
+    (dict(block_k_dq=128), r"\(block_q_dq, block_k_dq\) = \(128, 64\)"),
+    (dict(num_stages_dq=1), "num_stages_dq >= 2"),
+    (dict(dq_backend="cuda"), "dq_backend must be one of"),
+])
+def test_block_sizes_validate_the_mosaic_dq_tiles(fields, match):
+    with pytest.raises(ValueError, match=match):
+        dataclasses.replace(MOSAIC_DQ, **fields)
+
+
+def test_mosaic_dq_tiles_are_not_clamped():
+    b = MOSAIC_DQ.clamp(20, 30)
+    assert (b.block_q_dq, b.block_k_dq) == (128, 64) and b.block_q_dkv == 32
+
+
+def test_mosaic_dq_needs_a_hopper_gpu():
+    assert_needs_hopper(MOSAIC_DQ, "dq_backend='mosaic' needs an sm90")
+
+
+HOPPER = tuning.DeviceInfo.for_capability((9, 0))
+
+
+@pytest.mark.parametrize("features", [
+    dict(has_soft_cap=True), dict(has_bias=True, bias_dtype=jnp.bfloat16),
+    dict(is_causal=True), dict(),
+], ids=["soft_cap", "bias", "causal", "plain"])
+def test_heuristic_keeps_the_triton_dq_kernel(features):
+    """The Mosaic dQ kernel runs only when asked for: it was faster alone but slower
+    end to end (BENCHMARKS.md, session 11)."""
+    blocks = tuning.choose_block_sizes(128, jnp.bfloat16, q_len=4096, kv_len=4096,
+                                       device=HOPPER, mosaic_scores=True, **features)
+    assert blocks.dq_backend == "triton" and blocks.forward_backend == "mosaic"
+
+
+def test_shared_memory_estimate_fits_the_mosaic_dq_kernel():
+    """Q, dO, the K/V ring and dS (147456 bytes at d128), the row residuals, barriers
+    and each consumer's bias tile fit an H100's shared memory."""
+    sizes = [tuning.shared_memory_estimate(MOSAIC_DQ, 128, None, jnp.bfloat16,
+                                           bias_dtype=bias_dtype)["dq"]
+             for bias_dtype in (None, jnp.bfloat16, jnp.float32)]
+    assert 147456 < sizes[0] < sizes[1] < sizes[2] <= HOPPER.max_shared_memory_per_block
+    assert sizes[2] - sizes[1] == 128 * 64 * 2
