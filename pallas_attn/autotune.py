@@ -263,9 +263,18 @@ def kernel_runner(*, batch: int, q_len: int, kv_len: int, heads: int, kv_heads: 
     do = jax.random.normal(keys[3], out.shape, dtype)
     delta = jnp.einsum("btnh,btnh->bnt", do.astype(jnp.float32), out.astype(jnp.float32))
     names, bwd_inputs = triton_bwd.backward_inputs(qp, kp, vp, optional, row_stats, do, delta)
+    mosaic_inputs = (qp, kp, vp, do, mosaic_fwd.row_residuals(row_stats, delta),
+                     optional.get("bias"), optional.get("alibi_slopes"))
 
     def runner(kernel: str, blocks: Any) -> Callable[[], Any]:
         p = dataclasses.replace(problem, blocks=blocks)
+
+        def mosaic(kernel_fn: Callable[..., Any], *flags: bool) -> tuple[Callable, tuple]:
+            """A Mosaic backward kernel (mosaic_dkv.dkdv, mosaic_dq.dq or
+            mosaic_dbias.dbias) on the inputs, and those inputs."""
+            return (lambda q, k, v, do, stats, bias, slopes: kernel_fn(
+                p, q, k, v, do, stats, bias, *flags, slopes)), mosaic_inputs
+
         if kernel == "forward":
             backend = mosaic_fwd if blocks.forward_backend == "mosaic" else triton_fwd
             # The operands are arguments, not constants folded into the program.
@@ -284,32 +293,15 @@ def kernel_runner(*, batch: int, q_len: int, kv_len: int, heads: int, kv_heads: 
                                      f"a bias of shape {bias_array.shape}")
                 fused = optional["bias"]
             if mosaic:
-                def fn(*a):
-                    x = dict(zip(names, a, strict=True))
-                    return mosaic_dkv.dkdv(p, x["q"], x["k"], x["v"], x["do"],
-                                           (x["row_max"], x["log2_sum"]), x["delta"],
-                                           x.get("bias"), fused is not None,
-                                           x.get("alibi_slopes"))
+                fn, args = mosaic(mosaic_dkv.dkdv, fused is not None)
             else:
-                def fn(*a):
-                    return triton_bwd.dkdv(p, names, list(a), fused)
-            args = bwd_inputs
+                fn, args = (lambda *a: triton_bwd.dkdv(p, names, list(a), fused)), bwd_inputs
         elif kernel == "dq" and blocks.dq_backend == "mosaic":
-            def fn(*a):
-                x = dict(zip(names, a, strict=True))
-                return mosaic_dq.dq(p, x["q"], x["k"], x["v"], x["do"],
-                                    (x["row_max"], x["log2_sum"]), x["delta"], x.get("bias"),
-                                    x.get("alibi_slopes"))
-            args = bwd_inputs
+            fn, args = mosaic(mosaic_dq.dq)
         elif kernel == "dq":
             fn, args = (lambda *a: triton_bwd.dq(p, names, list(a))), bwd_inputs
         elif blocks.dbias_backend == "mosaic":
-            def fn(*a):
-                x = dict(zip(names, a, strict=True))
-                return mosaic_dbias.dbias(p, x["q"], x["k"], x["v"], x["do"],
-                                          (x["row_max"], x["log2_sum"]), x["delta"], x["bias"],
-                                          x.get("alibi_slopes"))
-            args = bwd_inputs
+            fn, args = mosaic(mosaic_dbias.dbias)
         else:
             fn, args = (lambda *a: triton_bwd.dbias(p, names, list(a), optional["bias"])), \
                 bwd_inputs

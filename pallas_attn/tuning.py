@@ -157,9 +157,8 @@ class BlockSizes:
     dq_backend: "triton" or "mosaic", the warp-specialised Hopper dQ kernel
     (kernels/mosaic_dq.py: in the Mosaic forward's scope; block_q_dq and block_k_dq
     must be its (128, 64), num_stages_dq its K/V slots, at least 2; num_warps_dq
-    does not apply). The heuristic never picks it: faster alone with a soft cap or
-    a bias, it made every measured forward+backward slower (BENCHMARKS.md, session
-    11).
+    does not apply). The heuristic picks it where it picks the Mosaic forward
+    (`prefers_mosaic_dq`).
     """
 
     block_q: int = 128
@@ -519,8 +518,7 @@ def choose_block_sizes(head_dim: int, dtype: Any = jnp.bfloat16, *, q_len: int, 
     the device, dtype and head dims) selects the Mosaic forward, which replaces
     the Triton forward's tiles, tuned or not (`prefers_mosaic_forward`); the Mosaic
     dK/dV kernel (`prefers_mosaic_dkv`) and with a bias the Mosaic dbias kernel
-    (`prefers_mosaic_dbias`) likewise. The Mosaic dQ kernel runs only when asked for
-    (`BlockSizes.dq_backend`).
+    (`prefers_mosaic_dbias`) and the Mosaic dQ kernel (`prefers_mosaic_dq`) likewise.
     """
     if not isinstance(head_dim, int) or not 1 <= head_dim <= 256:
         raise ValueError(f"head_dim must be an int in [1, 256], got {head_dim!r}")
@@ -563,6 +561,10 @@ def choose_block_sizes(head_dim: int, dtype: Any = jnp.bfloat16, *, q_len: int, 
         mosaic = dataclasses.replace(chosen, dkv_backend="mosaic", **_MOSAIC_DKV)
         if _fits(mosaic, "dkdv", head_dim, value_head_dim, dtype, budget, **smem_features):
             chosen = mosaic
+    if prefers_mosaic_dq(device, dtype, head_dim, value_head_dim, q_len, features):
+        mosaic = dataclasses.replace(chosen, dq_backend="mosaic", **_MOSAIC_DQ)
+        if _fits(mosaic, "dq", head_dim, value_head_dim, dtype, budget, **smem_features):
+            chosen = mosaic
     if prefers_mosaic_dbias(device, dtype, head_dim, value_head_dim, q_len, features):
         for stages in (2, 1):
             mosaic = dataclasses.replace(chosen, dbias_backend="mosaic",
@@ -581,6 +583,11 @@ _MOSAIC_FORWARD = dict(block_q=MOSAIC_BLOCK_Q, block_k=128, num_stages=2)
 # against 2.00 at d128 without a bias; three gained nothing at d64).
 _MOSAIC_DKV = dict(block_q_dkv=MOSAIC_DKV_TILES[0], block_k_dkv=MOSAIC_DKV_TILES[1],
                    num_stages_dkv=2)
+
+# The Mosaic dQ kernel's tiles and K/V slots (BENCHMARKS.md, session 11: three
+# slots ran within 3% of two).
+_MOSAIC_DQ = dict(block_q_dq=MOSAIC_DQ_TILES[0], block_k_dq=MOSAIC_DQ_TILES[1],
+                  num_stages_dq=2)
 
 
 def persistent_programs(work_items: int, interpret: bool) -> int:
@@ -612,6 +619,17 @@ def _in_mosaic_scope(device: DeviceInfo, dtype: Any, q_len: int,
     return (device.compute_capability == (9, 0)
             and jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
             and q_len >= MOSAIC_BLOCK_Q and bool(features.get("mosaic_scores")))
+
+
+def prefers_mosaic_dq(device: DeviceInfo, dtype: Any, head_dim: int, value_head_dim: int,
+                      q_len: int, features: dict[str, Any]) -> bool:
+    """Whether the heuristic runs the Mosaic (Hopper) dQ kernel instead of Triton's:
+    where it runs the Mosaic forward (`prefers_mosaic_forward`: head dims padding to
+    128). Measured on an H100 (BENCHMARKS.md, session 12, B=4, N=16, T=S=4096, d128,
+    kernel times inside the jitted forward+backward): soft cap 1.57 ms against 1.80,
+    [1, N, T, S] bias 1.65 against 1.74, plain 1.41 against 1.47. At d64 Triton's was
+    faster (1.09 against 0.88 ms alone, session 11)."""
+    return prefers_mosaic_forward(device, dtype, head_dim, value_head_dim, q_len, features)
 
 
 def prefers_mosaic_dkv(device: DeviceInfo, dtype: Any, head_dim: int, value_head_dim: int,

@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any
 
@@ -20,6 +21,10 @@ import numpy as np
 import pytest
 
 import pallas_attn
+from pallas_attn import tuning
+from pallas_attn.kernels import attention as kernel_attention
+from pallas_attn.kernels import mosaic_fwd, triton_bwd, triton_fwd
+from pallas_attn.spec import normalize
 
 # NOTE: at these sizes the interpreted kernels run in milliseconds; the time goes
 # into compiling them (large XLA programs: every kernel body, its tile loops and the
@@ -410,10 +415,6 @@ def no_mosaic_races():
 def assert_needs_hopper(block_sizes: Any, match: str) -> None:
     """resolve_block_sizes rejects these Mosaic tiles on an sm80 device with a
     ValueError matching `match`."""
-    from pallas_attn import tuning
-    from pallas_attn.kernels import attention as kernel_attention
-    from pallas_attn.spec import normalize
-
     inputs = make_inputs(1, B=1, T=16, S=16, N=1, H=64, dtype=jnp.bfloat16)
     ampere = tuning.DeviceInfo.for_capability((8, 0))
     spec, ops, _ = normalize(inputs["q"], inputs["k"], inputs["v"])
@@ -421,3 +422,54 @@ def assert_needs_hopper(block_sizes: Any, match: str) -> None:
         patch.setattr(tuning.DeviceInfo, "current", staticmethod(lambda: ampere))
         with pytest.raises(ValueError, match=match):
             kernel_attention.resolve_block_sizes(spec, ops, block_sizes, interpret=False)
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelBackward:
+    """What a backward kernel takes, for one small problem: the padded q, k, v and
+    operands, the Triton forward's row residuals, a random dO and its delta, and the
+    caller's (T, S)."""
+    problem: Any
+    q: jax.Array
+    k: jax.Array
+    v: jax.Array
+    operands: dict
+    row_stats: tuple
+    do: jax.Array
+    delta: jax.Array
+    T: int
+    S: int
+
+    @property
+    def stats(self) -> jax.Array:
+        """The Mosaic backward kernels' stacked row residuals."""
+        return mosaic_fwd.row_residuals(self.row_stats, self.delta)
+
+    def triton(self, **tiles: Any) -> tuple[Any, tuple[str, ...], list]:
+        """(problem with these tiles, names, inputs) for the Triton backward kernels."""
+        problem = dataclasses.replace(
+            self.problem, blocks=dataclasses.replace(self.problem.blocks, **tiles))
+        names, inputs = triton_bwd.backward_inputs(self.q, self.k, self.v, self.operands,
+                                                   self.row_stats, self.do, self.delta)
+        return problem, names, inputs
+
+
+def kernel_backward(dtype: str, shapes: dict, bias_shape: tuple | None, kwargs: dict,
+                    block_sizes: Any, bias_dtype: str | None = None) -> KernelBackward:
+    """A `KernelBackward` in dtype for shapes (make_inputs' arguments, head dim 64
+    unless given), a random bias [*bias_shape, T, S] (in bias_dtype, default dtype) or
+    none, the api's keyword arguments and these tiles (interpreted)."""
+
+    shapes = dict(dict(H=64), **shapes)
+    inputs = make_inputs(sum(shapes.values()), dtype=DTYPES[dtype], **shapes)
+    T, S = shapes["T"], shapes["S"]
+    bias = (random_bias(3, (*bias_shape, T, S), DTYPES[bias_dtype or dtype])
+            if bias_shape is not None else None)
+    spec, ops, _ = normalize(inputs["q"], inputs["k"], inputs["v"], bias, **kwargs)
+    problem, q, k, v, differentiable, optional = kernel_attention.prepare(
+        spec, ops, block_sizes, interpret=True)
+    operands = {**optional, **differentiable}
+    out, row_stats = triton_fwd.forward(problem, q, k, v, operands)
+    do = jax.random.normal(jax.random.key(11), out.shape, out.dtype)
+    delta = jnp.einsum("btnh,btnh->bnt", do.astype(jnp.float32), out.astype(jnp.float32))
+    return KernelBackward(problem, q, k, v, operands, row_stats, do, delta, T, S)

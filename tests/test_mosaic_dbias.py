@@ -24,6 +24,7 @@ from kernel_helpers import (  # no_mosaic_races: an autouse fixture
     assert_fa_rule,
     assert_needs_hopper,
     assert_results_close,
+    kernel_backward,
     make_inputs,
     no_mosaic_races,  # noqa: F401
     oracle,
@@ -33,9 +34,7 @@ from kernel_helpers import (  # no_mosaic_races: an autouse fixture
 
 import pallas_attn
 from pallas_attn import tuning
-from pallas_attn.kernels import attention as kernel_attention
-from pallas_attn.kernels import mosaic_dbias, triton_bwd, triton_fwd
-from pallas_attn.spec import normalize
+from pallas_attn.kernels import mosaic_dbias, triton_bwd
 
 # Small Triton tiles around the Mosaic dbias kernel's 128-row items.
 MOSAIC_DBIAS = pallas_attn.BlockSizes(32, 32, 32, 32, 32, 32, block_q_dbias=128,
@@ -63,26 +62,15 @@ def _kernel_outputs(dtype: str, bias_dtype: str, shapes: dict, bias_shape: tuple
                     kwargs: dict, blocks: dict) -> tuple[np.ndarray, np.ndarray, tuple]:
     """(Mosaic dbias, Triton dbias) over the padded bias, from the Triton forward's
     residuals and a random dO, and the caller's (T, S)."""
-    shapes = dict(dict(H=64), **shapes)
-    inputs = make_inputs(sum(shapes.values()), dtype=DTYPES[dtype], **shapes)
-    T, S = shapes["T"], shapes["S"]
-    bias = random_bias(3, (*bias_shape, T, S), DTYPES[bias_dtype])
-    spec, ops, _ = normalize(inputs["q"], inputs["k"], inputs["v"], bias, **kwargs)
-    block_sizes = dataclasses.replace(MOSAIC_DBIAS, **blocks)
-    problem, q, k, v, differentiable, optional = kernel_attention.prepare(
-        spec, ops, block_sizes, interpret=True)
-    operands = {**optional, **differentiable}
-    out, row_stats = triton_fwd.forward(problem, q, k, v, operands)
-    do = jax.random.normal(jax.random.key(11), out.shape, out.dtype)
-    delta = jnp.einsum("btnh,btnh->bnt", do.astype(jnp.float32), out.astype(jnp.float32))
-    mosaic = mosaic_dbias.dbias(problem, q, k, v, do, row_stats, delta, operands["bias"],
-                                operands.get("alibi_slopes"))
-    triton_problem = dataclasses.replace(problem, blocks=dataclasses.replace(
-        block_sizes, block_q_dbias=32, block_k_dbias=32, dbias_backend="triton"))
-    names, bwd_inputs = triton_bwd.backward_inputs(q, k, v, operands, row_stats, do, delta)
-    triton = triton_bwd.dbias(triton_problem, names, bwd_inputs, operands["bias"])
-    assert mosaic.dtype == bias.dtype and mosaic.shape == operands["bias"].shape
-    return np.asarray(mosaic, np.float32), np.asarray(triton, np.float32), (T, S)
+    x = kernel_backward(dtype, shapes, bias_shape, kwargs,
+                        dataclasses.replace(MOSAIC_DBIAS, **blocks), bias_dtype=bias_dtype)
+    bias = x.operands["bias"]
+    mosaic = mosaic_dbias.dbias(x.problem, x.q, x.k, x.v, x.do, x.stats, bias,
+                                x.operands.get("alibi_slopes"))
+    triton = triton_bwd.dbias(*x.triton(block_q_dbias=32, block_k_dbias=32,
+                                        dbias_backend="triton"), bias)
+    assert mosaic.dtype == bias.dtype and mosaic.shape == bias.shape
+    return np.asarray(mosaic, np.float32), np.asarray(triton, np.float32), (x.T, x.S)
 
 
 @pytest.mark.parametrize("dtype,bias_dtype", [("bfloat16", "bfloat16"),

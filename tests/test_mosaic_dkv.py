@@ -27,6 +27,7 @@ from kernel_helpers import (  # no_mosaic_races: an autouse fixture
     assert_fa_rule,
     assert_needs_hopper,
     assert_results_close,
+    kernel_backward,
     make_inputs,
     no_mosaic_races,  # noqa: F401
     oracle,
@@ -37,7 +38,7 @@ from kernel_helpers import (  # no_mosaic_races: an autouse fixture
 import pallas_attn
 from pallas_attn import tuning
 from pallas_attn.kernels import attention as kernel_attention
-from pallas_attn.kernels import mosaic_dkv, triton_bwd, triton_fwd
+from pallas_attn.kernels import mosaic_dkv, triton_bwd
 from pallas_attn.spec import normalize
 
 # Small Triton tiles around the Mosaic dK/dV kernel's (64, 128) tiles.
@@ -72,31 +73,18 @@ def _kernel_outputs(dtype: str, shapes: dict, bias_shape: tuple | None, kwargs: 
     forward's residuals and a random dO, and the caller's (T, S)."""
     blocks = dict(blocks)
     bias_grad = blocks.pop("bias_grad", True) and bias_shape is not None
-    shapes = dict(dict(H=64), **shapes)
-    inputs = make_inputs(sum(shapes.values()), dtype=DTYPES[dtype], **shapes)
-    T, S = shapes["T"], shapes["S"]
-    bias = (random_bias(3, (*bias_shape, T, S), DTYPES[dtype])
-            if bias_shape is not None else None)
-    spec, ops, _ = normalize(inputs["q"], inputs["k"], inputs["v"], bias, **kwargs)
-    block_sizes = dataclasses.replace(MOSAIC_DKV, **blocks)
-    problem, q, k, v, differentiable, optional = kernel_attention.prepare(
-        spec, ops, block_sizes, interpret=True)
-    operands = {**optional, **differentiable}
-    out, row_stats = triton_fwd.forward(problem, q, k, v, operands)
-    do = jax.random.normal(jax.random.key(11), out.shape, out.dtype)
-    delta = jnp.einsum("btnh,btnh->bnt", do.astype(jnp.float32), out.astype(jnp.float32))
-    mosaic = mosaic_dkv.dkdv(problem, q, k, v, do, row_stats, delta, operands.get("bias"),
-                             bias_grad, operands.get("alibi_slopes"))
-    triton_problem = dataclasses.replace(problem, blocks=dataclasses.replace(
-        block_sizes, **TRITON_TILES))
-    names, bwd_inputs = triton_bwd.backward_inputs(q, k, v, operands, row_stats, do, delta)
-    triton = (*triton_bwd.dkdv(triton_problem, names, bwd_inputs)[:2],
-              triton_bwd.dbias(triton_problem, names, bwd_inputs, operands["bias"])
-              if bias_grad else None)
+    x = kernel_backward(dtype, shapes, bias_shape, kwargs,
+                        dataclasses.replace(MOSAIC_DKV, **blocks))
+    bias = x.operands.get("bias")
+    mosaic = mosaic_dkv.dkdv(x.problem, x.q, x.k, x.v, x.do, x.stats, bias, bias_grad,
+                             x.operands.get("alibi_slopes"))
+    triton_args = x.triton(**TRITON_TILES)
+    triton = (*triton_bwd.dkdv(*triton_args)[:2],
+              triton_bwd.dbias(*triton_args, bias) if bias_grad else None)
     as_dict = (lambda xs: {name: np.asarray(x, np.float32)
                            for name, x in zip(("dk", "dv", "dbias"), xs, strict=True)
                            if x is not None})
-    return as_dict(mosaic), as_dict(triton), (T, S)
+    return as_dict(mosaic), as_dict(triton), (x.T, x.S)
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])

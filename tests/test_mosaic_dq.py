@@ -26,6 +26,7 @@ from kernel_helpers import (  # no_mosaic_races: an autouse fixture
     assert_needs_hopper,
     assert_results_close,
     empty_rows,
+    kernel_backward,
     make_inputs,
     no_mosaic_races,  # noqa: F401
     oracle,
@@ -35,9 +36,7 @@ from kernel_helpers import (  # no_mosaic_races: an autouse fixture
 
 import pallas_attn
 from pallas_attn import tuning
-from pallas_attn.kernels import attention as kernel_attention
-from pallas_attn.kernels import mosaic_dq, triton_bwd, triton_fwd
-from pallas_attn.spec import normalize
+from pallas_attn.kernels import mosaic_dq, triton_bwd
 
 # Small Triton tiles around the Mosaic dQ kernel's (128, 64) tiles.
 MOSAIC_DQ = pallas_attn.BlockSizes(32, 32, 32, 32, 128, 64, block_q_dbias=32,
@@ -60,27 +59,13 @@ def _kernel_outputs(dtype: str, shapes: dict, bias_shape: tuple | None, kwargs: 
                     blocks: dict) -> tuple[np.ndarray, np.ndarray, int]:
     """(Mosaic dq, Triton dq) over the padded arrays, from the Triton forward's
     residuals and a random dO, and the caller's T."""
-    shapes = dict(dict(H=64), **shapes)
-    inputs = make_inputs(sum(shapes.values()), dtype=DTYPES[dtype], **shapes)
-    T, S = shapes["T"], shapes["S"]
-    bias = (random_bias(3, (*bias_shape, T, S), DTYPES[dtype])
-            if bias_shape is not None else None)
-    spec, ops, _ = normalize(inputs["q"], inputs["k"], inputs["v"], bias, **kwargs)
-    block_sizes = dataclasses.replace(MOSAIC_DQ, **blocks)
-    problem, q, k, v, differentiable, optional = kernel_attention.prepare(
-        spec, ops, block_sizes, interpret=True)
-    operands = {**optional, **differentiable}
-    out, row_stats = triton_fwd.forward(problem, q, k, v, operands)
-    do = jax.random.normal(jax.random.key(11), out.shape, out.dtype)
-    delta = jnp.einsum("btnh,btnh->bnt", do.astype(jnp.float32), out.astype(jnp.float32))
-    mosaic = mosaic_dq.dq(problem, q, k, v, do, row_stats, delta, operands.get("bias"),
-                          operands.get("alibi_slopes"))
-    triton_problem = dataclasses.replace(problem, blocks=dataclasses.replace(
-        block_sizes, block_q_dq=32, block_k_dq=32, dq_backend="triton"))
-    names, bwd_inputs = triton_bwd.backward_inputs(q, k, v, operands, row_stats, do, delta)
-    triton = triton_bwd.dq(triton_problem, names, bwd_inputs)
-    assert mosaic.shape == q.shape and mosaic.dtype == q.dtype
-    return np.asarray(mosaic, np.float32), np.asarray(triton, np.float32), T
+    x = kernel_backward(dtype, shapes, bias_shape, kwargs,
+                        dataclasses.replace(MOSAIC_DQ, **blocks))
+    mosaic = mosaic_dq.dq(x.problem, x.q, x.k, x.v, x.do, x.stats, x.operands.get("bias"),
+                          x.operands.get("alibi_slopes"))
+    triton = triton_bwd.dq(*x.triton(block_q_dq=32, block_k_dq=32, dq_backend="triton"))
+    assert mosaic.shape == x.q.shape and mosaic.dtype == x.q.dtype
+    return np.asarray(mosaic, np.float32), np.asarray(triton, np.float32), x.T
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
@@ -168,12 +153,23 @@ HOPPER = tuning.DeviceInfo.for_capability((9, 0))
     dict(has_soft_cap=True), dict(has_bias=True, bias_dtype=jnp.bfloat16),
     dict(is_causal=True), dict(),
 ], ids=["soft_cap", "bias", "causal", "plain"])
-def test_heuristic_keeps_the_triton_dq_kernel(features):
-    """The Mosaic dQ kernel runs only when asked for: it was faster alone but slower
-    end to end (BENCHMARKS.md, session 11)."""
+def test_heuristic_picks_the_mosaic_dq_kernel_at_head_dim_128(features):
     blocks = tuning.choose_block_sizes(128, jnp.bfloat16, q_len=4096, kv_len=4096,
                                        device=HOPPER, mosaic_scores=True, **features)
-    assert blocks.dq_backend == "triton" and blocks.forward_backend == "mosaic"
+    assert blocks.dq_backend == "mosaic" and blocks.forward_backend == "mosaic"
+    assert (blocks.block_q_dq, blocks.block_k_dq, blocks.num_stages_dq) == (128, 64, 2)
+
+
+@pytest.mark.parametrize("head_dim,dtype,device,scores", [
+    (64, jnp.bfloat16, HOPPER, True),  # Triton's dQ was faster at d64
+    (128, jnp.float32, HOPPER, True),
+    (128, jnp.bfloat16, tuning.DeviceInfo.for_capability((8, 0)), True),
+    (128, jnp.bfloat16, HOPPER, False),  # scores the Mosaic kernels do not compute
+], ids=["d64", "float32", "sm80", "mask"])
+def test_heuristic_keeps_the_triton_dq_kernel_elsewhere(head_dim, dtype, device, scores):
+    blocks = tuning.choose_block_sizes(head_dim, dtype, q_len=4096, kv_len=4096,
+                                       device=device, mosaic_scores=scores)
+    assert blocks.dq_backend == "triton"
 
 
 def test_shared_memory_estimate_fits_the_mosaic_dq_kernel():

@@ -280,15 +280,19 @@ def test_hopper_mosaic_scores_at_head_dim_128_get_the_mosaic_forward(head_dim, v
         triton = pallas_attn.choose_block_sizes(head_dim, dtype, q_len=4096, kv_len=4096,
                                                 value_head_dim=value_head_dim,
                                                 device=DEVICES["sm90"], **band)
-        # Only the forward and dK/dV change (the Mosaic dK/dV kernel's fixed tiles);
+        # Only the forward, dK/dV and dQ change (the Mosaic kernels' fixed tiles);
         # the other backward tiles are the Triton heuristic's.
         assert (b.dkv_backend, b.block_q_dkv, b.block_k_dkv, b.num_stages_dkv) == (
             "mosaic", 64, 128, 2)
+        assert (b.dq_backend, b.block_q_dq, b.block_k_dq, b.num_stages_dq) == (
+            "mosaic", 128, 64, 2)
         assert dataclasses.replace(
             b, forward_backend="triton", block_q=triton.block_q, block_k=triton.block_k,
             num_stages=triton.num_stages, num_warps=triton.num_warps, dkv_backend="triton",
+            dq_backend="triton",
             **{f: getattr(triton, f) for f in ("block_q_dkv", "block_k_dkv",
-                                              "num_stages_dkv")}) == triton
+                                              "num_stages_dkv", "block_q_dq", "block_k_dq",
+                                              "num_stages_dq")}) == triton
         est = tuning.shared_memory_estimate(b, head_dim, value_head_dim, dtype)
         assert est["forward"] <= DEVICES["sm90"].max_shared_memory_per_block
 
@@ -317,7 +321,8 @@ def test_mosaic_forward_replaces_tuned_forward_tiles_and_keeps_the_rest():
                                          device=device, **MOSAIC_SCORES)
     assert got == dataclasses.replace(tuned, forward_backend="mosaic", block_q=128,
                                       block_k=128, num_stages=2, dkv_backend="mosaic",
-                                      block_q_dkv=64, block_k_dkv=128, num_stages_dkv=2)
+                                      block_q_dkv=64, block_k_dkv=128, num_stages_dkv=2,
+                                      dq_backend="mosaic", block_q_dq=128, block_k_dq=64)
 
 
 def test_mosaic_tiles_are_not_clamped():

@@ -197,20 +197,23 @@ def _backward(problem: Problem, q, k, v, operands: dict, row_stats, do, delta,
     bias = operands.get("bias")
     fused = bias_grad and bool(blocks.fuse_dbias)
     names, inputs = triton_bwd.backward_inputs(q, k, v, operands, row_stats, do, delta)
+    mosaic_dbias_kernel = bias_grad and not fused and _mosaic_dbias(problem)
+    stats = (mosaic_fwd.row_residuals(row_stats, delta)
+             if "mosaic" in (blocks.dkv_backend, blocks.dq_backend) or mosaic_dbias_kernel
+             else None)
+    slopes = operands.get("alibi_slopes")
     if blocks.dkv_backend == "mosaic":
-        dk, dv, dbias = mosaic_dkv.dkdv(problem, q, k, v, do, row_stats, delta, bias, fused,
-                                        operands.get("alibi_slopes"))
+        dk, dv, dbias = mosaic_dkv.dkdv(problem, q, k, v, do, stats, bias, fused, slopes)
     else:
         dk, dv, dbias = triton_bwd.dkdv(problem, names, inputs, bias if fused else None)
     if blocks.dq_backend == "mosaic":
-        dq = mosaic_dq.dq(problem, q, k, v, do, row_stats, delta, bias,
-                          operands.get("alibi_slopes"))
+        dq = mosaic_dq.dq(problem, q, k, v, do, stats, bias, slopes)
     else:
         dq = triton_bwd.dq(problem, names, inputs)
-    if bias_grad and not fused:
-        dbias = (mosaic_dbias.dbias(problem, q, k, v, do, row_stats, delta, bias,
-                                    operands.get("alibi_slopes"))
-                 if _mosaic_dbias(problem) else triton_bwd.dbias(problem, names, inputs, bias))
+    if mosaic_dbias_kernel:
+        dbias = mosaic_dbias.dbias(problem, q, k, v, do, stats, bias, slopes)
+    elif bias_grad and not fused:
+        dbias = triton_bwd.dbias(problem, names, inputs, bias)
     return dq, dk, dv, dbias
 
 

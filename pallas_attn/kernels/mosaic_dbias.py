@@ -267,10 +267,11 @@ def tile_gradient(problem: Problem, s: jax.Array, dp: jax.Array, bias: jax.Array
 
 
 def dbias(problem: Problem, q: jax.Array, k: jax.Array, v: jax.Array, do: jax.Array,
-          row_stats: tuple[jax.Array, jax.Array], delta: jax.Array, bias: jax.Array,
-          slopes: jax.Array | None = None) -> jax.Array:
-    """dbias of the bias's (padded) shape for padded inputs; delta [B, N, Tp]; slopes:
-    ALiBi slopes [B, N] or None."""
+          stats: jax.Array, bias: jax.Array, slopes: jax.Array | None = None
+          ) -> jax.Array:
+    """dbias of the bias's (padded) shape for padded inputs; stats: the row residuals
+    (`mosaic_fwd.row_residuals`, one bulk copy per consumer); slopes: ALiBi slopes
+    [B, N] or None."""
     if why := unsupported(problem):
         raise AssertionError(f"mosaic_dbias.dbias called for an unsupported problem: {why}")
     B, Tp, N, hp = q.shape
@@ -280,8 +281,6 @@ def dbias(problem: Problem, q: jax.Array, k: jax.Array, v: jax.Array, do: jax.Ar
     if blocks.block_q_dbias != ITEM_ROWS:
         raise AssertionError(f"mosaic_dbias.dbias needs block_q_dbias={ITEM_ROWS}: {blocks}")
     dtype = q.dtype
-    # The member's three row residuals travel in one bulk copy per consumer.
-    stats = jnp.stack([*row_stats, delta], axis=2)  # [B, N, 3, Tp]
 
     def entry(q_ref, k_ref, v_ref, do_ref, stats_ref, bias_ref, *refs):
         slopes_ref = refs[0] if slopes is not None else None

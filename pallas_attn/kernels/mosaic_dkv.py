@@ -327,12 +327,11 @@ def _store_dbias(ds_smem, dst, ds, add, reduce_in_registers: bool):
 
 
 def dkdv(problem: Problem, q: jax.Array, k: jax.Array, v: jax.Array, do: jax.Array,
-         row_stats: tuple[jax.Array, jax.Array], delta: jax.Array, bias: jax.Array | None,
-         bias_grad: bool, slopes: jax.Array | None = None
-         ) -> tuple[jax.Array, jax.Array, jax.Array | None]:
-    """(dk, dv, dbias or None) for padded inputs; delta [B, N, Tp]; slopes: ALiBi
-    slopes [B, N] or None. bias_grad: also write the gradient of the (present) bias
-    (`tuning.mosaic_fusable_dbias`)."""
+         stats: jax.Array, bias: jax.Array | None, bias_grad: bool,
+         slopes: jax.Array | None = None) -> tuple[jax.Array, jax.Array, jax.Array | None]:
+    """(dk, dv, dbias or None) for padded inputs; stats: the row residuals
+    (`mosaic_fwd.row_residuals`); slopes: ALiBi slopes [B, N] or None. bias_grad:
+    also write the gradient of the (present) bias (`tuning.mosaic_fusable_dbias`)."""
     if why := unsupported(problem):
         raise AssertionError(f"mosaic_dkv.dkdv called for an unsupported problem: {why}")
     if bias_grad and not tuning.mosaic_fusable_dbias(
@@ -349,7 +348,6 @@ def dkdv(problem: Problem, q: jax.Array, k: jax.Array, v: jax.Array, do: jax.Arr
     stages = blocks.num_stages_dkv
     dtype = q.dtype
     passes = B if bias_grad and bias.shape[0] == 1 else 1
-    stats = jnp.stack([*row_stats, delta], axis=2)  # [B, N, 3, Tp]
     has_bias = bias is not None
 
     def entry(*refs):

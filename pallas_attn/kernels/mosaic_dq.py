@@ -164,10 +164,10 @@ def _consume(problem: Problem, ctx, tiles, slot_of, row0, stop, mine: dict, k_sm
 
 
 def dq(problem: Problem, q: jax.Array, k: jax.Array, v: jax.Array, do: jax.Array,
-       row_stats: tuple[jax.Array, jax.Array], delta: jax.Array, bias: jax.Array | None,
-       slopes: jax.Array | None = None) -> jax.Array:
-    """dq [B, Tp, N, Hp] for padded inputs; delta [B, N, Tp]; slopes: ALiBi slopes
-    [B, N] or None."""
+       stats: jax.Array, bias: jax.Array | None, slopes: jax.Array | None = None
+       ) -> jax.Array:
+    """dq [B, Tp, N, Hp] for padded inputs; stats: the row residuals
+    (`mosaic_fwd.row_residuals`); slopes: ALiBi slopes [B, N] or None."""
     if why := unsupported(problem):
         raise AssertionError(f"mosaic_dq.dq called for an unsupported problem: {why}")
     blocks = problem.blocks
@@ -178,7 +178,6 @@ def dq(problem: Problem, q: jax.Array, k: jax.Array, v: jax.Array, do: jax.Array
     hvp = v.shape[-1]
     block_k, stages = blocks.block_k_dq, blocks.num_stages_dq
     dtype = q.dtype
-    stats = jnp.stack([*row_stats, delta], axis=2)  # [B, N, 3, Tp]
 
     def entry(q_ref, k_ref, v_ref, do_ref, stats_ref, *refs):
         bias_ref, slopes_ref = optional_refs(refs, bias, slopes)
