@@ -269,7 +269,7 @@ def kernel_runner(*, batch: int, q_len: int, kv_len: int, heads: int, kv_heads: 
     def runner(kernel: str, blocks: Any) -> Callable[[], Any]:
         p = dataclasses.replace(problem, blocks=blocks)
 
-        def mosaic(kernel_fn: Callable[..., Any], *flags: bool) -> tuple[Callable, tuple]:
+        def mosaic_kernel(kernel_fn: Callable[..., Any], *flags: bool) -> tuple[Callable, tuple]:
             """A Mosaic backward kernel (mosaic_dkv.dkdv, mosaic_dq.dq or
             mosaic_dbias.dbias) on the inputs, and those inputs."""
             return (lambda q, k, v, do, stats, bias, slopes: kernel_fn(
@@ -293,15 +293,15 @@ def kernel_runner(*, batch: int, q_len: int, kv_len: int, heads: int, kv_heads: 
                                      f"a bias of shape {bias_array.shape}")
                 fused = optional["bias"]
             if mosaic:
-                fn, args = mosaic(mosaic_dkv.dkdv, fused is not None)
+                fn, args = mosaic_kernel(mosaic_dkv.dkdv, fused is not None)
             else:
                 fn, args = (lambda *a: triton_bwd.dkdv(p, names, list(a), fused)), bwd_inputs
         elif kernel == "dq" and blocks.dq_backend == "mosaic":
-            fn, args = mosaic(mosaic_dq.dq)
+            fn, args = mosaic_kernel(mosaic_dq.dq)
         elif kernel == "dq":
             fn, args = (lambda *a: triton_bwd.dq(p, names, list(a))), bwd_inputs
         elif blocks.dbias_backend == "mosaic":
-            fn, args = mosaic(mosaic_dbias.dbias)
+            fn, args = mosaic_kernel(mosaic_dbias.dbias)
         else:
             fn, args = (lambda *a: triton_bwd.dbias(p, names, list(a), optional["bias"])), \
                 bwd_inputs
