@@ -228,16 +228,19 @@ def _consume(problem: Problem, wg, unit_of, units, refs, buffers, barriers):
             def products(s_ref, dp_ref):
                 plgpu.wgmma(s_ref, q_smem.at[slot], k_mine.transpose((1, 0)))
                 plgpu.wgmma(dp_ref, do_smem.at[slot], v_mine.transpose((1, 0)))
-                return s_ref[...], dp_ref[...]
+                # The row residuals and the bias tile come into registers while the
+                # products run.
+                stats = stats_smem.at[slot]
+                residuals = tuple(plgpu.load(stats.at[j], layout=row_layout)
+                                  for j in range(3))
+                bias = None
+                if bias_smem is not None:
+                    bias = plgpu.load(bias_smem.at[slot, wg],
+                                      layout=plgpu.Layout.WGMMA).astype(jnp.float32)
+                return s_ref[...], dp_ref[...], residuals, bias
 
-            s, dp = pl.run_scoped(products, plgpu.ACC(shape, jnp.float32),
-                                  plgpu.ACC(shape, jnp.float32))
-            stats = stats_smem.at[slot]
-            residuals = tuple(plgpu.load(stats.at[j], layout=row_layout) for j in range(3))
-            bias = None
-            if bias_smem is not None:
-                bias = plgpu.load(bias_smem.at[slot, wg],
-                                  layout=plgpu.Layout.WGMMA).astype(jnp.float32)
+            s, dp, residuals, bias = pl.run_scoped(products, plgpu.ACC(shape, jnp.float32),
+                                                   plgpu.ACC(shape, jnp.float32))
             prob, ds = tile_gradient(problem, s, dp, bias, residuals, row0, k_own, masked,
                                      slope)
             ds_slot = ds_mine.at[lax.rem(at, 2)]
