@@ -222,6 +222,7 @@ def kernel_runner(*, batch: int, q_len: int, kv_len: int, heads: int, kv_heads: 
     from pallas_attn import tuning
     from pallas_attn.kernels import attention as kernel_attention
     from pallas_attn.kernels import (
+        mosaic_common,
         mosaic_dbias,
         mosaic_dkv,
         mosaic_dq,
@@ -248,7 +249,7 @@ def kernel_runner(*, batch: int, q_len: int, kv_len: int, heads: int, kv_heads: 
     heuristic = triton_tiles
     if mosaic_forward:
         present = ("bias",) * bias + ("alibi_slopes",) * alibi
-        scores = not mosaic_fwd.unsupported_scores(spec, present)
+        scores = not mosaic_common.unsupported_scores(spec, present)
         heuristic = tuning.choose_block_sizes(head_dim, dtype, q_len=q_len, kv_len=kv_len,
                                               device=device, mosaic_scores=scores,
                                               **features)
@@ -263,7 +264,7 @@ def kernel_runner(*, batch: int, q_len: int, kv_len: int, heads: int, kv_heads: 
     do = jax.random.normal(keys[3], out.shape, dtype)
     delta = jnp.einsum("btnh,btnh->bnt", do.astype(jnp.float32), out.astype(jnp.float32))
     names, bwd_inputs = triton_bwd.backward_inputs(qp, kp, vp, optional, row_stats, do, delta)
-    mosaic_inputs = (qp, kp, vp, do, mosaic_fwd.row_residuals(row_stats, delta),
+    mosaic_inputs = (qp, kp, vp, do, mosaic_common.row_residuals(row_stats, delta),
                      optional.get("bias"), optional.get("alibi_slopes"))
 
     def runner(kernel: str, blocks: Any) -> Callable[[], Any]:

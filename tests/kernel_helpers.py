@@ -23,7 +23,7 @@ import pytest
 import pallas_attn
 from pallas_attn import tuning
 from pallas_attn.kernels import attention as kernel_attention
-from pallas_attn.kernels import mosaic_fwd, triton_bwd, triton_fwd
+from pallas_attn.kernels import mosaic_common, triton_bwd, triton_fwd
 from pallas_attn.spec import normalize
 
 # NOTE: at these sizes the interpreted kernels run in milliseconds; the time goes
@@ -443,7 +443,7 @@ class KernelBackward:
     @property
     def stats(self) -> jax.Array:
         """The Mosaic backward kernels' stacked row residuals."""
-        return mosaic_fwd.row_residuals(self.row_stats, self.delta)
+        return mosaic_common.row_residuals(self.row_stats, self.delta)
 
     def triton(self, **tiles: Any) -> tuple[Any, tuple[str, ...], list]:
         """(problem with these tiles, names, inputs) for the Triton backward kernels."""

@@ -20,6 +20,7 @@ from jax.custom_derivatives import SymbolicZero
 
 from pallas_attn import tuning
 from pallas_attn.kernels import (
+    mosaic_common,
     mosaic_dbias,
     mosaic_dkv,
     mosaic_dq,
@@ -52,7 +53,7 @@ def resolve_block_sizes(spec: AttentionSpec, ops: Operands, block_sizes: BlockSi
         # NOTE: the interpreter runs the Triton forward unless block_sizes ask for the
         # Mosaic one: interpreting it is slower, and its tests ask for it explicitly.
         present = tuple(name for name in OPTIONAL_INPUTS if getattr(ops, name) is not None)
-        mosaic_scores = not interpret and not mosaic_fwd.unsupported_scores(spec, present)
+        mosaic_scores = not interpret and not mosaic_common.unsupported_scores(spec, present)
         features = dict(smem, is_causal=spec.is_causal, has_bias=spec.has_bias,
                         has_dropout=spec.has_dropout, has_window=spec.local_window is not None,
                         has_soft_cap=spec.logits_soft_cap is not None,
@@ -113,7 +114,7 @@ def attention(spec: AttentionSpec, ops: Operands, *, block_sizes: BlockSizes | N
     """Canonical-layout attention through the kernels: (out [B,T,N,Hv], lse [B,N,T])."""
     blocks = resolve_block_sizes(spec, ops, block_sizes, interpret)
     problem, qp, kp, vp, differentiable, optional = prepare(spec, ops, blocks, interpret)
-    if blocks.forward_backend == "mosaic" and (why := mosaic_fwd.unsupported(problem)):
+    if blocks.forward_backend == "mosaic" and (why := mosaic_common.unsupported(problem)):
         raise ValueError(f"block_sizes.forward_backend='mosaic' does not cover this call: {why}")
     if _mosaic_dbias(problem) and (why := mosaic_dbias.unsupported(problem)):
         raise ValueError(f"block_sizes.dbias_backend='mosaic' does not cover this call: {why}")
@@ -198,7 +199,7 @@ def _backward(problem: Problem, q, k, v, operands: dict, row_stats, do, delta,
     fused = bias_grad and bool(blocks.fuse_dbias)
     names, inputs = triton_bwd.backward_inputs(q, k, v, operands, row_stats, do, delta)
     mosaic_dbias_kernel = bias_grad and not fused and _mosaic_dbias(problem)
-    stats = (mosaic_fwd.row_residuals(row_stats, delta)
+    stats = (mosaic_common.row_residuals(row_stats, delta)
              if "mosaic" in (blocks.dkv_backend, blocks.dq_backend) or mosaic_dbias_kernel
              else None)
     slopes = operands.get("alibi_slopes")

@@ -31,7 +31,7 @@ One program per multiprocessor loops over items round-robin with three warpgroup
 
 Items outside the causal/window band or past the keys get zeros and stream
 nothing; items the band crosses apply the band masks, the others do not. Scope:
-the Mosaic forward's (`mosaic_fwd.unsupported`: 16-bit inputs, padded head dims 64
+the Mosaic kernels' (`mosaic_common.unsupported`: 16-bit inputs, padded head dims 64
 or 128, no operand besides q, k, v, the bias and ALiBi slopes, no dropout; causal,
 windows, soft cap, ALiBi (each member's own slope), GQA and ragged lengths are
 covered), with a bias that has its own entry per query and key.
@@ -48,9 +48,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_attn import tuning
-from pallas_attn.kernels import mosaic_fwd, scores
+from pallas_attn.kernels import mosaic_common, scores
 from pallas_attn.kernels.common import Problem, TileContext
-from pallas_attn.kernels.mosaic_fwd import (
+from pallas_attn.kernels.mosaic_common import (
     CONSUMER_REGISTERS,
     CONSUMERS,
     PRODUCER_REGISTERS,
@@ -67,7 +67,7 @@ def unsupported(problem: Problem) -> str:
     """Why this kernel cannot compute the problem's dbias, or "" when it can."""
     if not problem.has("bias"):
         return "there is no bias"
-    return mosaic_fwd.unsupported(problem)
+    return mosaic_common.unsupported(problem)
 
 
 def _kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, bias_ref, slopes_ref, dbias_ref, scratch,
@@ -259,7 +259,7 @@ def tile_gradient(problem: Problem, s: jax.Array, dp: jax.Array, bias: jax.Array
         return lax.broadcast_in_dim(x, s.shape, [0])
 
     dp = dp - rows_of(delta)
-    s, cap_tanh = mosaic_fwd.tile_scores(problem, s, row0, k0, masked, bias=bias, slope=slope)
+    s, cap_tanh = mosaic_common.tile_scores(problem, s, row0, k0, masked, bias=bias, slope=slope)
     if cap_tanh is not None:  # dS picks up the cap's derivative 1 - t^2
         dp = dp * scores.soft_cap_slope(cap_tanh)
     prob = problem.probabilities(s, row_max, log2_sum, rows=rows_of)
@@ -270,7 +270,7 @@ def dbias(problem: Problem, q: jax.Array, k: jax.Array, v: jax.Array, do: jax.Ar
           stats: jax.Array, bias: jax.Array, slopes: jax.Array | None = None
           ) -> jax.Array:
     """dbias of the bias's (padded) shape for padded inputs; stats: the row residuals
-    (`mosaic_fwd.row_residuals`, one bulk copy per consumer); slopes: ALiBi slopes
+    (`mosaic_common.row_residuals`, one bulk copy per consumer); slopes: ALiBi slopes
     [B, N] or None."""
     if why := unsupported(problem):
         raise AssertionError(f"mosaic_dbias.dbias called for an unsupported problem: {why}")
@@ -310,6 +310,6 @@ def dbias(problem: Problem, q: jax.Array, k: jax.Array, v: jax.Array, do: jax.Ar
     Bb, Nb, Tb, Sb = bias.shape
     programs = tuning.persistent_programs(
         Tb // ITEM_ROWS * (Sb // block_k) * Bb * Nb, problem.interpret)
-    return mosaic_fwd.launch(entry, jax.ShapeDtypeStruct(bias.shape, bias.dtype), programs,
+    return mosaic_common.launch(entry, jax.ShapeDtypeStruct(bias.shape, bias.dtype), programs,
                              problem.interpret)(
         q, k, v, do, stats, bias, *([] if slopes is None else [slopes]))

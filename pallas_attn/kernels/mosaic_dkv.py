@@ -34,10 +34,10 @@ dK/dV and Mosaic dbias kernels; without a bias 2.00 against 2.25.
 
 The Pallas interpreter has neither reduce-add copies nor accumulators initialised
 from registers: interpreted, the kernel adds later passes' dbias tiles and each
-step's dK/dV products through registers (`_store_dbias`, `mosaic_fwd.accumulate`),
+step's dK/dV products through registers (`_store_dbias`, `mosaic_common.accumulate`),
 the only places where it differs from the compiled kernel.
 
-Scope: the Mosaic forward's (`mosaic_fwd.unsupported`), and a bias gradient only
+Scope: the Mosaic kernels' (`mosaic_common.unsupported`), and a bias gradient only
 for a bias of shape [B, N, T, S] or [1, N, T, S] in the inputs' dtype
 (`tuning.mosaic_fusable_dbias`).
 """
@@ -51,10 +51,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_attn import tuning
-from pallas_attn.kernels import mosaic_fwd
+from pallas_attn.kernels import mosaic_common
 from pallas_attn.kernels.common import Problem, TileContext, run_tile_loops
-from pallas_attn.kernels.mosaic_dbias import tile_gradient
-from pallas_attn.kernels.mosaic_fwd import (
+from pallas_attn.kernels.mosaic_common import (
     CONSUMER_REGISTERS,
     CONSUMERS,
     PRODUCER_REGISTERS,
@@ -64,6 +63,7 @@ from pallas_attn.kernels.mosaic_fwd import (
     optional_refs,
     smem_tiles,
 )
+from pallas_attn.kernels.mosaic_dbias import tile_gradient
 
 STEP_ROWS = 64  # query rows per step (the K dimension of dV's and dK's products)
 KEYS_PER_CONSUMER = ROWS_PER_CONSUMER
@@ -72,7 +72,7 @@ UNIT_KEYS = CONSUMERS * KEYS_PER_CONSUMER
 
 def unsupported(problem: Problem) -> str:
     """Why this kernel cannot compute the problem's dK and dV, or "" when it can."""
-    return mosaic_fwd.unsupported(problem)
+    return mosaic_common.unsupported(problem)
 
 
 def _kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, bias_ref, slopes_ref, dk_ref, dv_ref,
@@ -333,7 +333,7 @@ def dkdv(problem: Problem, q: jax.Array, k: jax.Array, v: jax.Array, do: jax.Arr
          stats: jax.Array, bias: jax.Array | None, bias_grad: bool,
          slopes: jax.Array | None = None) -> tuple[jax.Array, jax.Array, jax.Array | None]:
     """(dk, dv, dbias or None) for padded inputs; stats: the row residuals
-    (`mosaic_fwd.row_residuals`); slopes: ALiBi slopes [B, N] or None. bias_grad:
+    (`mosaic_common.row_residuals`); slopes: ALiBi slopes [B, N] or None. bias_grad:
     also write the gradient of the (present) bias (`tuning.mosaic_fusable_dbias`)."""
     if why := unsupported(problem):
         raise AssertionError(f"mosaic_dkv.dkdv called for an unsupported problem: {why}")
@@ -392,5 +392,5 @@ def dkdv(problem: Problem, q: jax.Array, k: jax.Array, v: jax.Array, do: jax.Arr
     if bias_grad:
         out_type.append(jax.ShapeDtypeStruct(bias.shape, bias.dtype))
     operands = [q, k, v, do, stats] + [x for x in (bias, slopes) if x is not None]
-    results = mosaic_fwd.launch(entry, out_type, programs, problem.interpret)(*operands)
+    results = mosaic_common.launch(entry, out_type, programs, problem.interpret)(*operands)
     return results[0], results[1], results[2] if bias_grad else None

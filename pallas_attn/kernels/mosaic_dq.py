@@ -1,6 +1,6 @@
 """dQ kernel for Hopper (Pallas, Mosaic GPU backend): warp-specialised, persistent.
 
-It walks the forward's work items (`mosaic_fwd.Walk`: 128 query rows of one batch
+It walks the forward's work items (`mosaic_common.Walk`: 128 query rows of one batch
 entry and head, one program per multiprocessor) with the forward's three
 warpgroups:
 
@@ -15,10 +15,10 @@ warpgroups:
   dQ accumulator with a third wgmma. The consumers take turns on the tensor cores
   as in the forward (two turns per key tile), so one consumer's exponentials and
   soft-cap tanh run while the other's products do; the bias comes through each
-  consumer's own buffer one tile ahead (`mosaic_fwd.BiasTiles`).
+  consumer's own buffer one tile ahead (`mosaic_common.BiasTiles`).
 
 dQ (times the softmax scale) is stored from registers. Rows that see no key get
-zeros. Scope: the Mosaic forward's (`mosaic_fwd.unsupported`).
+zeros. Scope: the Mosaic kernels' (`mosaic_common.unsupported`).
 """
 
 from __future__ import annotations
@@ -30,10 +30,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_attn import tuning
-from pallas_attn.kernels import mosaic_fwd
+from pallas_attn.kernels import mosaic_common
 from pallas_attn.kernels.common import Problem
-from pallas_attn.kernels.mosaic_dbias import tile_gradient
-from pallas_attn.kernels.mosaic_fwd import (
+from pallas_attn.kernels.mosaic_common import (
     CONSUMER_REGISTERS,
     CONSUMERS,
     ITEM_ROWS,
@@ -49,12 +48,13 @@ from pallas_attn.kernels.mosaic_fwd import (
     smem_tiles,
     take_turn,
 )
+from pallas_attn.kernels.mosaic_dbias import tile_gradient
 from pallas_attn.tuning import MOSAIC_DQ_TILES
 
 
 def unsupported(problem: Problem) -> str:
     """Why this kernel cannot compute the problem's dQ, or "" when it can."""
-    return mosaic_fwd.unsupported(problem)
+    return mosaic_common.unsupported(problem)
 
 
 def _kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, bias_ref, slopes_ref, dq_ref, smem,
@@ -167,7 +167,7 @@ def dq(problem: Problem, q: jax.Array, k: jax.Array, v: jax.Array, do: jax.Array
        stats: jax.Array, bias: jax.Array | None, slopes: jax.Array | None = None
        ) -> jax.Array:
     """dq [B, Tp, N, Hp] for padded inputs; stats: the row residuals
-    (`mosaic_fwd.row_residuals`); slopes: ALiBi slopes [B, N] or None."""
+    (`mosaic_common.row_residuals`); slopes: ALiBi slopes [B, N] or None."""
     if why := unsupported(problem):
         raise AssertionError(f"mosaic_dq.dq called for an unsupported problem: {why}")
     blocks = problem.blocks
@@ -216,5 +216,5 @@ def dq(problem: Problem, q: jax.Array, k: jax.Array, v: jax.Array, do: jax.Array
 
     programs = tuning.persistent_programs(Tp // ITEM_ROWS * B * N, problem.interpret)
     operands = [q, k, v, do, stats] + [x for x in (bias, slopes) if x is not None]
-    return mosaic_fwd.launch(entry, jax.ShapeDtypeStruct(q.shape, q.dtype), programs,
+    return mosaic_common.launch(entry, jax.ShapeDtypeStruct(q.shape, q.dtype), programs,
                              problem.interpret)(*operands)

@@ -1,7 +1,7 @@
 """Forward kernel for Hopper (Pallas, Mosaic GPU backend): warp-specialised, persistent.
 
 The work is items of 128 query rows of one (batch entry, head), two per 64-row
-consumer. One program per multiprocessor loops over items (`_kernel.item_of`:
+consumer. One program per multiprocessor loops over items (`mosaic_common.Walk`:
 round-robin, lanes reversed every other round, query tiles fastest and the
 heaviest causal tile first) with three warpgroups:
 
@@ -52,7 +52,6 @@ instead took 1.82.
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import jax
@@ -62,245 +61,28 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_attn import tuning
-from pallas_attn.kernels import scores
-from pallas_attn.kernels.common import (
-    MAX_FLOOR,
-    Problem,
-    TileContext,
-    logit_scores,
-    run_tile_loops,
+from pallas_attn.kernels.common import MAX_FLOOR, Problem, TileContext
+from pallas_attn.kernels.mosaic_common import (
+    CONSUMER_REGISTERS,
+    CONSUMERS,
+    ITEM_ROWS,
+    PRODUCER_REGISTERS,
+    ROWS_PER_CONSUMER,
+    Band,
+    BiasTiles,
+    Item,
+    Walk,
+    head_slope,
+    launch,
+    optional_refs,
+    own_band,
+    release_slot,
+    run_band,
+    smem_tiles,
+    take_turn,
+    tile_scores,
+    unsupported,
 )
-from pallas_attn.spec import AttentionSpec
-from pallas_attn.tuning import MOSAIC_BLOCK_Q, padded_head_dim
-
-# Query rows per item (BlockSizes.block_q) and per consumer warpgroup (the wgmma
-# M dimension), and so the consumers per item.
-ITEM_ROWS = MOSAIC_BLOCK_Q
-ROWS_PER_CONSUMER = 64
-CONSUMERS = ITEM_ROWS // ROWS_PER_CONSUMER
-# Register budgets (per thread) after the warpgroups specialise: consumers hold the
-# accumulator and the score tile, the producer only issues copies.
-CONSUMER_REGISTERS = 232
-PRODUCER_REGISTERS = 40
-_HEAD_DIMS = (64, 128)
-_DTYPES = ("bfloat16", "float16")
-
-
-def unsupported_scores(spec: AttentionSpec, present: tuple[str, ...]) -> str:
-    """Why this kernel cannot compute these scores, or "" when it can (the part of
-    `unsupported` known before tiles are chosen)."""
-    if spec.has_dropout:
-        return f"no dropout, got dropout_rate={spec.dropout_rate}"
-    others = [name for name in present if name not in ("bias", "alibi_slopes")]
-    if others:
-        return (f"it takes no operand besides q, k, v, a bias and ALiBi slopes, got "
-                f"{', '.join(others)}")
-    if spec.has_bias and 1 in spec.bias_shape[2:]:
-        return (f"the bias needs its own entry per query and key, got a bias of shape "
-                f"{spec.bias_shape} (broadcast along queries or keys)")
-    return ""
-
-
-def unsupported(problem: Problem) -> str:
-    """Why this kernel cannot run the problem, or "" when it can."""
-    if problem.dtype not in _DTYPES:
-        return f"inputs must be bfloat16 or float16, got {problem.dtype}"
-    if why := unsupported_scores(problem.spec, problem.present):
-        return why
-    dims = (padded_head_dim(problem.head_dim), padded_head_dim(problem.value_head_dim))
-    if not set(dims) <= set(_HEAD_DIMS):
-        return (f"head dims must pad to {_HEAD_DIMS}, got {problem.head_dim} and "
-                f"{problem.value_head_dim}")
-    return ""
-
-
-def smem_tiles(shape: tuple[int, ...], dtype: Any) -> Any:
-    # 128-byte swizzled tiles (64 16-bit elements): the wgmma operand layout.
-    row = 128 // jnp.dtype(dtype).itemsize
-    return plgpu.SMEM(shape, dtype, transforms=(plgpu.TilingTransform((8, row)),
-                                                plgpu.SwizzleTransform(128)))
-
-
-@dataclasses.dataclass(frozen=True)
-class _Band:
-    """Key tiles [first, stop) of some query rows; [full_first, full_stop) need no
-    band mask."""
-    first: Any
-    stop: Any
-    full_first: Any
-    full_stop: Any
-
-
-@dataclasses.dataclass(frozen=True)
-class _Item:
-    """One unit of work: 128 query rows from q0 of batch entry b, head n."""
-    valid: Any
-    q0: Any
-    b: Any
-    n: Any
-
-
-@dataclasses.dataclass(frozen=True)
-class Walk:
-    """The persistent programs' walk over items of ITEM_ROWS query rows, each with its
-    band of key tiles streamed through a ring of shared-memory slots (the forward's
-    and the dQ kernel's).
-
-    Round r gives program pid item r * programs + pid, the lanes reversed on odd
-    rounds so that heavy and light causal tiles even out over the rounds. Items run
-    query tiles fastest (heaviest first), so concurrent programs share K/V.
-    """
-
-    problem: Problem
-    programs: int
-    block_k: int
-    stages: int
-
-    @property
-    def num_tiles(self) -> int:
-        return self.problem.q_pad // ITEM_ROWS
-
-    @property
-    def items(self) -> int:
-        return self.num_tiles * self.problem.batch * self.problem.num_heads
-
-    @property
-    def rounds(self) -> int:
-        return -(-self.items // self.programs)
-
-    def item(self, r) -> _Item:
-        pid = lax.axis_index("program")
-        lane = jnp.where(lax.rem(r, 2) == 0, pid, self.programs - 1 - pid)
-        idx = r * self.programs + lane
-        batch_head = lax.div(idx, self.num_tiles)
-        return _Item(idx < self.items,
-                     (self.num_tiles - 1 - lax.rem(idx, self.num_tiles)) * ITEM_ROWS,
-                     lax.rem(batch_head, self.problem.batch),
-                     lax.div(batch_head, self.problem.batch))
-
-    def band(self, item: _Item) -> tuple[TileContext, _Band, Any]:
-        """(context, key tiles, ring steps) of an item; no steps for an invalid one."""
-        ctx = TileContext(self.problem, {}, item.b, item.n)
-        tiles = _Band(*ctx.key_tiles(item.q0, item.q0 + ITEM_ROWS, self.block_k))
-        steps = jnp.where(item.valid, jnp.maximum(tiles.stop - tiles.first, 0), 0)
-        return ctx, tiles, steps
-
-    def slot(self, step):
-        return lax.rem(step, jnp.int32(self.stages))
-
-    def stream(self, k_ref, v_ref, k_smem, v_smem, ring) -> None:
-        """The producer: bulk-copies every item's K and V tiles into the ring.
-
-        ring: the (k_loaded, v_loaded, k_consumed, v_consumed) barriers, one of each
-        per slot; a slot is refilled once both consumers released it."""
-        k_loaded, v_loaded, k_consumed, v_consumed = ring
-        block_k, stages, problem = self.block_k, self.stages, self.problem
-
-        def stream(r, step):
-            item = self.item(r)
-            _, tiles, steps = self.band(item)
-            kh = lax.div(item.n, jnp.int32(problem.group))
-
-            @pl.loop(0, steps)
-            def _load(i):
-                slot = self.slot(step + i)
-
-                @pl.when(step + i >= stages)
-                def _wait_released():
-                    plgpu.barrier_wait(k_consumed.at[slot])
-                    plgpu.barrier_wait(v_consumed.at[slot])
-
-                rows = pl.ds((tiles.first + i) * block_k, block_k)
-                plgpu.copy_gmem_to_smem(k_ref.at[item.b, rows, kh], k_smem.at[slot],
-                                        k_loaded.at[slot])
-                plgpu.copy_gmem_to_smem(v_ref.at[item.b, rows, kh], v_smem.at[slot],
-                                        v_loaded.at[slot])
-
-            return step + steps
-
-        total = lax.fori_loop(0, self.rounds, stream, jnp.int32(0))
-
-        # Observe the last releases too, so every barrier ends in a phase this
-        # warpgroup has seen (the interpreter checks it; it costs the tail of the
-        # program nothing on the GPU).
-        @pl.loop(jnp.maximum(total - stages, 0), total)
-        def _drain(step):
-            plgpu.barrier_wait(k_consumed.at[self.slot(step)])
-            plgpu.barrier_wait(v_consumed.at[self.slot(step)])
-
-    def bias_rows(self, bias_ref, item: _Item, row0, buffers, barriers) -> Any:
-        """This consumer's bias stream (`BiasTiles`) over its rows of the item, through
-        its own buffer and barrier (of one per consumer), or None without a bias."""
-        if bias_ref is None:
-            return None
-        wg = lax.axis_index("wg")
-        Bb, Nb = self.problem.spec.bias_shape[:2]
-        rows = bias_ref.at[item.b if Bb > 1 else 0, item.n if Nb > 1 else 0,
-                           pl.ds(row0, ROWS_PER_CONSUMER)]
-        return BiasTiles(rows, buffers.at[wg], barriers.at[wg], self.block_k)
-
-
-@dataclasses.dataclass(frozen=True)
-class BiasTiles:
-    """One consumer's bias rows in global memory, read tile by tile through its own
-    shared-memory buffer: each tile's copy is issued as soon as the previous tile is in
-    registers, one step ahead."""
-
-    rows: Any
-    buffer: Any
-    loaded: Any
-    block_k: int
-
-    def start(self, t) -> None:
-        plgpu.copy_gmem_to_smem(self.rows.at[:, pl.ds(t * self.block_k, self.block_k)],
-                                self.buffer, self.loaded)
-
-    def take(self, t, stop) -> jax.Array:
-        """Key tile t of the bias (float32, WGMMA layout); starts tile t + 1 below stop."""
-        plgpu.barrier_wait(self.loaded)
-        bias = plgpu.load(self.buffer, layout=plgpu.Layout.WGMMA).astype(jnp.float32)
-        plgpu.commit_smem()  # the reads are done before the next copy overwrites
-        pl.when(t + 1 < stop)(lambda: self.start(t + 1))
-        return bias
-
-
-def own_band(ctx: TileContext, tiles: _Band, row0, stop, block_k: int) -> _Band:
-    """A consumer's key tiles (its 64 rows from row0), clipped into the item's
-    [tiles.first, stop) (they agree except at the band's ends)."""
-    own = _Band(*ctx.key_tiles(row0, row0 + ROWS_PER_CONSUMER, block_k))
-    first = jnp.clip(own.first, tiles.first, stop)
-    last = jnp.clip(own.stop, first, stop)
-    full_first = jnp.clip(own.full_first, first, last)
-    return _Band(first, last, full_first, jnp.clip(own.full_stop, full_first, last))
-
-
-def run_band(first, stop, own: _Band, release, step, carry) -> Any:
-    """A consumer's pass over the item's key tiles [first, stop): step(t, carry, masked)
-    on its own tiles (band masks only where `own` says), release(t) on the others.
-
-    Every key tile is two turns of the consumers' alternation for each consumer,
-    skipped tiles included (`release_slot`), so the turns stay paired."""
-    def skip(lo, hi):
-        @pl.loop(lo, jnp.maximum(hi, lo))
-        def _(t):
-            release(t)
-
-    skip(first, own.first)
-    carry = run_tile_loops(own.first, own.stop, own.full_first, own.full_stop, step, carry)
-    skip(own.stop, stop)
-    return carry
-
-
-def release_slot(slot, ring, schedule) -> None:
-    """A consumer's part in a key tile it skips: wait for the slot's K and V, give each
-    back and take the tile's two turns."""
-    k_loaded, v_loaded, k_consumed, v_consumed = ring
-    plgpu.barrier_wait(k_loaded.at[slot])
-    plgpu.barrier_arrive(k_consumed.at[slot])
-    take_turn(schedule)
-    plgpu.barrier_wait(v_loaded.at[slot])
-    plgpu.barrier_arrive(v_consumed.at[slot])
-    take_turn(schedule)
 
 
 def _kernel(q_ref, k_ref, v_ref, bias_ref, slopes_ref, out_ref, row_max_ref, log2_sum_ref,
@@ -323,7 +105,7 @@ def _kernel(q_ref, k_ref, v_ref, bias_ref, slopes_ref, out_ref, row_max_ref, log
         rows_n = ROWS_PER_CONSUMER
         q_mine, o_mine, p_mine = q_smem.at[wg], o_smem.at[wg], p_smem.at[wg]
 
-        def load_q(item: _Item):
+        def load_q(item: Item):
             @pl.when(item.valid)
             def _():
                 plgpu.copy_gmem_to_smem(
@@ -371,13 +153,7 @@ def _kernel(q_ref, k_ref, v_ref, bias_ref, slopes_ref, out_ref, row_max_ref, log
         plgpu.wait_smem_to_gmem(0)
 
 
-def take_turn(schedule) -> None:
-    """Both consumers arrive, then both wait: one step of their alternation."""
-    plgpu.barrier_arrive(schedule)
-    plgpu.barrier_wait(schedule)
-
-
-def _consume(problem: Problem, ctx: TileContext, tiles: _Band, slot_of, row0, stop,
+def _consume(problem: Problem, ctx: TileContext, tiles: Band, slot_of, row0, stop,
              q_smem, k_smem, v_smem, p_smem, hv: int, ring, schedule,
              bias: BiasTiles | None, slope) -> tuple[Any, Any, Any]:
     """One consumer warpgroup: (acc, row reference, row sum) of rows [row0, row0 + 64)
@@ -449,29 +225,6 @@ def _consume(problem: Problem, ctx: TileContext, tiles: _Band, slot_of, row0, st
                     step, carry)
 
 
-def tile_scores(problem: Problem, s: jax.Array, row0, k0, masked: bool, *,
-                bias: jax.Array | None = None, slope: Any = None
-                ) -> tuple[jax.Array, jax.Array | None]:
-    """(scores, t = tanh(logits / cap) or None) of a [rows, keys] tile in the WGMMA
-    layout from the raw products s = Q K^T: common.logit_scores, then the band masks
-    (causal, window, padded keys) of rows from row0 and keys from k0 where masked,
-    invisible entries at -inf. bias: the tile's bias (float32) or None; slope: the
-    head's ALiBi slope (a scalar) or None. The Mosaic kernels' one score rule."""
-    rows = cols = None
-    if masked or slope is not None:
-        def iota(dim):
-            return plgpu.broadcasted_iota(jnp.int32, s.shape, dim, layout=plgpu.Layout.WGMMA)
-        rows, cols = row0 + iota(0), k0 + iota(1)
-    s, cap_tanh = logit_scores(problem, s, rows, cols, bias=bias, slope=slope)
-    if masked:
-        visible = scores.visibility(
-            rows, cols, problem.spec, problem.offset,
-            kv_bound=problem.kv_len if problem.kv_pad != problem.kv_len else None)
-        if visible is not None:
-            s = jnp.where(visible, s, -jnp.inf)
-    return s, cap_tanh
-
-
 def forward(problem: Problem, q: jax.Array, k: jax.Array, v: jax.Array,
             optional: dict[str, jax.Array]) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
     """(out [B, Tp, N, Hvp], (row_max, log2_sum) [B, N, Tp]) for padded inputs."""
@@ -523,65 +276,3 @@ def forward(problem: Problem, q: jax.Array, k: jax.Array, v: jax.Array,
     return out, (row_max, log2_sum)
 
 
-def optional_refs(refs, *operands) -> list[Any]:
-    """The refs of the optional operands among a kernel's refs (which start with them, in
-    this order), None for an operand that is None."""
-    refs = iter(refs)
-    return [None if x is None else next(refs) for x in operands]
-
-
-def row_residuals(row_stats: tuple[jax.Array, jax.Array], delta: jax.Array) -> jax.Array:
-    """The backward kernels' row residuals [B, N, 3, Tp] float32: (row reference, log2
-    row sum, delta) stacked, so a consumer copies its rows' three in one bulk copy.
-
-    delta passes an optimization barrier first. Without it XLA fuses the reduction
-    that computes delta (sum over the head dim of dO * out) into the stack, one thread
-    per row reading strided entries: 0.29 ms instead of 0.05 at B=4, N=16, T=4096,
-    d128 (BENCHMARKS.md, session 12)."""
-    return jnp.stack([*row_stats, lax.optimization_barrier(delta)], axis=2)
-
-
-def head_slope(slopes_ref, valid, b, n) -> Any:
-    """The ALiBi slope of head n of batch entry b (a scalar loaded from global memory),
-    or None without ALiBi; (b, n) of an invalid work item may lie past the arrays, so
-    it reads entry (0, 0) instead."""
-    if slopes_ref is None:
-        return None
-    return slopes_ref[jnp.where(valid, b, 0), jnp.where(valid, n, 0)]
-
-
-def accumulate(products, interpret: bool) -> tuple[jax.Array, ...]:
-    """acc + A B with wgmma for each (acc, A, B) of products (A and B in shared memory),
-    one wait for all. The interpreter has no accumulator initialised from registers
-    (pl.run_state over plgpu.ACC.init): there the products start from zero and the
-    sums happen in registers."""
-    if not interpret:
-        def run(refs):
-            for ref, (_, a, b) in zip(refs, products, strict=True):
-                plgpu.wgmma(ref, a, b)
-
-        return pl.run_state(run)(tuple(plgpu.ACC.init(acc) for acc, _, _ in products))
-
-    def run_fresh(*refs):
-        for ref, (_, a, b) in zip(refs, products, strict=True):
-            plgpu.wgmma(ref, a, b)
-        return tuple(ref[...] for ref in refs)
-
-    fresh = pl.run_scoped(run_fresh, *(plgpu.ACC(acc.shape, jnp.float32)
-                                       for acc, _, _ in products))
-    return tuple(acc + x for (acc, _, _), x in zip(products, fresh, strict=True))
-
-
-def launch(entry, out_type: Any, programs: int, interpret: bool) -> Any:
-    """The persistent warp-specialised kernel `entry` (consumers and a producer, named
-    "wg") on `programs` programs (named "program"), as a function of its operands.
-
-    The interpreter poisons every buffer it allocates (outputs included) with NaN and
-    runs its happens-before race detector (the Mosaic tests check its verdict).
-    """
-    params = (plgpu.InterpretGPUParams(uninitialized_memory="nan", detect_races=True)
-              if interpret else None)
-    return plgpu.kernel(
-        entry, out_type=out_type, grid=(programs,), grid_names=("program",),
-        num_threads=CONSUMERS + 1, thread_name="wg",
-        compiler_params=plgpu.CompilerParams(approx_math=True), interpret=params)
