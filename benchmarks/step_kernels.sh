@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# Per-kernel GPU times inside one jitted forward+backward step (the bench problem:
+# B=4, T=S=4096, N=16, d128, bf16), from ncu's gpu__time_duration with clocks and
+# caches left alone. Only the third (warm) call is profiled (cudaProfilerStart/Stop).
+# Usage (repo root, on the GPU machine): bash benchmarks/step_kernels.sh [FEATURE [DQ]]
+#   FEATURE: plain (default), softcap, bias or alibi; DQ: the dQ backend to force
+#   (mosaic or triton; default: the heuristic's).
+set -uo pipefail
+export PYTHONPATH=. PYTHONUNBUFFERED=1
+OUT=${OUT:-out}; mkdir -p "$OUT"
+feature=${1:-plain}; dq=${2:-}
+script=$(mktemp --suffix=.py)
+cat > "$script" <<'PY'
+import ctypes, dataclasses, functools, glob, os, site, sys
+import jax
+import pallas_attn
+from pallas_attn import bench, tuning
+
+feature, dq = sys.argv[1], sys.argv[2]
+feats = {"plain": (), "softcap": (("softcap", 30.0),), "bias": (("bias", None),),
+         "alibi": (("alibi", None),)}[feature]
+inputs = bench.make_inputs(bench.Shape(4, 4096, 4096, 16, 16, 128, False, feats))
+kw = inputs["kwargs"]
+blocks = tuning.choose_block_sizes(
+    128, q_len=4096, kv_len=4096, has_soft_cap="logits_soft_cap" in kw,
+    has_bias="bias" in kw, bias_dtype=kw["bias"].dtype if "bias" in kw else None,
+    mosaic_scores=True)
+if dq == "mosaic":
+    blocks = dataclasses.replace(blocks, dq_backend="mosaic", block_q_dq=128, block_k_dq=64,
+                                 num_stages_dq=2)
+elif dq == "triton":
+    blocks = dataclasses.replace(blocks, dq_backend="triton", block_q_dq=128, block_k_dq=64,
+                                 num_stages_dq=3, num_warps_dq=8)
+att = functools.partial(pallas_attn.dot_product_attention, implementation="pallas",
+                        block_sizes=blocks)
+step = bench._loss_and_grad(att, inputs)
+call = lambda: step(inputs["query"], inputs["key"], inputs["value"], kw.get("bias"),
+                    inputs["cotangent"])
+jax.block_until_ready(call()); jax.block_until_ready(call())
+libs = [p for d in site.getsitepackages() + ["/usr/local/cuda/lib64"]
+        for p in glob.glob(os.path.join(d, "**", "libcudart.so*"), recursive=True)]
+runtime = ctypes.CDLL(sorted(libs)[0])
+runtime.cudaProfilerStart()
+jax.block_until_ready(call())
+runtime.cudaProfilerStop()
+PY
+ncu --clock-control none --cache-control none --profile-from-start off \
+  --metrics gpu__time_duration.sum --csv --print-units base \
+  python3 "$script" "$feature" "$dq" > "$OUT/step_kernels_${feature}${dq:+_$dq}.csv" 2> /dev/null
+python3 - "$OUT/step_kernels_${feature}${dq:+_$dq}.csv" <<'PY'
+import csv, sys
+rows = [r for r in csv.reader(open(sys.argv[1])) if len(r) == 15 and r[0].isdigit()]
+total = 0.0
+for r in rows:
+    us = float(r[14].replace(",", "")) / 1e3
+    total += us
+    print(f"{us:9.1f} us  {r[4][:40]:40s} grid {r[8]}")
+print(f"{total / 1e3:9.3f} ms in {len(rows)} kernels")
+PY
