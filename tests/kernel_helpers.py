@@ -473,3 +473,23 @@ def kernel_backward(dtype: str, shapes: dict, bias_shape: tuple | None, kwargs: 
     do = jax.random.normal(jax.random.key(11), out.shape, out.dtype)
     delta = jnp.einsum("btnh,btnh->bnt", do.astype(jnp.float32), out.astype(jnp.float32))
     return KernelBackward(problem, q, k, v, operands, row_stats, do, delta, T, S)
+
+
+def check_kernel_gradients(dtype: Any, shapes: dict, bias_shape: tuple | None, kwargs: dict,
+                           block_sizes: Any) -> tuple[dict, dict]:
+    """The forward in a jitted call of its own and the backward op by op (`make_runner`,
+    split="eager") with these tiles, on random inputs (make_inputs' `shapes`, in dtype)
+    and a random bias [*bias_shape, T, S] or none: every result, dbias included, within
+    FlashAttention's rule of the float64 oracle and close to the reference in the same
+    dtype. Returns (the kernel's results, the oracle's)."""
+    inputs = make_inputs(sum(shapes.values()), dtype=dtype, **shapes)
+    bias = (random_bias(5, (*bias_shape, shapes["T"], shapes["S"]), dtype)
+            if bias_shape is not None else None)
+    kernel, reference = pallas_and_reference(inputs, block_sizes=block_sizes, split="eager",
+                                             bias=bias, **kwargs)
+    exact = oracle(inputs, bias=bias, **kwargs)
+    if bias is not None:
+        assert "dbias" in kernel and kernel["dbias"].shape == bias.shape
+    assert_fa_rule(kernel, reference, exact, dtype)
+    assert_results_close(kernel, reference, dtype, label="vs reference: ")
+    return kernel, exact

@@ -21,15 +21,11 @@ import numpy as np
 import pytest
 from kernel_helpers import (  # no_mosaic_races: an autouse fixture
     DTYPES,
-    assert_fa_rule,
     assert_needs_hopper,
-    assert_results_close,
+    check_kernel_gradients,
     kernel_backward,
     make_inputs,
     no_mosaic_races,  # noqa: F401
-    oracle,
-    pallas_and_reference,
-    random_bias,
 )
 
 import pallas_attn
@@ -105,16 +101,7 @@ def test_mosaic_dbias_matches_the_triton_dbias_kernel(dtype, bias_dtype, shapes,
 ], ids=["batch_shared_causal_mqa", "head_shared_window_soft_cap_H48"])
 def test_gradients_with_the_mosaic_dbias_against_reference_and_float64(dtype, shapes,
                                                                        bias_shape, kwargs):
-    inputs = make_inputs(sum(shapes.values()), dtype=DTYPES[dtype], **shapes)
-    bias = random_bias(5, (*bias_shape, shapes["T"], shapes["S"]), DTYPES[dtype])
-    # The forward in a jitted call of its own, the backward op by op
-    # (kernel_helpers.make_runner).
-    kernel, reference = pallas_and_reference(inputs, block_sizes=MOSAIC_DBIAS, split="eager",
-                                             bias=bias, **kwargs)
-    exact = oracle(inputs, bias=bias, **kwargs)
-    assert "dbias" in kernel and kernel["dbias"].shape == bias.shape
-    assert_fa_rule(kernel, reference, exact, DTYPES[dtype])
-    assert_results_close(kernel, reference, DTYPES[dtype], label="vs reference: ")
+    check_kernel_gradients(DTYPES[dtype], shapes, bias_shape, kwargs, MOSAIC_DBIAS)
 
 
 @pytest.mark.parametrize("kwargs,match", [

@@ -24,15 +24,11 @@ import numpy as np
 import pytest
 from kernel_helpers import (  # no_mosaic_races: an autouse fixture
     DTYPES,
-    assert_fa_rule,
     assert_needs_hopper,
-    assert_results_close,
+    check_kernel_gradients,
     kernel_backward,
     make_inputs,
     no_mosaic_races,  # noqa: F401
-    oracle,
-    pallas_and_reference,
-    random_bias,
 )
 
 import pallas_attn
@@ -125,19 +121,7 @@ def test_mosaic_dkv_matches_the_triton_kernels(dtype, shapes, bias_shape, kwargs
         "alibi_batch_shared_bias_bottom_right"])
 def test_gradients_with_the_mosaic_dkv_against_reference_and_float64(shapes, bias_shape,
                                                                      kwargs):
-    dtype = jnp.bfloat16
-    inputs = make_inputs(sum(shapes.values()), dtype=dtype, **shapes)
-    bias = (random_bias(5, (*bias_shape, shapes["T"], shapes["S"]), dtype)
-            if bias_shape is not None else None)
-    # The forward in a jitted call of its own, the backward op by op
-    # (kernel_helpers.make_runner).
-    kernel, reference = pallas_and_reference(inputs, block_sizes=MOSAIC_DKV, split="eager",
-                                             bias=bias, **kwargs)
-    exact = oracle(inputs, bias=bias, **kwargs)
-    if bias is not None:
-        assert "dbias" in kernel and kernel["dbias"].shape == bias.shape
-    assert_fa_rule(kernel, reference, exact, dtype)
-    assert_results_close(kernel, reference, dtype, label="vs reference: ")
+    check_kernel_gradients(jnp.bfloat16, shapes, bias_shape, kwargs, MOSAIC_DKV)
 
 
 @pytest.mark.parametrize("kwargs,match", [

@@ -22,16 +22,12 @@ import pytest
 from kernel_helpers import (  # no_mosaic_races: an autouse fixture
     DTYPES,
     assert_empty_rows,
-    assert_fa_rule,
     assert_needs_hopper,
-    assert_results_close,
+    check_kernel_gradients,
     empty_rows,
     kernel_backward,
     make_inputs,
     no_mosaic_races,  # noqa: F401
-    oracle,
-    pallas_and_reference,
-    random_bias,
 )
 
 import pallas_attn
@@ -96,16 +92,8 @@ def test_mosaic_dq_matches_the_triton_dq_kernel(dtype, shapes, bias_shape, kwarg
 ], ids=["shared_bias_causal_soft_cap_mqa", "alibi_bottom_right_empty_rows_H80_Hv64"])
 def test_gradients_with_the_mosaic_dq_against_reference_and_float64(shapes, bias_shape,
                                                                     kwargs):
-    dtype = jnp.bfloat16
-    inputs = make_inputs(sum(shapes.values()), dtype=dtype, **shapes)
-    bias = (random_bias(5, (*bias_shape, shapes["T"], shapes["S"]), dtype)
-            if bias_shape is not None else None)
-    # The forward and the backward op by op (kernel_helpers.make_runner).
-    kernel, reference = pallas_and_reference(inputs, block_sizes=MOSAIC_DQ, split="eager",
-                                             bias=bias, **kwargs)
-    exact = oracle(inputs, bias=bias, **kwargs)
-    assert_fa_rule(kernel, reference, exact, dtype)
-    assert_results_close(kernel, reference, dtype, label="vs reference: ")
+    kernel, exact = check_kernel_gradients(jnp.bfloat16, shapes, bias_shape, kwargs,
+                                           MOSAIC_DQ)
     assert_empty_rows(kernel, empty_rows(exact))
 
 

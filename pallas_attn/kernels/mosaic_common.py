@@ -190,6 +190,14 @@ class Walk:
             plgpu.barrier_wait(k_consumed.at[self.slot(step)])
             plgpu.barrier_wait(v_consumed.at[self.slot(step)])
 
+    def produce(self, wg, k_ref, v_ref, k_smem, v_smem, ring) -> None:
+        """The producer warpgroup's part (wg == CONSUMERS, wg the warpgroup index): it
+        gives up registers, then streams every item's K and V tiles (`stream`)."""
+        @pl.when(wg == CONSUMERS)
+        def _producer():
+            plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
+            self.stream(k_ref, v_ref, k_smem, v_smem, ring)
+
     def bias_rows(self, bias_ref, item: Item, row0, buffers, barriers) -> Any:
         """This consumer's bias stream (`BiasTiles`) over its rows of the item, through
         its own buffer and barrier (of one per consumer), or None without a bias."""
@@ -292,6 +300,27 @@ def tile_scores(problem: Problem, s: jax.Array, row0, k0, masked: bool, *,
         if visible is not None:
             s = jnp.where(visible, s, -jnp.inf)
     return s, cap_tanh
+
+
+def tile_gradient(problem: Problem, s: jax.Array, dp: jax.Array, bias: jax.Array | None,
+                  residuals: tuple[jax.Array, jax.Array, jax.Array], row0, k0,
+                  masked: bool, slope: Any = None) -> tuple[jax.Array, jax.Array]:
+    """(P, dS) of a [rows, keys] tile in the WGMMA layout, float32, from the raw
+    products s = Q K^T and dp = dO V^T, the tile's bias (or None), the head's ALiBi
+    slope (or None) and its rows' residuals (row reference, log2 row sum, delta;
+    WGMMA.reduce(1) layout). masked applies the band masks (causal, window, padded
+    keys) of rows from row0 and keys from k0."""
+    row_max, log2_sum, delta = residuals
+
+    def rows_of(x):
+        return lax.broadcast_in_dim(x, s.shape, [0])
+
+    dp = dp - rows_of(delta)
+    s, cap_tanh = tile_scores(problem, s, row0, k0, masked, bias=bias, slope=slope)
+    if cap_tanh is not None:  # dS picks up the cap's derivative 1 - t^2
+        dp = dp * scores.soft_cap_slope(cap_tanh)
+    prob = problem.probabilities(s, row_max, log2_sum, rows=rows_of)
+    return prob, prob * dp
 
 
 def optional_refs(refs, *operands) -> list[Any]:

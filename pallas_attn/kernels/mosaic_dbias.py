@@ -39,8 +39,6 @@ covered), with a bias that has its own entry per query and key.
 
 from __future__ import annotations
 
-from typing import Any
-
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -48,7 +46,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_attn import tuning
-from pallas_attn.kernels import mosaic_common, scores
+from pallas_attn.kernels import mosaic_common
 from pallas_attn.kernels.common import Problem, TileContext
 from pallas_attn.kernels.mosaic_common import (
     CONSUMER_REGISTERS,
@@ -57,6 +55,7 @@ from pallas_attn.kernels.mosaic_common import (
     ROWS_PER_CONSUMER,
     head_slope,
     smem_tiles,
+    tile_gradient,
 )
 from pallas_attn.tuning import MOSAIC_BLOCK_Q
 
@@ -243,27 +242,6 @@ def _member_step(problem: Problem, wg, row0, k0, steps, buffers, barriers, load_
                               masked, slope_of(i))
         return acc + ds
     return step
-
-
-def tile_gradient(problem: Problem, s: jax.Array, dp: jax.Array, bias: jax.Array | None,
-                  residuals: tuple[jax.Array, jax.Array, jax.Array], row0, k0,
-                  masked: bool, slope: Any = None) -> tuple[jax.Array, jax.Array]:
-    """(P, dS) of a [rows, keys] tile in the WGMMA layout, float32, from the raw
-    products s = Q K^T and dp = dO V^T, the tile's bias (or None), the head's ALiBi
-    slope (or None) and its rows' residuals (row reference, log2 row sum, delta;
-    WGMMA.reduce(1) layout). masked applies the band masks (causal, window, padded
-    keys) of rows from row0 and keys from k0."""
-    row_max, log2_sum, delta = residuals
-
-    def rows_of(x):
-        return lax.broadcast_in_dim(x, s.shape, [0])
-
-    dp = dp - rows_of(delta)
-    s, cap_tanh = mosaic_common.tile_scores(problem, s, row0, k0, masked, bias=bias, slope=slope)
-    if cap_tanh is not None:  # dS picks up the cap's derivative 1 - t^2
-        dp = dp * scores.soft_cap_slope(cap_tanh)
-    prob = problem.probabilities(s, row_max, log2_sum, rows=rows_of)
-    return prob, prob * dp
 
 
 def dbias(problem: Problem, q: jax.Array, k: jax.Array, v: jax.Array, do: jax.Array,

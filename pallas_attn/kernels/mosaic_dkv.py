@@ -8,7 +8,7 @@ dK and dV in registers. Per step (the STEP_ROWS query rows of one tile, one head
 
 * S = Q K^T and dP = dO V^T with wgmma ([64 queries, 64 keys] per consumer);
 * P and dS from the forward's row residuals and the shared score rules
-  (`mosaic_dbias.tile_gradient`, kernels/scores.py);
+  (`mosaic_common.tile_gradient`, kernels/scores.py);
 * P and dS go to shared memory (16-bit), and dV += P^T dO, dK += dS^T Q take them
   as transposed wgmma operands;
 * with a bias that needs a gradient, the dS tile in shared memory is also the
@@ -62,8 +62,8 @@ from pallas_attn.kernels.mosaic_common import (
     head_slope,
     optional_refs,
     smem_tiles,
+    tile_gradient,
 )
-from pallas_attn.kernels.mosaic_dbias import tile_gradient
 
 STEP_ROWS = 64  # query rows per step (the K dimension of dV's and dK's products)
 KEYS_PER_CONSUMER = ROWS_PER_CONSUMER

@@ -11,7 +11,7 @@ warpgroups:
   its rows of Q, dO and the row residuals (row reference, log2 row sum, delta) into
   buffers of its own; per key tile it computes S = Q K^T and dP = dO V^T with wgmma,
   P and dS from the residuals and the shared score rules
-  (`mosaic_dbias.tile_gradient`), stages dS in shared memory and adds dS K into its
+  (`mosaic_common.tile_gradient`), stages dS in shared memory and adds dS K into its
   dQ accumulator with a third wgmma. The consumers take turns on the tensor cores
   as in the forward (two turns per key tile), so one consumer's exponentials and
   soft-cap tanh run while the other's products do; the bias comes through each
@@ -36,7 +36,6 @@ from pallas_attn.kernels.mosaic_common import (
     CONSUMER_REGISTERS,
     CONSUMERS,
     ITEM_ROWS,
-    PRODUCER_REGISTERS,
     ROWS_PER_CONSUMER,
     Walk,
     accumulate,
@@ -47,8 +46,8 @@ from pallas_attn.kernels.mosaic_common import (
     run_band,
     smem_tiles,
     take_turn,
+    tile_gradient,
 )
-from pallas_attn.kernels.mosaic_dbias import tile_gradient
 from pallas_attn.tuning import MOSAIC_DQ_TILES
 
 
@@ -63,11 +62,7 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, bias_ref, slopes_ref, dq_ref
     ring = (k_loaded, v_loaded, k_consumed, v_consumed)
     walk = Walk(problem, programs, problem.blocks.block_k_dq, problem.blocks.num_stages_dq)
     wg = lax.axis_index("wg")
-
-    @pl.when(wg == CONSUMERS)
-    def _producer():
-        plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
-        walk.stream(k_ref, v_ref, smem["k"], smem["v"], ring)
+    walk.produce(wg, k_ref, v_ref, smem["k"], smem["v"], ring)
 
     @pl.when(wg < CONSUMERS)
     def _consumer():

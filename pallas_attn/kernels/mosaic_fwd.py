@@ -66,7 +66,6 @@ from pallas_attn.kernels.mosaic_common import (
     CONSUMER_REGISTERS,
     CONSUMERS,
     ITEM_ROWS,
-    PRODUCER_REGISTERS,
     ROWS_PER_CONSUMER,
     Band,
     BiasTiles,
@@ -93,11 +92,7 @@ def _kernel(q_ref, k_ref, v_ref, bias_ref, slopes_ref, out_ref, row_max_ref, log
     ring = (k_loaded, v_loaded, k_consumed, v_consumed)
     walk = Walk(problem, programs, problem.blocks.block_k, problem.blocks.num_stages)
     wg = lax.axis_index("wg")
-
-    @pl.when(wg == CONSUMERS)
-    def _producer():
-        plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
-        walk.stream(k_ref, v_ref, k_smem, v_smem, ring)
+    walk.produce(wg, k_ref, v_ref, k_smem, v_smem, ring)
 
     @pl.when(wg < CONSUMERS)
     def _consumer():
