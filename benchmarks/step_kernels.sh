@@ -9,6 +9,13 @@ set -uo pipefail
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 OUT=${OUT:-out}; mkdir -p "$OUT"
 feature=${1:-plain}; dq=${2:-}
+case "$feature" in plain|softcap|bias|alibi) ;; *)
+  echo "step_kernels.sh: FEATURE must be plain, softcap, bias or alibi, got '$feature'" >&2
+  exit 2 ;;
+esac
+case "$dq" in ""|mosaic|triton) ;; *)
+  echo "step_kernels.sh: DQ must be mosaic or triton, got '$dq'" >&2; exit 2 ;;
+esac
 script=$(mktemp --suffix=.py)
 cat > "$script" <<'PY'
 import ctypes, dataclasses, functools, glob, os, site, sys
