@@ -391,10 +391,12 @@ def shared_memory_estimate(block_sizes: BlockSizes, head_dim: int, value_head_di
           + b.block_q_dq * b.block_k_dq * size)
     if b.dq_backend == "mosaic":
         # The Triton kernel's Q, dO, K/V ring and dS, plus the three float32 row
-        # residuals, each consumer's bias tile (its own buffer, not multi-buffered)
+        # residuals, each consumer's bias tile (its own buffer, not multi-buffered),
+        # with a bias the dbias zero tile (half a dS tile, `mosaic_dq.dq_and_dbias`)
         # and 8-byte barriers (rows per consumer, loaded and consumed per slot for K
         # and V, the turns, the bias buffers').
         dq += (3 * b.block_q_dq * 4 + b.block_q_dq * b.block_k_dq * extra
+               + (b.block_q_dq * b.block_k_dq // 2 * size if bias_dtype is not None else 0)
                + 8 * (4 * b.num_stages_dq + 3 + (2 if bias_dtype is not None else 0)))
     else:
         dq += tile_inputs(b.block_q_dq, b.block_k_dq, b.num_stages_dq)

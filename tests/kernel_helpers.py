@@ -445,6 +445,19 @@ class KernelBackward:
         """The Mosaic backward kernels' stacked row residuals."""
         return mosaic_common.row_residuals(self.row_stats, self.delta)
 
+    def first_entry(self) -> KernelBackward:
+        """The same problem cut to its batch entry 0 (a bias shared by the batch entries
+        kept whole)."""
+        def cut(x):
+            return x[:1]
+
+        operands = {name: x if name == "bias" and x.shape[0] == 1 else cut(x)
+                    for name, x in self.operands.items()}
+        return KernelBackward(dataclasses.replace(self.problem, batch=1), cut(self.q),
+                              cut(self.k), cut(self.v), operands,
+                              tuple(map(cut, self.row_stats)), cut(self.do), cut(self.delta),
+                              self.T, self.S)
+
     def triton(self, **tiles: Any) -> tuple[Any, tuple[str, ...], list]:
         """(problem with these tiles, names, inputs) for the Triton backward kernels."""
         problem = dataclasses.replace(

@@ -109,6 +109,31 @@ def test_mosaic_dkv_matches_the_triton_kernels(dtype, shapes, bias_shape, kwargs
         np.testing.assert_allclose(x, ref, rtol=0, atol=tol, err_msg=name)
 
 
+@pytest.mark.parametrize("shapes,kwargs", [
+    (dict(B=3, T=100, S=140, N=2), dict(is_causal=True)),
+    (dict(B=2, T=100, S=260, N=4, K=2), dict(local_window_size=(40, 10),
+                                            logits_soft_cap=5.0)),
+], ids=["causal_three_entries", "gqa_window_soft_cap"])
+def test_mosaic_dkv_adds_the_other_entries_to_dbias_first(shapes, kwargs):
+    """dbias_first (batch entry 0's dbias, here the Triton dbias kernel's): the kernel
+    adds entries 1.. to it, giving the whole batch's dbias, and the same dk and dv."""
+    x = kernel_backward("bfloat16", shapes, (1, shapes["N"]), kwargs, MOSAIC_DKV)
+    bias = x.operands["bias"]
+    tiles = dict(block_q_dbias=32, block_k_dbias=32)
+    first = triton_bwd.dbias(*x.first_entry().triton(**tiles), bias)
+    args = (x.problem, x.q, x.k, x.v, x.do, x.stats, bias, True,
+            x.operands.get("alibi_slopes"))
+    dk, dv, dbias = mosaic_dkv.dkdv(*args, dbias_first=first)
+    dk0, dv0, _ = mosaic_dkv.dkdv(*args)
+    for a, b in ((dk, dk0), (dv, dv0)):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+    T, S = x.T, x.S
+    expected = np.asarray(triton_bwd.dbias(*x.triton(**tiles), bias), np.float32)[..., :T, :S]
+    dbias = np.asarray(dbias, np.float32)[..., :T, :S]
+    tol = (shapes["B"] + 1) * float(jnp.finfo(jnp.bfloat16).eps) * np.abs(expected).max()
+    np.testing.assert_allclose(dbias, expected, rtol=0, atol=tol)
+
+
 @pytest.mark.parametrize("shapes,bias_shape,kwargs", [
     (dict(B=2, T=150, S=140, N=2, K=1, H=64), (1, 2), dict(is_causal=True)),
     (dict(B=2, T=70, S=200, N=2, H=48), (2, 2), dict(logits_soft_cap=8.0,

@@ -83,18 +83,65 @@ def test_mosaic_dq_matches_the_triton_dq_kernel(dtype, shapes, bias_shape, kwarg
         assert np.all(mosaic[:, : T - S] == 0.0)
 
 
-@pytest.mark.parametrize("shapes,bias_shape,kwargs", [
+@pytest.mark.parametrize("shapes,kwargs", [
+    (dict(B=2, T=200, S=150, N=4, K=2),
+     dict(is_causal=True, alibi_slopes=jnp.array([[0.5, 0.25, 0.125, 0.0625],
+                                                   [0.03, 0.2, 0.7, 0.01]]))),
+    (dict(B=3, T=140, S=260, N=2), dict(logits_soft_cap=5.0, local_window_size=(90, 30))),
+    (dict(B=2, T=200, S=100, N=2), dict(is_causal=True, causal_alignment="bottom_right")),
+], ids=["causal_gqa_alibi_per_batch", "soft_cap_window", "bottom_right_T>S_empty_rows"])
+def test_dq_and_dbias_stores_batch_entry_0s_dbias(shapes, kwargs):
+    """dq_and_dbias: the same dq as dq, and a dbias of the shared bias's shape that
+    matches the Triton dbias kernel's for batch entry 0 alone, with every tile written
+    (the interpreter poisons it with NaN): dS inside each item's band (tiles outside a
+    consumer's own rows' band run masked), zeros outside it (the producer)."""
+    x = kernel_backward("bfloat16", shapes, (1, shapes["N"]), kwargs, MOSAIC_DQ)
+    bias, slopes = x.operands["bias"], x.operands.get("alibi_slopes")
+    args = (x.problem, x.q, x.k, x.v, x.do, x.stats, bias, slopes)
+    dq_with, dbias = mosaic_dq.dq_and_dbias(*args)
+    np.testing.assert_array_equal(np.asarray(dq_with, np.float32),
+                                  np.asarray(mosaic_dq.dq(*args), np.float32))
+    dbias = np.asarray(dbias, np.float32)
+    assert dbias.shape == bias.shape and not np.isnan(dbias).any()
+    T, S = x.T, x.S
+    assert np.all(dbias[..., :T, S:] == 0.0)  # padded keys
+    expected = np.asarray(triton_bwd.dbias(
+        *x.first_entry().triton(block_q_dbias=32, block_k_dbias=32), bias), np.float32)
+    dbias, expected = dbias[..., :T, :S], expected[..., :T, :S]
+    assert np.abs(expected).max() > 0.1
+    if kwargs.get("is_causal"):
+        assert np.sum(dbias == 0.0) > dbias.size // 4  # the zeros outside the band
+    tol = 2 * float(jnp.finfo(jnp.bfloat16).eps) * np.abs(expected).max()
+    np.testing.assert_allclose(dbias, expected, rtol=0, atol=tol)
+
+
+# The Mosaic dQ and dK/dV kernels together: a batch-shared bias's dbias starts as the
+# dQ kernel's batch entry 0 (`mosaic_dq.dq_and_dbias`).
+MOSAIC_DQ_DKV = dataclasses.replace(MOSAIC_DQ, block_q_dkv=64, block_k_dkv=128,
+                                    dkv_backend="mosaic")
+
+
+@pytest.mark.parametrize("shapes,bias_shape,kwargs,blocks", [
     (dict(B=2, T=150, S=140, N=2, K=1, H=64), (1, 2), dict(is_causal=True,
-                                                           logits_soft_cap=8.0)),
+                                                           logits_soft_cap=8.0), MOSAIC_DQ),
     (dict(B=2, T=200, S=100, N=2, H=80, Hv=64), None,
      dict(is_causal=True, causal_alignment="bottom_right",
-          alibi_slopes=jnp.array([0.2, 0.04]))),
-], ids=["shared_bias_causal_soft_cap_mqa", "alibi_bottom_right_empty_rows_H80_Hv64"])
+          alibi_slopes=jnp.array([0.2, 0.04])), MOSAIC_DQ),
+    (dict(B=3, T=150, S=200, N=2, H=64), (1, 2),
+     dict(local_window_size=(60, 20), alibi_slopes=jnp.array([0.2, 0.04])), MOSAIC_DQ_DKV),
+], ids=["shared_bias_causal_soft_cap_mqa", "alibi_bottom_right_empty_rows_H80_Hv64",
+        "with_mosaic_dkv_shared_bias_window_alibi"])
 def test_gradients_with_the_mosaic_dq_against_reference_and_float64(shapes, bias_shape,
-                                                                    kwargs):
-    kernel, exact = check_kernel_gradients(jnp.bfloat16, shapes, bias_shape, kwargs,
-                                           MOSAIC_DQ)
+                                                                    kwargs, blocks,
+                                                                    monkeypatch):
+    calls = []
+    chained = mosaic_dq.dq_and_dbias
+    monkeypatch.setattr(mosaic_dq, "dq_and_dbias",
+                        lambda *a: calls.append(1) or chained(*a))
+    kernel, exact = check_kernel_gradients(jnp.bfloat16, shapes, bias_shape, kwargs, blocks)
     assert_empty_rows(kernel, empty_rows(exact))
+    # The dbias chain runs exactly where both kernels are Mosaic.
+    assert len(calls) == (blocks is MOSAIC_DQ_DKV)
 
 
 @pytest.mark.parametrize("kwargs,match", [

@@ -203,14 +203,23 @@ def _backward(problem: Problem, q, k, v, operands: dict, row_stats, do, delta,
              if "mosaic" in (blocks.dkv_backend, blocks.dq_backend) or mosaic_dbias_kernel
              else None)
     slopes = operands.get("alibi_slopes")
-    if blocks.dkv_backend == "mosaic":
-        dk, dv, dbias = mosaic_dkv.dkdv(problem, q, k, v, do, stats, bias, fused, slopes)
-    else:
-        dk, dv, dbias = triton_bwd.dkdv(problem, names, inputs, bias if fused else None)
+    # Both Mosaic kernels and a fused dbias of a bias shared by the batch entries: the
+    # dQ kernel stores batch entry 0's dS tiles as dbias, the dK/dV kernel adds the
+    # others' to them (no zeroed buffer to start from).
+    dbias_first = None
     if blocks.dq_backend == "mosaic":
-        dq = mosaic_dq.dq(problem, q, k, v, do, stats, bias, slopes)
+        if (fused and blocks.dkv_backend == "mosaic" and bias.shape[0] == 1
+                and problem.batch > 1):
+            dq, dbias_first = mosaic_dq.dq_and_dbias(problem, q, k, v, do, stats, bias, slopes)
+        else:
+            dq = mosaic_dq.dq(problem, q, k, v, do, stats, bias, slopes)
     else:
         dq = triton_bwd.dq(problem, names, inputs)
+    if blocks.dkv_backend == "mosaic":
+        dk, dv, dbias = mosaic_dkv.dkdv(problem, q, k, v, do, stats, bias, fused, slopes,
+                                        dbias_first)
+    else:
+        dk, dv, dbias = triton_bwd.dkdv(problem, names, inputs, bias if fused else None)
     if mosaic_dbias_kernel:
         dbias = mosaic_dbias.dbias(problem, q, k, v, do, stats, bias, slopes)
     elif bias_grad and not fused:

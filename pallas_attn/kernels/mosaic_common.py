@@ -150,17 +150,20 @@ class Walk:
     def slot(self, step):
         return lax.rem(step, jnp.int32(self.stages))
 
-    def stream(self, k_ref, v_ref, k_smem, v_smem, ring) -> None:
+    def stream(self, k_ref, v_ref, k_smem, v_smem, ring, on_item=None) -> None:
         """The producer: bulk-copies every item's K and V tiles into the ring.
 
         ring: the (k_loaded, v_loaded, k_consumed, v_consumed) barriers, one of each
-        per slot; a slot is refilled once both consumers released it."""
+        per slot; a slot is refilled once both consumers released it. on_item(item,
+        tiles, steps), if given, runs before each item's copies."""
         k_loaded, v_loaded, k_consumed, v_consumed = ring
         block_k, stages, problem = self.block_k, self.stages, self.problem
 
         def stream(r, step):
             item = self.item(r)
             _, tiles, steps = self.band(item)
+            if on_item is not None:
+                on_item(item, tiles, steps)
             kh = lax.div(item.n, jnp.int32(problem.group))
 
             @pl.loop(0, steps)
@@ -190,13 +193,13 @@ class Walk:
             plgpu.barrier_wait(k_consumed.at[self.slot(step)])
             plgpu.barrier_wait(v_consumed.at[self.slot(step)])
 
-    def produce(self, wg, k_ref, v_ref, k_smem, v_smem, ring) -> None:
+    def produce(self, wg, k_ref, v_ref, k_smem, v_smem, ring, on_item=None) -> None:
         """The producer warpgroup's part (wg == CONSUMERS, wg the warpgroup index): it
         gives up registers, then streams every item's K and V tiles (`stream`)."""
         @pl.when(wg == CONSUMERS)
         def _producer():
             plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
-            self.stream(k_ref, v_ref, k_smem, v_smem, ring)
+            self.stream(k_ref, v_ref, k_smem, v_smem, ring, on_item)
 
     def bias_rows(self, bias_ref, item: Item, row0, buffers, barriers) -> Any:
         """This consumer's bias stream (`BiasTiles`) over its rows of the item, through
@@ -321,6 +324,20 @@ def tile_gradient(problem: Problem, s: jax.Array, dp: jax.Array, bias: jax.Array
         dp = dp * scores.soft_cap_slope(cap_tanh)
     prob = problem.probabilities(s, row_max, log2_sum, rows=rows_of)
     return prob, prob * dp
+
+
+def zero_tiles_outside(zero_tile, tile_ref, first, stop, count: int) -> None:
+    """Bulk-copy the zeroed shared-memory tile into tile_ref(t) for the tiles t in
+    [0, count) outside [first, stop) (dbias tiles outside a band)."""
+    for lo, hi in ((0, first), (stop, count)):
+        pl.loop(lo, hi)(lambda t: plgpu.copy_smem_to_gmem(zero_tile, tile_ref(t)))
+
+
+def zero_tile_init(zero_tile) -> None:
+    """Fill a shared-memory tile with zeros for the bulk copies that read it."""
+    zero_tile[...] = plgpu.layout_cast(jnp.zeros(zero_tile.shape, zero_tile.dtype),
+                                       plgpu.Layout.WGMMA)
+    plgpu.commit_smem()
 
 
 def optional_refs(refs, *operands) -> list[Any]:

@@ -63,6 +63,8 @@ from pallas_attn.kernels.mosaic_common import (
     optional_refs,
     smem_tiles,
     tile_gradient,
+    zero_tile_init,
+    zero_tiles_outside,
 )
 
 STEP_ROWS = 64  # query rows per step (the K dimension of dV's and dK's products)
@@ -76,7 +78,8 @@ def unsupported(problem: Problem) -> str:
 
 
 def _kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, bias_ref, slopes_ref, dk_ref, dv_ref,
-            dbias_ref, smem, barriers, *, problem: Problem, programs: int, passes: int):
+            dbias_ref, smem, barriers, *, problem: Problem, programs: int, passes: int,
+            add_dbias: bool, first_entry: int):
     q_smem, do_smem, stats_smem, k_smem, v_smem = (
         smem[name] for name in ("q", "do", "stats", "k", "v"))
     bias_smem, zero_tile = smem.get("bias"), smem.get("zeros")
@@ -91,13 +94,16 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, bias_ref, slopes_ref, dk_ref
     has_bias = bias_ref is not None
 
     def unit_of(u):
-        """(valid, b, kh, k0, pass, first, stop, full_first, full_stop) of unit u of this
-        program: its item's pass u % passes; query tiles [first, stop) of the band,
+        """(valid, b, kh, k0, first, stop, full_first, full_stop) of unit u of this
+        program (its item's pass u % passes): query tiles [first, stop) of the band,
         [full_first, full_stop) without band masks."""
         # Round r gives program pid item r * programs + pid, the lanes reversed on odd
         # rounds. Under causal masking items run key tiles slowest, the first (the
         # heaviest) first, so heavy and light items even out over the rounds; else
         # key tiles fastest, so concurrent programs read neighbouring bias columns.
+        # Batch entries come next: the programs running one (KV head, key tile) for
+        # several batch entries read a shared bias tile at about the same time, once
+        # from memory and the rest from L2, and add their dbias tiles there.
         r = lax.div(u, passes)
         lane = jnp.where(lax.rem(r, 2) == 0, pid, programs - 1 - pid)
         idx = r * programs + lane
@@ -107,8 +113,8 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, bias_ref, slopes_ref, dk_ref
             kt, rest = lax.div(idx, per_tile), lax.rem(idx, per_tile)
         else:
             kt, rest = lax.rem(idx, k_tiles), lax.div(idx, k_tiles)
-        kh = lax.rem(rest, problem.num_kv_heads)
-        b = lax.div(rest, problem.num_kv_heads) * passes + p
+        kh = lax.div(rest, batch_items)
+        b = lax.rem(rest, batch_items) * passes + p
         k0 = kt * UNIT_KEYS
         valid = idx < items
         ctx = TileContext(problem, {}, b, kh)
@@ -116,25 +122,23 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, bias_ref, slopes_ref, dk_ref
         # An invalid unit (past the last item) gets an empty band.
         stop, full_first, full_stop = (jnp.where(valid, x, first)
                                        for x in (stop, full_first, full_stop))
-        return valid, b, kh, k0, p, first, stop, full_first, full_stop
+        return valid, b, kh, k0, first, stop, full_first, full_stop
 
     @pl.when(wg == CONSUMERS)
     def _producer():
         plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
 
-        if dbias_ref is not None:
-            zero_tile[...] = plgpu.layout_cast(jnp.zeros(zero_tile.shape, zero_tile.dtype),
-                                               plgpu.Layout.WGMMA)
-            plgpu.commit_smem()
+        if zero_tile is not None:
+            zero_tile_init(zero_tile)
 
         def stream(u, carry):
             step, loaded_units = carry
-            valid, b, kh, k0, p, first, stop, _, _ = unit_of(u)
+            valid, b, kh, k0, first, stop, _, _ = unit_of(u)
             tiles = stop - first
             steps = tiles * group
-            if dbias_ref is not None:
-                _zeros_outside_band(zero_tile, dbias_ref, valid & (p == 0), b, kh, k0,
-                                    first, stop, group)
+            if zero_tile is not None:
+                _zeros_outside_band(zero_tile, dbias_ref, valid, b, kh, k0, first, stop,
+                                    group)
 
             @pl.when(steps > 0)
             def _load_kv():
@@ -185,14 +189,17 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, bias_ref, slopes_ref, dk_ref
     @pl.when(wg < CONSUMERS)
     def _consumer():
         plgpu.set_max_registers(CONSUMER_REGISTERS, action="increase")
-        _consume(problem, wg, unit_of, units, (slopes_ref, dk_ref, dv_ref, dbias_ref),
+        _consume(problem, wg, unit_of, units, add_dbias, first_entry,
+                 (slopes_ref, dk_ref, dv_ref, dbias_ref),
                  (q_smem, do_smem, stats_smem, bias_smem,
                   k_smem.at[wg], v_smem.at[wg], smem["p"].at[wg], smem["ds"].at[wg]),
                  barriers)
 
 
-def _consume(problem: Problem, wg, unit_of, units, refs, buffers, barriers):
-    """A consumer's loop over its program's units: dK and dV of its 64 keys per unit."""
+def _consume(problem: Problem, wg, unit_of, units, add_dbias: bool, first_entry: int, refs,
+             buffers, barriers):
+    """A consumer's loop over its program's units: dK and dV of its 64 keys per unit;
+    dbias tiles from batch entries first_entry on."""
     slopes_ref, dk_ref, dv_ref, dbias_ref = refs
     has_dbias = dbias_ref is not None
     q_smem, do_smem, stats_smem, bias_smem, k_mine, v_mine, p_mine, ds_mine = buffers
@@ -207,7 +214,7 @@ def _consume(problem: Problem, wg, unit_of, units, refs, buffers, barriers):
     reduce_in_registers = problem.interpret  # the interpreter has no reduce-add copies
 
     def unit(u, step):
-        valid, b, kh, k0, p, first, stop, full_first, full_stop = unit_of(u)
+        valid, b, kh, k0, first, stop, full_first, full_stop = unit_of(u)
         k_own = k0 + wg * keys_n
         tiles = stop - first
         bb = b if dbias_ref is not None and dbias_ref.shape[0] > 1 else 0
@@ -256,7 +263,11 @@ def _consume(problem: Problem, wg, unit_of, units, refs, buffers, barriers):
                                 problem.interpret)
             plgpu.barrier_arrive(step_consumed.at[slot])
             if has_dbias:
-                _store_dbias(ds_slot, dbias_tile(n, i), ds, p > 0, reduce_in_registers)
+                def store():
+                    _store_dbias(ds_slot, dbias_tile(n, i), ds, add_dbias,
+                                 reduce_in_registers)
+
+                pl.when(b >= first_entry)(store)  # entry 0's may be in already
             return dk, dv, at + 1, h
 
         def head(h, carry):
@@ -276,13 +287,12 @@ def _consume(problem: Problem, wg, unit_of, units, refs, buffers, barriers):
             keys = pl.ds(k_own, keys_n)
             dk_ref.at[b, keys, kh][...] = (dk * problem.spec.scale).astype(dk_ref.dtype)
             dv_ref.at[b, keys, kh][...] = dv.astype(dv_ref.dtype)
-            if has_dbias and not reduce_in_registers:
-                # Every dbias copy of this pass has landed before the next pass adds.
-                plgpu.wait_smem_to_gmem(0)
 
         return step
 
     lax.fori_loop(0, units, unit, jnp.int32(0))
+    if has_dbias and not reduce_in_registers:
+        plgpu.wait_smem_to_gmem(0)  # every dbias copy has landed before the program ends
 
 
 def _zeros_outside_band(zero_tile, dbias_ref, when, b, kh, k0, first, stop, group: int):
@@ -293,48 +303,38 @@ def _zeros_outside_band(zero_tile, dbias_ref, when, b, kh, k0, first, stop, grou
 
     @pl.when(when)
     def _():
-        @pl.loop(0, group * q_tiles)
-        def _tile(i):
-            t = lax.rem(i, q_tiles)
-            n = kh * group + lax.div(i, q_tiles)
-
-            @pl.when((t < first) | (t >= stop))
-            def _():
-                for c in range(CONSUMERS):
-                    keys = pl.ds(k0 + c * KEYS_PER_CONSUMER, KEYS_PER_CONSUMER)
-                    plgpu.copy_smem_to_gmem(
-                        zero_tile, dbias_ref.at[bb, n, pl.ds(t * STEP_ROWS, STEP_ROWS), keys])
+        @pl.loop(0, group)
+        def _head(h):
+            for c in range(CONSUMERS):
+                keys = pl.ds(k0 + c * KEYS_PER_CONSUMER, KEYS_PER_CONSUMER)
+                rows = dbias_ref.at[bb, kh * group + h]
+                zero_tiles_outside(zero_tile,
+                                   lambda t, rows=rows, keys=keys:
+                                   rows.at[pl.ds(t * STEP_ROWS, STEP_ROWS), keys],
+                                   first, stop, q_tiles)
 
 
-def _store_dbias(ds_smem, dst, ds, add, reduce_in_registers: bool):
-    """Store the dS tile (staged in ds_smem) into dst, or add it to dst's contents
-    when add (a later pass over the batch entries)."""
+def _store_dbias(ds_smem, dst, ds, add: bool, reduce_in_registers: bool):
+    """Store the dS tile (staged in ds_smem) into dst, or add it to dst's contents."""
     if reduce_in_registers:
-        @pl.when(add)
-        def _add():
+        if add:
             old = plgpu.load(dst, layout=plgpu.Layout.WGMMA).astype(jnp.float32)
             dst[...] = (old + ds.astype(dst.dtype).astype(jnp.float32)).astype(dst.dtype)
-
-        @pl.when(~add)
-        def _store():
+        else:
             dst[...] = ds.astype(dst.dtype)
-        return
-
-    @pl.when(add)
-    def _add():
-        plgpu.copy_smem_to_gmem(ds_smem, dst, reduction_op="add")
-
-    @pl.when(~add)
-    def _store():
-        plgpu.copy_smem_to_gmem(ds_smem, dst)
+    else:
+        plgpu.copy_smem_to_gmem(ds_smem, dst, reduction_op="add" if add else None)
 
 
 def dkdv(problem: Problem, q: jax.Array, k: jax.Array, v: jax.Array, do: jax.Array,
          stats: jax.Array, bias: jax.Array | None, bias_grad: bool,
-         slopes: jax.Array | None = None) -> tuple[jax.Array, jax.Array, jax.Array | None]:
+         slopes: jax.Array | None = None, dbias_first: jax.Array | None = None
+         ) -> tuple[jax.Array, jax.Array, jax.Array | None]:
     """(dk, dv, dbias or None) for padded inputs; stats: the row residuals
     (`mosaic_common.row_residuals`); slopes: ALiBi slopes [B, N] or None. bias_grad:
-    also write the gradient of the (present) bias (`tuning.mosaic_fusable_dbias`)."""
+    also write the gradient of the (present) bias (`tuning.mosaic_fusable_dbias`).
+    dbias_first: for a bias shared by the batch entries, batch entry 0's part of its
+    gradient (`mosaic_dq.dq_and_dbias`), to which the kernel adds the others'."""
     if why := unsupported(problem):
         raise AssertionError(f"mosaic_dkv.dkdv called for an unsupported problem: {why}")
     if bias_grad and not tuning.mosaic_fusable_dbias(
@@ -350,13 +350,26 @@ def dkdv(problem: Problem, q: jax.Array, k: jax.Array, v: jax.Array, do: jax.Arr
     _, Sp, KH, hvp = v.shape
     stages = blocks.num_stages_dkv
     dtype = q.dtype
-    passes = B if bias_grad and bias.shape[0] == 1 else 1
     has_bias = bias is not None
+    # A bias shared by the batch entries gets their dS tiles added into a zeroed
+    # buffer; the interpreter (no reduce-add copies) runs an item's batch entries as
+    # passes of one program.
+    add_dbias = bias_grad and bias.shape[0] == 1 and B > 1
+    if dbias_first is not None and not (add_dbias and dbias_first.shape == bias.shape):
+        raise AssertionError(f"mosaic_dkv.dkdv takes dbias_first only for a bias shared by "
+                             f"{B} batch entries and of its shape, got {dbias_first.shape} "
+                             f"for a bias of shape {bias.shape}")
+    passes = B if add_dbias and problem.interpret else 1
+    first_entry = int(dbias_first is not None)
+    dbias_sum = (jax.new_ref(jnp.zeros(bias.shape, bias.dtype) if dbias_first is None
+                             else dbias_first) if add_dbias else None)
 
     def entry(*refs):
         q_ref, k_ref, v_ref, do_ref, stats_ref, *rest = refs
-        bias_ref, slopes_ref = optional_refs(rest, bias, slopes)
-        dk_ref, dv_ref, *dbias_ref = rest[(bias is not None) + (slopes is not None):]
+        bias_ref, slopes_ref, sum_ref = optional_refs(rest, bias, slopes, dbias_sum)
+        dk_ref, dv_ref, *dbias_ref = rest[sum(x is not None for x in (bias, slopes,
+                                                                      dbias_sum)):]
+        dbias_ref = sum_ref if add_dbias else (dbias_ref[0] if dbias_ref else None)
         kinds = dict(
             q=smem_tiles((stages, STEP_ROWS, hp), dtype),
             do=smem_tiles((stages, STEP_ROWS, hvp), dtype),
@@ -367,7 +380,8 @@ def dkdv(problem: Problem, q: jax.Array, k: jax.Array, v: jax.Array, do: jax.Arr
             v=smem_tiles((CONSUMERS, KEYS_PER_CONSUMER, hvp), dtype),
             p=smem_tiles((CONSUMERS, STEP_ROWS, KEYS_PER_CONSUMER), dtype),
             ds=smem_tiles((CONSUMERS, 2, STEP_ROWS, KEYS_PER_CONSUMER), dtype),
-            zeros=smem_tiles((STEP_ROWS, KEYS_PER_CONSUMER), dtype) if bias_grad else None,
+            zeros=(smem_tiles((STEP_ROWS, KEYS_PER_CONSUMER), dtype)
+                   if bias_grad and not add_dbias else None),
         )
         kinds = {name: kind for name, kind in kinds.items() if kind is not None}
         copies = 3 + (CONSUMERS if has_bias else 0)
@@ -381,16 +395,20 @@ def dkdv(problem: Problem, q: jax.Array, k: jax.Array, v: jax.Array, do: jax.Arr
         def body(*scratch):
             smem = dict(zip(kinds, scratch, strict=False))
             _kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, bias_ref, slopes_ref, dk_ref,
-                    dv_ref, dbias_ref[0] if dbias_ref else None, smem, scratch[len(kinds):],
-                    problem=problem, programs=programs, passes=passes)
+                    dv_ref, dbias_ref, smem, scratch[len(kinds):], problem=problem,
+                    programs=programs, passes=passes, add_dbias=add_dbias,
+                    first_entry=first_entry)
 
         pl.run_scoped(body, *kinds.values(), *barriers, collective_axes="wg")
 
     items = Sp // UNIT_KEYS * KH * (B // passes)
     programs = tuning.persistent_programs(items, problem.interpret)
     out_type = [jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)]
-    if bias_grad:
+    if bias_grad and not add_dbias:
         out_type.append(jax.ShapeDtypeStruct(bias.shape, bias.dtype))
-    operands = [q, k, v, do, stats] + [x for x in (bias, slopes) if x is not None]
-    results = mosaic_common.launch(entry, out_type, programs, problem.interpret)(*operands)
-    return results[0], results[1], results[2] if bias_grad else None
+    operands = [q, k, v, do, stats] + [x for x in (bias, slopes, dbias_sum) if x is not None]
+    dk, dv, *dbias = mosaic_common.launch(entry, out_type, programs,
+                                          problem.interpret)(*operands)
+    if add_dbias:
+        return dk, dv, jax.freeze(dbias_sum)
+    return dk, dv, dbias[0] if dbias else None

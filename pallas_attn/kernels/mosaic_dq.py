@@ -37,6 +37,7 @@ from pallas_attn.kernels.mosaic_common import (
     CONSUMERS,
     ITEM_ROWS,
     ROWS_PER_CONSUMER,
+    Band,
     Walk,
     accumulate,
     head_slope,
@@ -47,6 +48,8 @@ from pallas_attn.kernels.mosaic_common import (
     smem_tiles,
     take_turn,
     tile_gradient,
+    zero_tile_init,
+    zero_tiles_outside,
 )
 from pallas_attn.tuning import MOSAIC_DQ_TILES
 
@@ -56,13 +59,32 @@ def unsupported(problem: Problem) -> str:
     return mosaic_common.unsupported(problem)
 
 
-def _kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, bias_ref, slopes_ref, dq_ref, smem,
-            barriers, *, problem: Problem, programs: int):
+def _kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, bias_ref, slopes_ref, dq_ref, dbias_ref,
+            smem, barriers, *, problem: Problem, programs: int):
     rows_loaded, k_loaded, v_loaded, k_consumed, v_consumed, schedule, bias_loaded = barriers
     ring = (k_loaded, v_loaded, k_consumed, v_consumed)
-    walk = Walk(problem, programs, problem.blocks.block_k_dq, problem.blocks.num_stages_dq)
+    block_k = problem.blocks.block_k_dq
+    walk = Walk(problem, programs, block_k, problem.blocks.num_stages_dq)
     wg = lax.axis_index("wg")
-    walk.produce(wg, k_ref, v_ref, smem["k"], smem["v"], ring)
+    on_item = None
+    if dbias_ref is not None:
+        # The producer writes batch entry 0's dbias tiles outside each item's band.
+        zero_tile = smem["zeros"]
+        pl.when(wg == CONSUMERS)(lambda: zero_tile_init(zero_tile))
+
+        def on_item(item, tiles, steps):
+            @pl.when(item.valid & (item.b == 0))
+            def _():
+                for c in range(CONSUMERS):
+                    rows = dbias_ref.at[0, item.n, pl.ds(item.q0 + c * ROWS_PER_CONSUMER,
+                                                         ROWS_PER_CONSUMER)]
+                    zero_tiles_outside(
+                        zero_tile, lambda t, rows=rows: rows.at[:, pl.ds(t * block_k, block_k)],
+                        tiles.first, tiles.first + steps, dbias_ref.shape[3] // block_k)
+
+    walk.produce(wg, k_ref, v_ref, smem["k"], smem["v"], ring, on_item)
+    if dbias_ref is not None:
+        pl.when(wg == CONSUMERS)(lambda: plgpu.wait_smem_to_gmem(0))
 
     @pl.when(wg < CONSUMERS)
     def _consumer():
@@ -95,10 +117,14 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, bias_ref, slopes_ref, dq_ref
                               for j in range(3))
             plgpu.commit_smem()  # the reads are done before the next item's copy lands
             bias = walk.bias_rows(bias_ref, item, row0, smem.get("bias"), bias_loaded)
+            dbias = None
+            if dbias_ref is not None:  # batch entry 0 writes its dS tiles as dbias
+                dbias = (item.valid & (item.b == 0),
+                         dbias_ref.at[0, item.n, pl.ds(row0, rows_n)])
             dq = _consume(problem, ctx, tiles, lambda t: walk.slot(step + t - tiles.first),
                           row0, tiles.first + steps, mine, smem["k"], smem["v"], ring,
                           schedule, bias, head_slope(slopes_ref, item.valid, item.b, item.n),
-                          residuals)
+                          residuals, dbias)
             # Every product of this item is done: its rows' buffers are free.
             load_rows(walk.item(r + 1))
 
@@ -111,18 +137,28 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, bias_ref, slopes_ref, dq_ref
 
         lax.fori_loop(0, walk.rounds, work, jnp.int32(0))
         pl.when(wg == 0)(lambda: take_turn(schedule))
+        if dbias_ref is not None:
+            plgpu.wait_smem_to_gmem(0)
 
 
 def _consume(problem: Problem, ctx, tiles, slot_of, row0, stop, mine: dict, k_smem, v_smem,
-             ring, schedule, bias, slope, residuals) -> jax.Array:
+             ring, schedule, bias, slope, residuals, dbias) -> jax.Array:
     """One consumer warpgroup: dQ / scale of rows [row0, row0 + 64) (float32) over key
     tiles [tiles.first, stop), taking turns with the other consumer as the forward's
     consumers do: a consumer issues S and dP, waits for the other's gradient math,
-    computes its own P and dS while the other's products run, then adds dS K."""
+    computes its own P and dS while the other's products run, then adds dS K.
+
+    dbias: (when, its rows of the dbias) or None; when, the consumer stores its dS
+    tiles of the item's band there, running every tile of the band (those outside its
+    own rows' band masked: dS = 0)."""
     k_loaded, v_loaded, k_consumed, v_consumed = ring
     block_k = problem.blocks.block_k_dq
     rows_n = ROWS_PER_CONSUMER
     own = own_band(ctx, tiles, row0, stop, block_k)
+    if dbias is not None:
+        whole = dbias[0]
+        own = Band(jnp.where(whole, tiles.first, own.first), jnp.where(whole, stop, own.stop),
+                   own.full_first, own.full_stop)
     shape = (rows_n, block_k)
 
     def step(t, dq, masked: bool):
@@ -142,8 +178,13 @@ def _consume(problem: Problem, ctx, tiles, slot_of, row0, stop, mine: dict, k_sm
         plgpu.barrier_arrive(v_consumed.at[slot])
         _, ds = tile_gradient(problem, s, dp, tile_bias, residuals, row0, t * block_k, masked,
                               slope)
+        if dbias is not None:
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last dbias copy read ds
         mine["ds"][...] = ds.astype(mine["ds"].dtype)
         plgpu.commit_smem()
+        if dbias is not None:
+            pl.when(dbias[0])(lambda: plgpu.copy_smem_to_gmem(
+                mine["ds"], dbias[1].at[:, pl.ds(t * block_k, block_k)]))
         plgpu.barrier_arrive(schedule)  # this gradient math is done
         plgpu.barrier_wait(schedule)  # the other consumer has issued its products
         (dq,) = accumulate(((dq, mine["ds"], k_smem.at[slot]),), problem.interpret)
@@ -163,6 +204,25 @@ def dq(problem: Problem, q: jax.Array, k: jax.Array, v: jax.Array, do: jax.Array
        ) -> jax.Array:
     """dq [B, Tp, N, Hp] for padded inputs; stats: the row residuals
     (`mosaic_common.row_residuals`); slopes: ALiBi slopes [B, N] or None."""
+    return _launch(problem, q, k, v, do, stats, bias, slopes, False)[0]
+
+
+def dq_and_dbias(problem: Problem, q: jax.Array, k: jax.Array, v: jax.Array, do: jax.Array,
+                 stats: jax.Array, bias: jax.Array, slopes: jax.Array | None = None
+                 ) -> tuple[jax.Array, jax.Array]:
+    """(dq, batch entry 0's part of the gradient of a bias shared by the batch entries)
+    for padded inputs: `dq`, with the dS tiles of batch entry 0 stored as a dbias of
+    the bias's shape [1, N, Tp, Sp] (and zeros outside the bands). The dK/dV kernel
+    adds the other entries' to it (`mosaic_dkv.dkdv`'s dbias_first)."""
+    if not tuning.mosaic_fusable_dbias(bias.shape, batch=1, num_heads=problem.num_heads,
+                                       bias_dtype=bias.dtype, dtype=problem.dtype):
+        raise AssertionError(f"mosaic_dq.dq_and_dbias cannot write the dbias of a "
+                             f"{bias.dtype} bias of shape {bias.shape}")
+    dq_out, dbias = _launch(problem, q, k, v, do, stats, bias, slopes, True)
+    return dq_out, dbias
+
+
+def _launch(problem: Problem, q, k, v, do, stats, bias, slopes, with_dbias: bool) -> list:
     if why := unsupported(problem):
         raise AssertionError(f"mosaic_dq.dq called for an unsupported problem: {why}")
     blocks = problem.blocks
@@ -176,7 +236,7 @@ def dq(problem: Problem, q: jax.Array, k: jax.Array, v: jax.Array, do: jax.Array
 
     def entry(q_ref, k_ref, v_ref, do_ref, stats_ref, *refs):
         bias_ref, slopes_ref = optional_refs(refs, bias, slopes)
-        dq_ref = refs[-1]
+        dq_ref, *dbias_ref = refs[(bias is not None) + (slopes is not None):]
         kinds = dict(
             q=smem_tiles((CONSUMERS, ROWS_PER_CONSUMER, hp), dtype),
             do=smem_tiles((CONSUMERS, ROWS_PER_CONSUMER, hvp), dtype),
@@ -186,6 +246,7 @@ def dq(problem: Problem, q: jax.Array, k: jax.Array, v: jax.Array, do: jax.Array
             ds=smem_tiles((CONSUMERS, ROWS_PER_CONSUMER, block_k), dtype),
             bias=(smem_tiles((CONSUMERS, ROWS_PER_CONSUMER, block_k), bias.dtype)
                   if bias is not None else None),
+            zeros=smem_tiles((ROWS_PER_CONSUMER, block_k), dtype) if with_dbias else None,
         )
         kinds = {name: kind for name, kind in kinds.items() if kind is not None}
         barriers = (
@@ -204,12 +265,15 @@ def dq(problem: Problem, q: jax.Array, k: jax.Array, v: jax.Array, do: jax.Array
             if bias is None:
                 barrier_refs.append(None)
             _kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, bias_ref, slopes_ref, dq_ref,
-                    smem, tuple(barrier_refs), problem=problem, programs=programs)
+                    dbias_ref[0] if dbias_ref else None, smem, tuple(barrier_refs),
+                    problem=problem, programs=programs)
 
         pl.run_scoped(body, *kinds.values(), *(b for b in barriers if b is not None),
                       collective_axes="wg")
 
     programs = tuning.persistent_programs(Tp // ITEM_ROWS * B * N, problem.interpret)
     operands = [q, k, v, do, stats] + [x for x in (bias, slopes) if x is not None]
-    return mosaic_common.launch(entry, jax.ShapeDtypeStruct(q.shape, q.dtype), programs,
-                             problem.interpret)(*operands)
+    out_type = [jax.ShapeDtypeStruct(q.shape, q.dtype)]
+    if with_dbias:
+        out_type.append(jax.ShapeDtypeStruct(bias.shape, bias.dtype))
+    return mosaic_common.launch(entry, out_type, programs, problem.interpret)(*operands)
