@@ -131,8 +131,8 @@ class BlockSizes:
     anyway (the Triton one only for a bias with its own entry per batch entry, head
     and key, `fusable_dbias`; the Mosaic one also for a bias shared by the batch
     entries, `mosaic_fusable_dbias`; else ValueError); False: a separate dbias kernel
-    recomputes dS; None (default): decided by `resolve_fuse_dbias` for the problem and
-    device.
+    recomputes dS (deterministic, where the Mosaic dK/dV kernel's batch sum is not);
+    None (default): decided by `resolve_fuse_dbias` for the problem and device.
 
     forward_backend: "triton" (every GPU from sm80 and every feature) or "mosaic",
     the warp-specialised Hopper forward (kernels/mosaic_fwd.py: sm90, 16-bit
@@ -152,7 +152,8 @@ class BlockSizes:
     block_k_dkv must be its (64, 128), num_stages_dkv its Q/dO slots, one slot runs
     but slowly; num_warps_dkv does not apply). With fuse_dbias it writes dbias for
     a bias of shape [B, N, T, S] or [1, N, T, S] in the inputs' dtype, adding the
-    batch entries' dS tiles with reduce-add bulk copies.
+    batch entries' dS tiles with reduce-add bulk copies in no fixed order (with the
+    Mosaic dQ kernel, to the batch entry 0 tiles that kernel stores).
 
     dq_backend: "triton" or "mosaic", the warp-specialised Hopper dQ kernel
     (kernels/mosaic_dq.py: in the Mosaic forward's scope; block_q_dq and block_k_dq

@@ -105,7 +105,8 @@ CASES = {
         bias=jnp.ones((2, 1, 200, 300), jnp.bfloat16),
         block_sizes=dataclasses.replace(_MOSAIC, **_MOSAIC_DBIAS)),
     # The Hopper dQ kernel: a batch-shared bias under a soft cap with ALiBi (GQA,
-    # ragged, every other kernel Mosaic too), and causal at H80/Hv64 with three slots.
+    # ragged, every other kernel Mosaic too: the dQ kernel stores batch entry 0's dbias
+    # and the dK/dV kernel adds the others'), and causal at H80/Hv64 with three slots.
     "mosaic_dq_bias_softcap_alibi": dict(
         T=200, S=300, K=2, H=128, alibi_slopes=jnp.ones(4), logits_soft_cap=20.0,
         bias=jnp.ones((1, 4, 200, 300), jnp.bfloat16),

@@ -24,6 +24,7 @@ import numpy as np
 import pytest
 from kernel_helpers import (  # no_mosaic_races: an autouse fixture
     DTYPES,
+    assert_close,
     assert_needs_hopper,
     check_kernel_gradients,
     kernel_backward,
@@ -147,6 +148,34 @@ def test_mosaic_dkv_adds_the_other_entries_to_dbias_first(shapes, kwargs):
 def test_gradients_with_the_mosaic_dkv_against_reference_and_float64(shapes, bias_shape,
                                                                      kwargs):
     check_kernel_gradients(jnp.bfloat16, shapes, bias_shape, kwargs, MOSAIC_DKV)
+
+
+@pytest.mark.parametrize("blocks", [
+    MOSAIC_DKV, dataclasses.replace(MOSAIC_DKV, block_q_dq=128, block_k_dq=64,
+                                    dq_backend="mosaic")], ids=["zeros", "mosaic_dq_first"])
+def test_batch_shared_dbias_under_vmap(blocks):
+    """vmap over an extra leading axis: the buffer the batch sum goes into (zeros, or
+    the Mosaic dQ kernel's batch entry 0) is a mutable operand of the kernel; every
+    vmapped slice gets its own sum, as in the reference."""
+    keys = jax.random.split(jax.random.key(7), 5)
+    q = jax.random.normal(keys[0], (3, 2, 64, 2, 64), jnp.bfloat16)
+    k, v = (jax.random.normal(x, (3, 2, 128, 2, 64), jnp.bfloat16) for x in keys[1:3])
+    bias = jax.random.normal(keys[3], (3, 1, 2, 64, 128), jnp.bfloat16)
+    ct = jax.random.normal(keys[4], q.shape, jnp.float32)
+
+    def grads(**kwargs):
+        def loss(q, k, v, bias):
+            out = jax.vmap(lambda *x: pallas_attn.dot_product_attention(
+                *x, is_causal=True, **kwargs))(q, k, v, bias)
+            return jnp.sum(out.astype(jnp.float32) * ct)
+        return [np.asarray(g, np.float64)
+                for g in jax.jit(jax.grad(loss, argnums=(1, 3)))(q, k, v, bias)]
+
+    (dk, dbias), (ref_dk, ref_dbias) = (
+        grads(implementation="pallas", interpret=True, block_sizes=blocks),
+        grads(implementation="xla"))
+    assert_close(dbias, ref_dbias, jnp.bfloat16, "grad", "dbias")
+    assert_close(dk, ref_dk, jnp.bfloat16, "grad", "dk")
 
 
 @pytest.mark.parametrize("kwargs,match", [

@@ -19,23 +19,31 @@ into a ring of `num_stages_dkv` slots ("loaded" / "consumed" barriers, the ring
 running on across units) and each unit's K and V into one buffer per consumer.
 
 dbias. A bias with its own entry per batch entry ([B, N, T, S]) gets each dS tile
-stored once. A bias shared by the batch entries ([1, N, T, S]) makes the units of
-one (KV head, key tile) a single work item that runs its batch entries one after
-another as passes: the first pass stores its dS tiles, the later ones add theirs
-with the bulk copy engine's reduce-add into global memory. The batch sum thus
-never needs a [B, N, T, S] buffer, a memset or a second pass over S and dP; each
-addition rounds to the bias dtype (the bulk copy adds in it). Tiles outside the
-causal/window band get zeros from the first pass (the producer bulk-copies a
-zeroed tile). Work items run key tiles fastest (concurrent programs read
-neighbouring bias columns), under causal masking slowest with the heaviest first;
-lanes reverse on odd rounds. Measured (BENCHMARKS.md, session 10, d128, B=4,
-N=16, T=S=4096): [1, N, T, S] bias with dbias 2.77 ms against 4.73 for the Triton
-dK/dV and Mosaic dbias kernels; without a bias 2.00 against 2.25.
+stored once; tiles outside the causal/window band get zeros (the producer
+bulk-copies a zeroed tile). A bias shared by the batch entries ([1, N, T, S]) gets
+its batch sum in place: every unit adds its dS tiles into one buffer of the bias's
+shape with the bulk copy engine's reduce-add. The buffer starts as batch entry 0's
+dbias when the Mosaic dQ kernel has stored it (`mosaic_dq.dq_and_dbias`,
+`dbias_first`; entry 0's units then add nothing), else as zeros. Units run key
+tiles fastest (concurrent programs read neighbouring bias columns), then batch
+entries, so the programs working on one (KV head, key tile) for several batch
+entries run at the same time: they read each bias tile once from memory and the
+rest from L2, and their additions meet in L2. Under causal masking key tiles run
+slowest, the heaviest first; lanes reverse on odd rounds. The sum never needs a
+[B, N, T, S] buffer or a second pass over S and dP; each addition rounds to the
+bias dtype (the bulk copy adds in it), in whatever order the programs reach a tile,
+so this dbias is not bit-reproducible from run to run (`BlockSizes(fuse_dbias=False)`
+gives the separate, deterministic dbias kernel). Measured (BENCHMARKS.md, session
+13, H100, d128, B=4, N=16, T=S=4096): forward and backward with a [1, N, T, S] bias
+5.37 ms, against 5.85-5.97 when one program ran an item's batch entries one after
+another.
 
 The Pallas interpreter has neither reduce-add copies nor accumulators initialised
-from registers: interpreted, the kernel adds later passes' dbias tiles and each
-step's dK/dV products through registers (`_store_dbias`, `mosaic_common.accumulate`),
-the only places where it differs from the compiled kernel.
+from registers: interpreted, the kernel adds dbias tiles and each step's dK/dV
+products through registers (`_store_dbias`, `mosaic_common.accumulate`), and one
+program runs an item's batch entries one after another as passes (so that no two
+programs add to one tile), the only places where it differs from the compiled
+kernel.
 
 Scope: the Mosaic kernels' (`mosaic_common.unsupported`), and a bias gradient only
 for a bias of shape [B, N, T, S] or [1, N, T, S] in the inputs' dtype

@@ -19,6 +19,14 @@ warpgroups:
 
 dQ (times the softmax scale) is stored from registers. Rows that see no key get
 zeros. Scope: the Mosaic kernels' (`mosaic_common.unsupported`).
+
+`dq_and_dbias` also starts the gradient of a bias shared by the batch entries: the
+consumers bulk-copy batch entry 0's dS tiles (already staged in shared memory for
+dS K) into a dbias of the bias's shape, running the whole band of the item for it
+(tiles outside a consumer's own rows' band masked, so their dS is 0), and the
+producer bulk-copies a zeroed tile to the tiles outside the band. The Mosaic dK/dV
+kernel then adds the other entries' dS tiles to it (`mosaic_dkv`), so the sum needs
+no zeroed buffer and entry 0's tiles are written, not added.
 """
 
 from __future__ import annotations
