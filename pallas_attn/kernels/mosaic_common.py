@@ -290,13 +290,25 @@ def tile_scores(problem: Problem, s: jax.Array, row0, k0, masked: bool, *,
     (causal, window, padded keys) of rows from row0 and keys from k0 where masked,
     invisible entries at -inf. bias: the tile's bias (float32) or None; slope: the
     head's ALiBi slope (a scalar) or None. The Mosaic kernels' one score rule."""
+    def iota(dim):
+        return plgpu.broadcasted_iota(jnp.int32, s.shape, dim, layout=plgpu.Layout.WGMMA)
+
     rows = cols = None
-    if masked or slope is not None:
-        def iota(dim):
-            return plgpu.broadcasted_iota(jnp.int32, s.shape, dim, layout=plgpu.Layout.WGMMA)
+    if slope is not None and max(problem.q_pad, problem.kv_pad) + abs(problem.offset) < 2**24:
+        # ALiBi positions as float32 (exact integers below 2**24): one conversion per
+        # row and per column a thread holds, broadcast over the tile, instead of one
+        # per entry (the conversions run at a quarter of the float rate).
+        def positions(start, dim):
+            layout = plgpu.Layout.WGMMA.reduce(1 - dim)
+            vector = start + plgpu.broadcasted_iota(jnp.int32, (s.shape[dim],), 0,
+                                                    layout=layout)
+            return lax.broadcast_in_dim(vector.astype(jnp.float32), s.shape, [dim])
+        rows, cols = positions(row0, 0), positions(k0, 1)
+    elif slope is not None:
         rows, cols = row0 + iota(0), k0 + iota(1)
     s, cap_tanh = logit_scores(problem, s, rows, cols, bias=bias, slope=slope)
     if masked:
+        rows, cols = row0 + iota(0), k0 + iota(1)
         visible = scores.visibility(
             rows, cols, problem.spec, problem.offset,
             kv_bound=problem.kv_len if problem.kv_pad != problem.kv_len else None)
