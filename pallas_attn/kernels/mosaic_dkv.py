@@ -359,9 +359,9 @@ def dkdv(problem: Problem, q: jax.Array, k: jax.Array, v: jax.Array, do: jax.Arr
     stages = blocks.num_stages_dkv
     dtype = q.dtype
     has_bias = bias is not None
-    # A bias shared by the batch entries gets their dS tiles added into a zeroed
-    # buffer; the interpreter (no reduce-add copies) runs an item's batch entries as
-    # passes of one program.
+    # A bias shared by the batch entries gets their dS tiles added into one buffer
+    # (dbias_first, else zeros), a mutable operand of the kernel; the interpreter (no
+    # reduce-add copies) runs an item's batch entries as passes of one program.
     add_dbias = bias_grad and bias.shape[0] == 1 and B > 1
     if dbias_first is not None and not (add_dbias and dbias_first.shape == bias.shape):
         raise AssertionError(f"mosaic_dkv.dkdv takes dbias_first only for a bias shared by "
