@@ -257,7 +257,8 @@ def run_tile_loops(first: Any, stop: Any, full_first: Any, full_stop: Any,
 
 def logit_scores(problem: Problem, s: jax.Array, rows: Any, cols: Any, *,
                  bias: jax.Array | None = None, slope: Any = None,
-                 tanh: Callable[[jax.Array], jax.Array] = jnp.tanh
+                 tanh: Callable[[jax.Array], jax.Array] = jnp.tanh,
+                 row_shift: jax.Array | None = None
                  ) -> tuple[jax.Array, jax.Array | None]:
     """(scores in the problem's units, t = tanh(logits / cap) or None) of a tile from
     the raw products s = q.k (float32), before any visibility rule.
@@ -265,8 +266,13 @@ def logit_scores(problem: Problem, s: jax.Array, rows: Any, cols: Any, *,
     rows / cols: the tile's query and key positions, broadcasting against s (only
     read with ALiBi); bias: the tile's bias or None; slope: the head's ALiBi slope or
     None. Every kernel builds its scores here (the module doc describes the units).
+    row_shift: a tile-shaped per-row term subtracted from the scores right after the
+    scale's multiply (one fused multiply-add), only in log2 units without a bias or
+    cap (`log2_row_shift`): the backward's row reference, before the ALiBi term.
     """
     spec, cap = problem.spec, problem.spec.logits_soft_cap
+    if row_shift is not None and not log2_row_shift(problem, bias):
+        raise AssertionError("logit_scores: row_shift needs log2 units without a bias or cap")
     cap_tanh = None
     # Natural units where a bias may be near finfo.min, or where ALiBi must be added
     # before the cap; otherwise log2 factors fold into the multiplies.
@@ -278,11 +284,20 @@ def logit_scores(problem: Problem, s: jax.Array, rows: Any, cols: Any, *,
     elif cap is not None:
         cap_tanh = scores.soft_cap_tanh(s, cap / spec.scale, tanh)  # scale folded in
     else:  # log2 units, log2(e) folded into the scale and the ALiBi slope
-        s = scores.add_logit_terms(s * (spec.scale * LOG2E), rows, cols, problem.offset,
+        s = s * (spec.scale * LOG2E)
+        if row_shift is not None:
+            s = s - row_shift
+        s = scores.add_logit_terms(s, rows, cols, problem.offset,
                                    alibi_slope=None if slope is None else slope * LOG2E)
     if cap_tanh is not None:
         s = cap_tanh * (cap * LOG2E)  # log2 units: capped scores are bounded
     return s, cap_tanh
+
+
+def log2_row_shift(problem: Problem, bias: Any) -> bool:
+    """Whether `logit_scores` can take a row_shift: scores in log2 units (no bias, no
+    soft cap)."""
+    return bias is None and problem.spec.logits_soft_cap is None
 
 
 class TileContext:

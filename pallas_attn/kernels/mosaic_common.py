@@ -31,7 +31,13 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_attn.kernels import scores
-from pallas_attn.kernels.common import Problem, TileContext, logit_scores, run_tile_loops
+from pallas_attn.kernels.common import (
+    Problem,
+    TileContext,
+    log2_row_shift,
+    logit_scores,
+    run_tile_loops,
+)
 from pallas_attn.spec import AttentionSpec
 from pallas_attn.tuning import MOSAIC_BLOCK_Q, padded_head_dim
 
@@ -283,13 +289,14 @@ def take_turn(schedule) -> None:
 
 
 def tile_scores(problem: Problem, s: jax.Array, row0, k0, masked: bool, *,
-                bias: jax.Array | None = None, slope: Any = None
-                ) -> tuple[jax.Array, jax.Array | None]:
+                bias: jax.Array | None = None, slope: Any = None,
+                row_shift: jax.Array | None = None) -> tuple[jax.Array, jax.Array | None]:
     """(scores, t = tanh(logits / cap) or None) of a [rows, keys] tile in the WGMMA
     layout from the raw products s = Q K^T: common.logit_scores, then the band masks
     (causal, window, padded keys) of rows from row0 and keys from k0 where masked,
     invisible entries at -inf. bias: the tile's bias (float32) or None; slope: the
-    head's ALiBi slope (a scalar) or None. The Mosaic kernels' one score rule."""
+    head's ALiBi slope (a scalar) or None; row_shift: `common.logit_scores`'. The
+    Mosaic kernels' one score rule."""
     def iota(dim):
         return plgpu.broadcasted_iota(jnp.int32, s.shape, dim, layout=plgpu.Layout.WGMMA)
 
@@ -306,7 +313,8 @@ def tile_scores(problem: Problem, s: jax.Array, row0, k0, masked: bool, *,
         rows, cols = positions(row0, 0), positions(k0, 1)
     elif slope is not None:
         rows, cols = row0 + iota(0), k0 + iota(1)
-    s, cap_tanh = logit_scores(problem, s, rows, cols, bias=bias, slope=slope)
+    s, cap_tanh = logit_scores(problem, s, rows, cols, bias=bias, slope=slope,
+                               row_shift=row_shift)
     if masked:
         rows, cols = row0 + iota(0), k0 + iota(1)
         visible = scores.visibility(
@@ -331,6 +339,13 @@ def tile_gradient(problem: Problem, s: jax.Array, dp: jax.Array, bias: jax.Array
         return lax.broadcast_in_dim(x, s.shape, [0])
 
     dp = dp - rows_of(delta)
+    if slope is not None and log2_row_shift(problem, bias):
+        # ALiBi in log2 units: the row reference goes in with the scale's multiply,
+        # before the ALiBi term (one operation fewer per entry).
+        s, _ = tile_scores(problem, s, row0, k0, masked, slope=slope,
+                           row_shift=rows_of(row_max + log2_sum))
+        prob = jnp.exp2(s)
+        return prob, prob * dp
     s, cap_tanh = tile_scores(problem, s, row0, k0, masked, bias=bias, slope=slope)
     if cap_tanh is not None:  # dS picks up the cap's derivative 1 - t^2
         dp = dp * scores.soft_cap_slope(cap_tanh)
