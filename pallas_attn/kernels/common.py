@@ -296,8 +296,9 @@ def logit_scores(problem: Problem, s: jax.Array, rows: Any, cols: Any, *,
 
 def log2_row_shift(problem: Problem, bias: Any) -> bool:
     """Whether `logit_scores` can take a row_shift: scores in log2 units (no bias, no
-    soft cap)."""
-    return bias is None and problem.spec.logits_soft_cap is None
+    soft cap, probabilities exp2(s - row reference))."""
+    return (bias is None and problem.spec.logits_soft_cap is None
+            and problem.exp2_factor == 1.0)
 
 
 class TileContext:
