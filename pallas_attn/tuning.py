@@ -317,7 +317,8 @@ def resolve_fuse_dbias(block_sizes: BlockSizes, bias_shape: tuple[int, int, int,
 
     Automatic (None): with the Mosaic dK/dV kernel, fused wherever
     `mosaic_fusable_dbias` allows (BENCHMARKS.md, session 10: at d128, [1, N, T, S],
-    2.74 ms against 4.73 for the Triton dK/dV and the Mosaic dbias kernels). With the
+    2.74 ms against 4.73 for the Triton dK/dV and the Mosaic dbias kernels; faster
+    since session 13, where the batch entries' programs run at once). With the
     Triton one, fused where `fusable_dbias` allows and its grid has at least one
     program per multiprocessor; else the separate dbias kernel. (Summing a broadcast
     bias's dS inside the Triton dK/dV kernel was measured slower end to end than the
