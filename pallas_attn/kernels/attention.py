@@ -208,8 +208,7 @@ def _backward(problem: Problem, q, k, v, operands: dict, row_stats, do, delta,
     # others' to them (no zeroed buffer to start from).
     dbias_first = None
     if blocks.dq_backend == "mosaic":
-        if (fused and blocks.dkv_backend == "mosaic" and bias.shape[0] == 1
-                and problem.batch > 1):
+        if blocks.dkv_backend == "mosaic" and mosaic_dkv.sums_batch(problem, bias, fused):
             dq, dbias_first = mosaic_dq.dq_and_dbias(problem, q, k, v, do, stats, bias, slopes)
         else:
             dq = mosaic_dq.dq(problem, q, k, v, do, stats, bias, slopes)

@@ -339,17 +339,15 @@ def tile_gradient(problem: Problem, s: jax.Array, dp: jax.Array, bias: jax.Array
         return lax.broadcast_in_dim(x, s.shape, [0])
 
     dp = dp - rows_of(delta)
-    if slope is not None and log2_row_shift(problem, bias):
-        # ALiBi in log2 units: the row reference goes in with the scale's multiply,
-        # before the ALiBi term (one operation fewer per entry).
-        s, _ = tile_scores(problem, s, row0, k0, masked, slope=slope,
-                           row_shift=rows_of(row_max + log2_sum))
-        prob = jnp.exp2(s)
-        return prob, prob * dp
-    s, cap_tanh = tile_scores(problem, s, row0, k0, masked, bias=bias, slope=slope)
+    # ALiBi in log2 units: the row reference goes in with the scale's multiply, before
+    # the ALiBi term (one operation fewer per entry), and P = exp2(s).
+    shifted = slope is not None and log2_row_shift(problem, bias)
+    s, cap_tanh = tile_scores(problem, s, row0, k0, masked, bias=bias, slope=slope,
+                              row_shift=rows_of(row_max + log2_sum) if shifted else None)
     if cap_tanh is not None:  # dS picks up the cap's derivative 1 - t^2
         dp = dp * scores.soft_cap_slope(cap_tanh)
-    prob = problem.probabilities(s, row_max, log2_sum, rows=rows_of)
+    prob = (jnp.exp2(s) if shifted
+            else problem.probabilities(s, row_max, log2_sum, rows=rows_of))
     return prob, prob * dp
 
 

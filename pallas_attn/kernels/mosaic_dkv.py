@@ -334,6 +334,12 @@ def _store_dbias(ds_smem, dst, ds, add: bool, reduce_in_registers: bool):
         plgpu.copy_smem_to_gmem(ds_smem, dst, reduction_op="add" if add else None)
 
 
+def sums_batch(problem: Problem, bias: jax.Array | None, bias_grad: bool) -> bool:
+    """Whether `dkdv` writes dbias as a sum over the batch entries (a bias shared by
+    more than one), the case `dbias_first` can start."""
+    return bias_grad and bias.shape[0] == 1 and problem.batch > 1
+
+
 def dkdv(problem: Problem, q: jax.Array, k: jax.Array, v: jax.Array, do: jax.Array,
          stats: jax.Array, bias: jax.Array | None, bias_grad: bool,
          slopes: jax.Array | None = None, dbias_first: jax.Array | None = None
@@ -362,7 +368,7 @@ def dkdv(problem: Problem, q: jax.Array, k: jax.Array, v: jax.Array, do: jax.Arr
     # A bias shared by the batch entries gets their dS tiles added into one buffer
     # (dbias_first, else zeros), a mutable operand of the kernel; the interpreter (no
     # reduce-add copies) runs an item's batch entries as passes of one program.
-    add_dbias = bias_grad and bias.shape[0] == 1 and B > 1
+    add_dbias = sums_batch(problem, bias, bias_grad)
     if dbias_first is not None and not (add_dbias and dbias_first.shape == bias.shape):
         raise AssertionError(f"mosaic_dkv.dkdv takes dbias_first only for a bias shared by "
                              f"{B} batch entries and of its shape, got {dbias_first.shape} "
