@@ -135,6 +135,17 @@ def test_mosaic_dkv_adds_the_other_entries_to_dbias_first(shapes, kwargs):
     np.testing.assert_allclose(dbias, expected, rtol=0, atol=tol)
 
 
+@pytest.mark.parametrize("bias_shape,first_shape", [((2, 2), (2, 2)), ((1, 2), (1, 1))],
+                         ids=["per_batch_bias", "wrong_shape"])
+def test_dbias_first_only_starts_a_batch_shared_sum_of_its_shape(bias_shape, first_shape):
+    x = kernel_backward("bfloat16", dict(B=2, T=64, S=128, N=2), bias_shape, {}, MOSAIC_DKV)
+    bias = x.operands["bias"]
+    first = jnp.zeros((*first_shape, *bias.shape[2:]), bias.dtype)
+    with pytest.raises(AssertionError, match="dbias_first only for a bias shared by 2 batch"):
+        mosaic_dkv.dkdv(x.problem, x.q, x.k, x.v, x.do, x.stats, bias, True,
+                        dbias_first=first)
+
+
 @pytest.mark.parametrize("shapes,bias_shape,kwargs", [
     (dict(B=2, T=150, S=140, N=2, K=1, H=64), (1, 2), dict(is_causal=True)),
     (dict(B=2, T=70, S=200, N=2, H=48), (2, 2), dict(logits_soft_cap=8.0,

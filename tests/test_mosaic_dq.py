@@ -33,6 +33,7 @@ from kernel_helpers import (  # no_mosaic_races: an autouse fixture
 import pallas_attn
 from pallas_attn import tuning
 from pallas_attn.kernels import mosaic_dq, triton_bwd
+from pallas_attn.kernels.common import logit_scores
 
 # Small Triton tiles around the Mosaic dQ kernel's (128, 64) tiles.
 MOSAIC_DQ = pallas_attn.BlockSizes(32, 32, 32, 32, 128, 64, block_q_dbias=32,
@@ -113,6 +114,27 @@ def test_dq_and_dbias_stores_batch_entry_0s_dbias(shapes, kwargs):
         assert np.sum(dbias == 0.0) > dbias.size // 4  # the zeros outside the band
     tol = 2 * float(jnp.finfo(jnp.bfloat16).eps) * np.abs(expected).max()
     np.testing.assert_allclose(dbias, expected, rtol=0, atol=tol)
+
+
+def test_dq_and_dbias_needs_a_batch_shared_bias():
+    x = kernel_backward("bfloat16", dict(B=2, T=64, S=128, N=2), (2, 2), {}, MOSAIC_DQ)
+    bias = x.operands["bias"]
+    with pytest.raises(AssertionError, match="cannot write the dbias of a bfloat16 bias "
+                                             r"of shape \(2, 2,"):
+        mosaic_dq.dq_and_dbias(x.problem, x.q, x.k, x.v, x.do, x.stats, bias)
+
+
+def test_logit_scores_takes_a_row_shift_only_in_log2_units():
+    """The backward's row reference folds into the scores only without a bias or cap."""
+    x = kernel_backward("bfloat16", dict(B=1, T=16, S=16, N=1), None,
+                        dict(logits_soft_cap=5.0), MOSAIC_DQ)
+    tile = jnp.ones((16, 16), jnp.float32)
+    with pytest.raises(AssertionError, match="row_shift needs log2 units"):
+        logit_scores(x.problem, tile, None, None, row_shift=tile)
+    plain = dataclasses.replace(x.problem, spec=dataclasses.replace(x.problem.spec,
+                                                                    logits_soft_cap=None))
+    shifted, _ = logit_scores(plain, tile, None, None, row_shift=tile)
+    np.testing.assert_allclose(shifted, logit_scores(plain, tile, None, None)[0] - 1.0)
 
 
 # The Mosaic dQ and dK/dV kernels together: a batch-shared bias's dbias starts as the
