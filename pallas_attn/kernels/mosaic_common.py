@@ -338,7 +338,14 @@ def tile_gradient(problem: Problem, s: jax.Array, dp: jax.Array, bias: jax.Array
     def rows_of(x):
         return lax.broadcast_in_dim(x, s.shape, [0])
 
-    dp = dp - rows_of(delta)
+    # NOTE: ptxas schedules this math differently with the order of its steps, and it
+    # shows (BENCHMARKS.md, session 14). Without a bias or soft cap (plain, ALiBi),
+    # subtracting delta after P made the Mosaic dQ kernel 4-6% faster; with a soft cap
+    # that order was no faster, and with a bias the forward+backward got 4% slower, so
+    # those subtract delta first (and take the cap's derivative right after the tanh).
+    delta_first = bias is not None or problem.spec.logits_soft_cap is not None
+    if delta_first:
+        dp = dp - rows_of(delta)
     # ALiBi in log2 units: the row reference goes in with the scale's multiply, before
     # the ALiBi term (one operation fewer per entry), and P = exp2(s).
     shifted = slope is not None and log2_row_shift(problem, bias)
@@ -348,6 +355,8 @@ def tile_gradient(problem: Problem, s: jax.Array, dp: jax.Array, bias: jax.Array
         dp = dp * scores.soft_cap_slope(cap_tanh)
     prob = (jnp.exp2(s) if shifted
             else problem.probabilities(s, row_max, log2_sum, rows=rows_of))
+    if not delta_first:
+        dp = dp - rows_of(delta)
     return prob, prob * dp
 
 
