@@ -206,18 +206,20 @@ def sweep_entries(kernel: str, head_dim: int, value_head_dim: int, dtype: Any, b
 def kernel_runner(*, batch: int, q_len: int, kv_len: int, heads: int, kv_heads: int,
                   head_dim: int, dtype: Any = jnp.bfloat16, is_causal: bool = False,
                   bias: bool = False, bias_per_batch: bool = False, alibi: bool = False,
-                  soft_cap: float | None = None, mosaic_forward: bool = False
+                  soft_cap: float | None = None, mosaic_forward: bool = False,
+                  interpret: bool = False
                   ) -> tuple[Any, Callable[[str, Any], Callable[[], Any]]]:
     """(heuristic BlockSizes, runner) for one problem on the current GPU.
 
     bias: a [1, N, T, S] bias ([B, N, T, S] with bias_per_batch). alibi: ALiBi slopes
     per head; soft_cap: logits_soft_cap. mosaic_forward: the
     heuristic may pick the Mosaic forward, as dot_product_attention's does (off for
-    tuning, which sweeps the Triton forward's tiles).
+    tuning, which sweeps the Triton forward's tiles). interpret: run the kernels in
+    the Pallas interpreter (the CPU tests).
 
     runner(kernel, blocks) compiles one kernel alone ("forward", "dkdv", "dkdv_dbias"
     (dK/dV writing dbias), "dq" or "dbias") with those tiles and backends on random
-    inputs and returns a function that runs it once.
+    inputs and returns a function that runs it once and returns its outputs.
     """
     from pallas_attn import tuning
     from pallas_attn.kernels import attention as kernel_attention
@@ -254,7 +256,7 @@ def kernel_runner(*, batch: int, q_len: int, kv_len: int, heads: int, kv_heads: 
                                               device=device, mosaic_scores=scores,
                                               **features)
     problem, qp, kp, vp, differentiable, optional = kernel_attention.prepare(
-        spec, ops, tuning.BlockSizes(*(128,) * 6), interpret=False)
+        spec, ops, tuning.BlockSizes(*(128,) * 6), interpret=interpret)
     optional = {**optional, **differentiable}
     if problem.q_pad != q_len or problem.kv_pad != kv_len:
         raise ValueError(f"kernel timings need lengths that are multiples of 128, got "

@@ -431,3 +431,46 @@ def test_time_call_rejects_bad_arguments(kwargs, match):
         autotune.time_call(lambda: jnp.zeros(()), **kwargs)
     with pytest.raises(TypeError, match="fn"):
         autotune.time_call(None)
+
+
+def test_kernel_runner_runs_each_kernel_alone_and_the_backends_agree():
+    """`autotune.kernel_runner` (behind `tune` and benchmarks/kernel_times.py), in the
+    interpreter on a small problem with a batch-shared bias, ALiBi and a soft cap: each
+    kernel of each backend runs alone, and the Mosaic kernels' outputs agree with the
+    Triton ones (dK/dV's dbias with the separate dbias kernel's)."""
+    heuristic, runner = autotune.kernel_runner(
+        batch=2, q_len=128, kv_len=128, heads=2, kv_heads=2, head_dim=128, bias=True,
+        alibi=True, soft_cap=20.0, interpret=True)
+    assert heuristic.forward_backend == "triton"  # no Hopper here
+    mosaic = dataclasses.replace(
+        heuristic, forward_backend="mosaic", block_q=tuning.MOSAIC_BLOCK_Q, block_k=128,
+        num_stages=2, dkv_backend="mosaic", block_q_dkv=tuning.MOSAIC_DKV_TILES[0],
+        block_k_dkv=tuning.MOSAIC_DKV_TILES[1], num_stages_dkv=2, dq_backend="mosaic",
+        block_q_dq=tuning.MOSAIC_DQ_TILES[0], block_k_dq=tuning.MOSAIC_DQ_TILES[1],
+        num_stages_dq=2, dbias_backend="mosaic", block_q_dbias=tuning.MOSAIC_BLOCK_Q,
+        block_k_dbias=64, num_stages_dbias=2)
+
+    def run(kernel, blocks):
+        return [np.asarray(x, np.float32)
+                for x in jax.tree.leaves(jax.block_until_ready(runner(kernel, blocks)()))]
+
+    def assert_agree(actual, expected, what):
+        scale = float(np.max(np.abs(expected)))
+        assert scale > 0 and np.all(np.isfinite(actual)), what
+        np.testing.assert_allclose(actual, expected, rtol=0, atol=2e-2 * scale, err_msg=what)
+
+    # The forward's row residuals differ by design (a soft cap's fixed row reference
+    # in the Mosaic forward), so only its output is compared.
+    assert_agree(run("forward", mosaic)[0], run("forward", heuristic)[0], "forward")
+    dk, dv = run("dkdv", heuristic)
+    for name, got, want in zip(("dk", "dv"), run("dkdv", mosaic), (dk, dv), strict=True):
+        assert_agree(got, want, name)
+    assert_agree(run("dq", mosaic)[0], run("dq", heuristic)[0], "dq")
+    (dbias,) = run("dbias", heuristic)
+    assert dbias.shape == (1, 2, 128, 128)
+    assert_agree(run("dbias", mosaic)[0], dbias, "dbias (Mosaic dbias kernel)")
+    fused = run("dkdv_dbias", mosaic)
+    for name, got, want in zip(("dk", "dv", "dbias"), fused, (dk, dv, dbias), strict=True):
+        assert_agree(got, want, f"{name} (Mosaic dK/dV writing dbias)")
+    with pytest.raises(ValueError, match="cannot write the dbias"):
+        runner("dkdv_dbias", heuristic)  # Triton's dK/dV writes dbias per batch entry only
