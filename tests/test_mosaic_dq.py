@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 from kernel_helpers import (  # no_mosaic_races: an autouse fixture
     DTYPES,
+    assert_bitwise_equal,
     assert_empty_rows,
     assert_needs_hopper,
     check_kernel_gradients,
@@ -28,12 +29,13 @@ from kernel_helpers import (  # no_mosaic_races: an autouse fixture
     kernel_backward,
     make_inputs,
     no_mosaic_races,  # noqa: F401
+    run,
 )
 
 import pallas_attn
 from pallas_attn import tuning
 from pallas_attn.kernels import mosaic_dq, triton_bwd
-from pallas_attn.kernels.common import logit_scores
+from pallas_attn.kernels.common import Problem, logit_scores
 
 # Small Triton tiles around the Mosaic dQ kernel's (128, 64) tiles.
 MOSAIC_DQ = pallas_attn.BlockSizes(32, 32, 32, 32, 128, 64, block_q_dbias=32,
@@ -237,3 +239,23 @@ def test_shared_memory_estimate_fits_the_mosaic_dq_kernel():
              for bias_dtype in (None, jnp.bfloat16, jnp.float32)]
     assert 147456 < sizes[0] < sizes[1] < sizes[2] <= HOPPER.max_shared_memory_per_block
     assert sizes[2] - sizes[1] == 128 * 64 * 2
+
+
+@pytest.mark.parametrize("blocks", [
+    pallas_attn.BlockSizes(32, 32, 32, 32, 32, 32, block_q_dbias=32, block_k_dbias=32),
+    dataclasses.replace(MOSAIC_DQ_DKV, forward_backend="mosaic", block_q=128, block_k=64,
+                        num_stages=2),
+], ids=["triton", "mosaic"])
+def test_alibi_float_positions_match_the_integer_fallback(blocks, monkeypatch):
+    """ALiBi positions as float32 (`Problem.exact_float_positions`, every length below
+    2**24) and as integers (the fallback above) are the same exact distances: the
+    forward and every gradient come out bitwise equal, in the Triton kernels and in
+    the Mosaic forward, dK/dV and dQ (with an offset: bottom-right causal, T > S)."""
+    inputs = make_inputs(61, B=1, T=150, S=100, N=2, H=64, dtype=jnp.bfloat16)
+    kwargs = dict(block_sizes=blocks, arrays={"alibi_slopes": jnp.array([0.3, 0.07])},
+                  is_causal=True, causal_alignment="bottom_right", split="eager")
+    as_floats = run("pallas", inputs, **kwargs)
+    monkeypatch.setattr(Problem, "exact_float_positions", property(lambda self: False))
+    as_integers = run("pallas", inputs, **kwargs)
+    assert np.isfinite(as_floats["dq"]).all() and np.abs(as_floats["dk"]).max() > 0
+    assert_bitwise_equal(as_floats, as_integers)

@@ -301,10 +301,9 @@ def tile_scores(problem: Problem, s: jax.Array, row0, k0, masked: bool, *,
         return plgpu.broadcasted_iota(jnp.int32, s.shape, dim, layout=plgpu.Layout.WGMMA)
 
     rows = cols = None
-    if slope is not None and max(problem.q_pad, problem.kv_pad) + abs(problem.offset) < 2**24:
-        # ALiBi positions as float32 (exact integers below 2**24): one conversion per
-        # row and per column a thread holds, broadcast over the tile, instead of one
-        # per entry (the conversions run at a quarter of the float rate).
+    if slope is not None and problem.exact_float_positions:
+        # ALiBi positions as float32: one conversion per row and per column a thread
+        # holds, broadcast over the tile, instead of one per entry.
         def positions(start, dim):
             layout = plgpu.Layout.WGMMA.reduce(1 - dim)
             vector = start + plgpu.broadcasted_iota(jnp.int32, (s.shape[dim],), 0,
