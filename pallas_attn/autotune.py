@@ -209,7 +209,7 @@ def kernel_runner(*, batch: int, q_len: int, kv_len: int, heads: int, kv_heads: 
                   soft_cap: float | None = None, mosaic_forward: bool = False,
                   interpret: bool = False
                   ) -> tuple[Any, Callable[[str, Any], Callable[[], Any]]]:
-    """(heuristic BlockSizes, runner) for one problem on the current GPU.
+    """(heuristic BlockSizes, runner) for one problem on the current device.
 
     bias: a [1, N, T, S] bias ([B, N, T, S] with bias_per_batch). alibi: ALiBi slopes
     per head; soft_cap: logits_soft_cap. mosaic_forward: the
