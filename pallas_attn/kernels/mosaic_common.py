@@ -338,23 +338,24 @@ def tile_gradient(problem: Problem, s: jax.Array, dp: jax.Array, bias: jax.Array
         return lax.broadcast_in_dim(x, s.shape, [0])
 
     # NOTE: ptxas schedules this math differently with the order of its steps, and it
-    # shows (BENCHMARKS.md, session 14). Without a bias or soft cap (plain, ALiBi),
-    # subtracting delta after P made the Mosaic dQ kernel 4-6% faster; with a soft cap
-    # that order was no faster, and with a bias the forward+backward got 4% slower, so
-    # those subtract delta first (and take the cap's derivative right after the tanh).
-    delta_first = bias is not None or problem.spec.logits_soft_cap is not None
-    if delta_first:
+    # shows (BENCHMARKS.md, session 14). In log2 units (no bias, no soft cap: plain,
+    # ALiBi), subtracting delta after P made the Mosaic dQ kernel 4-6% faster; with a
+    # soft cap that order was no faster, and with a bias the forward+backward got 4%
+    # slower, so those subtract delta first (and take the cap's derivative right after
+    # the tanh).
+    log2_units = log2_row_shift(problem, bias)
+    if not log2_units:
         dp = dp - rows_of(delta)
     # ALiBi in log2 units: the row reference goes in with the scale's multiply, before
     # the ALiBi term (one operation fewer per entry), and P = exp2(s).
-    shifted = slope is not None and log2_row_shift(problem, bias)
+    shifted = slope is not None and log2_units
     s, cap_tanh = tile_scores(problem, s, row0, k0, masked, bias=bias, slope=slope,
                               row_shift=rows_of(row_max + log2_sum) if shifted else None)
     if cap_tanh is not None:  # dS picks up the cap's derivative 1 - t^2
         dp = dp * scores.soft_cap_slope(cap_tanh)
     prob = (jnp.exp2(s) if shifted
             else problem.probabilities(s, row_max, log2_sum, rows=rows_of))
-    if not delta_first:
+    if log2_units:
         dp = dp - rows_of(delta)
     return prob, prob * dp
 
