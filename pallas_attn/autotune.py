@@ -221,6 +221,8 @@ def kernel_runner(*, batch: int, q_len: int, kv_len: int, heads: int, kv_heads: 
     (dK/dV writing dbias), "dq" or "dbias") with those tiles and backends on random
     inputs and returns a function that runs it once and returns its outputs.
     """
+    if not isinstance(interpret, bool):
+        raise TypeError(f"kernel_runner: interpret must be a bool, got {interpret!r}")
     from pallas_attn import tuning
     from pallas_attn.kernels import attention as kernel_attention
     from pallas_attn.kernels import (

@@ -474,3 +474,9 @@ def test_kernel_runner_runs_each_kernel_alone_and_the_backends_agree():
         assert_agree(got, want, f"{name} (Mosaic dK/dV writing dbias)")
     with pytest.raises(ValueError, match="cannot write the dbias"):
         runner("dkdv_dbias", heuristic)  # Triton's dK/dV writes dbias per batch entry only
+
+
+def test_kernel_runner_rejects_a_non_bool_interpret():
+    with pytest.raises(TypeError, match="interpret must be a bool, got 'yes'"):
+        autotune.kernel_runner(batch=1, q_len=128, kv_len=128, heads=1, kv_heads=1,
+                               head_dim=64, interpret="yes")
