@@ -5,7 +5,8 @@ cap as asked), prints the heuristic tiles and the milliseconds of the forward (t
 Mosaic one where the heuristic picks it, as dot_product_attention's does), dK/dV,
 dQ and (with --bias) dbias kernels, and the dK/dV kernel writing dbias itself where
 it can (the Mosaic one for either bias, the Triton one for a bias per batch entry
-and head, --bias-per-batch); then one jitted forward+backward as `python -m
+and head, --bias-per-batch) or, without a bias at head dim 128, computing dQ too
+(the Mosaic one, `mosaic_dkv.dq_dkdv`); then one jitted forward+backward as `python -m
 pallas_attn bench` times it (for a per-batch bias both ways), so the kernels' sum
 can be checked against the whole.
 
@@ -56,6 +57,10 @@ def main(argv: list[str] | None = None) -> int:
     # a bias per batch entry.
     if args.bias_per_batch or (args.bias and heuristic.dkv_backend == "mosaic"):
         kernels.append("dkdv_dbias")
+    # dQ computed by the Mosaic dK/dV kernel (mosaic_dkv.dq_dkdv: no bias, head dim
+    # 128), against the dkdv and dq rows' sum.
+    if heuristic.dkv_backend == "mosaic" and not args.bias and args.head_dim == 128:
+        kernels.append("dq_dkdv")
     if args.end_to_end_only:
         kernels = []
     print(f"tiles: {heuristic}")
@@ -64,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
         blocks = heuristic
         if kernel == "dkdv_dbias":
             blocks = dataclasses.replace(heuristic, fuse_dbias=True)
-        tiles = heuristic.tiles("dkdv" if kernel == "dkdv_dbias" else kernel)
+        tiles = heuristic.tiles("dkdv" if kernel in ("dkdv_dbias", "dq_dkdv") else kernel)
         try:
             ms = autotune.time_call(runner(kernel, blocks)) * 1e3
             print(f"| {kernel} | {tiles} | {ms:.3f} |")

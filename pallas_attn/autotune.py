@@ -218,7 +218,8 @@ def kernel_runner(*, batch: int, q_len: int, kv_len: int, heads: int, kv_heads: 
     the Pallas interpreter (the CPU tests).
 
     runner(kernel, blocks) compiles one kernel alone ("forward", "dkdv", "dkdv_dbias"
-    (dK/dV writing dbias), "dq" or "dbias") with those tiles and backends on random
+    (dK/dV writing dbias), "dq", "dq_dkdv" (the Mosaic dK/dV kernel computing dQ too,
+    `mosaic_dkv.dq_dkdv`) or "dbias") with those tiles and backends on random
     inputs and returns a function that runs it once and returns its outputs.
     """
     if not isinstance(interpret, bool):
@@ -301,6 +302,9 @@ def kernel_runner(*, batch: int, q_len: int, kv_len: int, heads: int, kv_heads: 
                 fn, args = mosaic_kernel(mosaic_dkv.dkdv, fused is not None)
             else:
                 fn, args = (lambda *a: triton_bwd.dkdv(p, names, list(a), fused)), bwd_inputs
+        elif kernel == "dq_dkdv":
+            fn, args = (lambda q, k, v, do, stats, bias, slopes: mosaic_dkv.dq_dkdv(
+                p, q, k, v, do, stats, slopes)), mosaic_inputs
         elif kernel == "dq" and blocks.dq_backend == "mosaic":
             fn, args = mosaic_kernel(mosaic_dq.dq)
         elif kernel == "dq":

@@ -270,3 +270,43 @@ def test_heuristic_picks_the_mosaic_dkv_kernel(case, expected):
     estimate = tuning.shared_memory_estimate(blocks, head_dim, head_dim, args["dtype"],
                                              bias_dtype=args["bias_dtype"])
     assert estimate["dkdv"] <= HOPPER.max_shared_memory_per_block
+
+
+@pytest.mark.parametrize("shapes,kwargs", [
+    (dict(B=1, T=64, S=128, N=1), {}),
+    (dict(B=2, T=100, S=260, N=4, K=2), dict(local_window_size=(40, 10),
+                                            logits_soft_cap=5.0)),
+    (dict(B=2, T=130, S=200, N=2), dict(is_causal=True,
+                                        alibi_slopes=jnp.array([0.5, 0.03]))),
+], ids=["plain", "gqa_window_soft_cap", "causal_ragged_alibi"])
+def test_dq_computed_by_the_dkdv_kernel(shapes, kwargs):
+    """mosaic_dkv.dq_dkdv: dK and dV bitwise those of dkdv, dQ (summed over the units'
+    parts in float32) close to the Triton dQ kernel's, every row written (NaN poison);
+    the kernel call under test is the last one, so its race verdict is checked."""
+    x = kernel_backward("bfloat16", dict(shapes, H=128), None, kwargs, MOSAIC_DKV)
+    slopes = x.operands.get("alibi_slopes")
+    dk0, dv0, _ = mosaic_dkv.dkdv(x.problem, x.q, x.k, x.v, x.do, x.stats, None, False,
+                                  slopes)
+    expected = np.asarray(triton_bwd.dq(*x.triton(block_q_dq=32, block_k_dq=32)),
+                          np.float32)[:, :x.T]
+    dq, dk, dv = mosaic_dkv.dq_dkdv(x.problem, x.q, x.k, x.v, x.do, x.stats, slopes)
+    for a, b in ((dk, dk0), (dv, dv0)):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+    dq = np.asarray(dq, np.float32)[:, :x.T]
+    assert not np.isnan(dq).any()
+    assert np.abs(expected).max() > 0.1
+    tol = 2 * float(jnp.finfo(jnp.bfloat16).eps) * np.abs(expected).max()
+    np.testing.assert_allclose(dq, expected, rtol=0, atol=tol)
+
+
+@pytest.mark.parametrize("head_dim,bias_shape,match", [
+    (128, (1, 2), "a bias needs the shared memory"),
+    (64, None, "head dim padding to 128, got 64"),
+])
+def test_dq_in_the_dkdv_kernel_names_what_it_cannot_do(head_dim, bias_shape, match):
+    x = kernel_backward("bfloat16", dict(B=1, T=64, S=128, N=2, H=head_dim), bias_shape, {},
+                        MOSAIC_DKV)
+    assert match in mosaic_dkv.fuses_dq(x.problem, x.operands.get("bias"))
+    if bias_shape is None:
+        with pytest.raises(AssertionError, match=match):
+            mosaic_dkv.dq_dkdv(x.problem, x.q, x.k, x.v, x.do, x.stats)
