@@ -45,6 +45,14 @@ program runs an item's batch entries one after another as passes (so that no two
 programs add to one tile), the only places where it differs from the compiled
 kernel.
 
+dQ too (`dq_dkdv`, an experiment; dot_product_attention does not call it). Each
+step, once both consumers' dS tiles are in shared memory, each consumer computes its
+half of the columns of dS K over the unit's 128 keys and reduce-adds it, staged in
+float32, into a zeroed float32 dQ with a bulk copy, so that a score's soft-cap tanh
+and exponential run once in the backward instead of twice. Q and K then sit in shared
+memory as column halves, each a wgmma operand. Measured slower than the separate
+dQ kernel (BENCHMARKS.md, session 15).
+
 Scope: the Mosaic kernels' (`mosaic_common.unsupported`), and a bias gradient only
 for a bias of shape [B, N, T, S] or [1, N, T, S] in the inputs' dtype
 (`tuning.mosaic_fusable_dbias`).
