@@ -402,25 +402,25 @@ def head_slope(slopes_ref, valid, b, n) -> Any:
 
 
 def accumulate(products, interpret: bool) -> tuple[jax.Array, ...]:
-    """acc + A B with wgmma for each (acc, A, B) of products (A and B in shared memory),
-    one wait for all. The interpreter has no accumulator initialised from registers
-    (pl.run_state over plgpu.ACC.init): there the products start from zero and the
-    sums happen in registers."""
-    if not interpret:
-        def run(refs):
-            for ref, (_, a, b) in zip(refs, products, strict=True):
+    """acc + sum of A B over its pairs, with wgmma, for each (acc, ((A, B), ...)) of
+    products (A and B in shared memory), one wait for all. The interpreter has no
+    accumulator initialised from registers (pl.run_state over plgpu.ACC.init): there
+    the products start from zero and the sums happen in registers."""
+    def issue(refs):
+        for ref, (_, pairs) in zip(refs, products, strict=True):
+            for a, b in pairs:
                 plgpu.wgmma(ref, a, b)
 
-        return pl.run_state(run)(tuple(plgpu.ACC.init(acc) for acc, _, _ in products))
+    if not interpret:
+        return pl.run_state(issue)(tuple(plgpu.ACC.init(acc) for acc, _ in products))
 
     def run_fresh(*refs):
-        for ref, (_, a, b) in zip(refs, products, strict=True):
-            plgpu.wgmma(ref, a, b)
+        issue(refs)
         return tuple(ref[...] for ref in refs)
 
     fresh = pl.run_scoped(run_fresh, *(plgpu.ACC(acc.shape, jnp.float32)
-                                       for acc, _, _ in products))
-    return tuple(acc + x for (acc, _, _), x in zip(products, fresh, strict=True))
+                                       for acc, _ in products))
+    return tuple(acc + x for (acc, _), x in zip(products, fresh, strict=True))
 
 
 def launch(entry, out_type: Any, programs: int, interpret: bool) -> Any:

@@ -287,8 +287,8 @@ def _consume(problem: Problem, wg, unit_of, units, add_dbias: bool, first_entry:
             ds_slot[...] = ds.astype(dtype)
             plgpu.commit_smem()
 
-            products = ((dv, p_mine.transpose((1, 0)), do_smem.at[slot]),
-                        *((dk, ds_slot.transpose((1, 0)), q_smem.at[slot, _index(j, wg)])
+            products = ((dv, ((p_mine.transpose((1, 0)), do_smem.at[slot]),)),
+                        *((dk, ((ds_slot.transpose((1, 0)), q_smem.at[slot, _index(j, wg)]),))
                           for j, dk in enumerate(dks)))
             if dq_parts is None:
                 dv, *dks = accumulate(products, problem.interpret)
@@ -358,19 +358,7 @@ class _DqParts:
         dq_zero = plgpu.layout_cast(jnp.zeros((STEP_ROWS, cols), jnp.float32),
                                     plgpu.Layout.WGMMA)
         plgpu.barrier_wait(self.ready)  # the other consumer's dS is in
-        if problem.interpret:
-            *sums, dq = accumulate((*products, (dq_zero, *dq_products[0])), True)
-            (dq,) = accumulate(((dq, *dq_products[1]),), True)
-        else:
-            def run(refs):
-                *sum_refs, dq_ref = refs
-                for ref, (_, a, w) in zip(sum_refs, products, strict=True):
-                    plgpu.wgmma(ref, a, w)
-                for a, w in dq_products:
-                    plgpu.wgmma(dq_ref, a, w)
-
-            *sums, dq = pl.run_state(run)((*(plgpu.ACC.init(acc) for acc, _, _ in products),
-                                           plgpu.ACC.init(dq_zero)))
+        *sums, dq = accumulate((*products, (dq_zero, dq_products)), problem.interpret)
         dst = self.out.at[b, pl.ds(row0, STEP_ROWS), n, pl.ds(wg * cols, cols)]
         if problem.interpret:  # no reduce-add copies: one program, through registers
             dst[...] = dst[...] + dq

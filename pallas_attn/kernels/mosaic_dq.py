@@ -195,7 +195,8 @@ def _consume(problem: Problem, ctx, tiles, slot_of, row0, stop, mine: dict, k_sm
                 mine["ds"], dbias[1].at[:, pl.ds(t * block_k, block_k)]))
         plgpu.barrier_arrive(schedule)  # this gradient math is done
         plgpu.barrier_wait(schedule)  # the other consumer has issued its products
-        (dq,) = accumulate(((dq, mine["ds"], k_smem.at[slot]),), problem.interpret)
+        (dq,) = accumulate(((dq, ((mine["ds"], k_smem.at[slot]),)),),
+                           problem.interpret)
         plgpu.barrier_arrive(k_consumed.at[slot])
         return dq
 
