@@ -303,6 +303,11 @@ def kernel_runner(*, batch: int, q_len: int, kv_len: int, heads: int, kv_heads: 
             else:
                 fn, args = (lambda *a: triton_bwd.dkdv(p, names, list(a), fused)), bwd_inputs
         elif kernel == "dq_dkdv":
+            if blocks.dkv_backend != "mosaic":
+                raise ValueError(f"dq_dkdv: dQ is computed by the Mosaic dK/dV kernel only, "
+                                 f"got blocks.dkv_backend={blocks.dkv_backend!r}")
+            if why := mosaic_dkv.fuses_dq(p, optional.get("bias")):
+                raise ValueError(f"dq_dkdv: {why}")
             fn, args = (lambda q, k, v, do, stats, bias, slopes: mosaic_dkv.dq_dkdv(
                 p, q, k, v, do, stats, slopes)), mosaic_inputs
         elif kernel == "dq" and blocks.dq_backend == "mosaic":

@@ -474,6 +474,29 @@ def test_kernel_runner_runs_each_kernel_alone_and_the_backends_agree():
         assert_agree(got, want, f"{name} (Mosaic dK/dV writing dbias)")
     with pytest.raises(ValueError, match="cannot write the dbias"):
         runner("dkdv_dbias", heuristic)  # Triton's dK/dV writes dbias per batch entry only
+    with pytest.raises(ValueError, match="dq_dkdv: a bias needs the shared memory"):
+        runner("dq_dkdv", mosaic)
+    with pytest.raises(ValueError, match="dq_dkdv: .*got blocks.dkv_backend='triton'"):
+        runner("dq_dkdv", heuristic)
+
+
+def test_kernel_runner_runs_the_dkdv_kernel_computing_dq():
+    """The "dq_dkdv" kernel (mosaic_dkv.dq_dkdv, interpreted): dK and dV those of the
+    Mosaic dK/dV kernel, dQ close to the Mosaic dQ kernel's."""
+    heuristic, runner = autotune.kernel_runner(
+        batch=1, q_len=128, kv_len=128, heads=1, kv_heads=1, head_dim=128, soft_cap=20.0,
+        interpret=True)
+    mosaic = dataclasses.replace(
+        heuristic, dkv_backend="mosaic", block_q_dkv=tuning.MOSAIC_DKV_TILES[0],
+        block_k_dkv=tuning.MOSAIC_DKV_TILES[1], num_stages_dkv=2, dq_backend="mosaic",
+        block_q_dq=tuning.MOSAIC_DQ_TILES[0], block_k_dq=tuning.MOSAIC_DQ_TILES[1],
+        num_stages_dq=2)
+    dq, dk, dv = (np.asarray(x, np.float32) for x in runner("dq_dkdv", mosaic)())
+    for got, want in zip((dk, dv), runner("dkdv", mosaic)()[:2], strict=True):
+        np.testing.assert_array_equal(got, np.asarray(want, np.float32))
+    want = np.asarray(runner("dq", mosaic)(), np.float32)
+    assert np.abs(want).max() > 0.1
+    np.testing.assert_allclose(dq, want, rtol=0, atol=2e-2 * np.abs(want).max())
 
 
 def test_kernel_runner_rejects_a_non_bool_interpret():
