@@ -273,6 +273,10 @@ def _consume(problem: Problem, wg, unit_of, units, add_dbias: bool, first_entry:
                 if bias_smem is not None:
                     bias = plgpu.load(bias_smem.at[slot, wg],
                                       layout=plgpu.Layout.WGMMA).astype(jnp.float32)
+                # NOTE: reading S first (a wait for one product in flight) and running
+                # the soft cap's tanh before reading dP did not overlap the two: ptxas
+                # places the wait for dP itself, after a few of the tanh, whatever the
+                # source order (BENCHMARKS.md, session 16).
                 return s_ref[...], dp_ref[...], residuals, bias
 
             s, dp, residuals, bias = pl.run_scoped(products, plgpu.ACC(shape, jnp.float32),
