@@ -141,7 +141,8 @@ def test_dbias_first_only_starts_a_batch_shared_sum_of_its_shape(bias_shape, fir
     x = kernel_backward("bfloat16", dict(B=2, T=64, S=128, N=2), bias_shape, {}, MOSAIC_DKV)
     bias = x.operands["bias"]
     first = jnp.zeros((*first_shape, *bias.shape[2:]), bias.dtype)
-    with pytest.raises(AssertionError, match="dbias_first only for a bias shared by 2 batch"):
+    with pytest.raises(AssertionError,
+                       match="mosaic_dkv.dkdv takes dbias_first only for a bias shared by 2 batch"):
         mosaic_dkv.dkdv(x.problem, x.q, x.k, x.v, x.do, x.stats, bias, True,
                         dbias_first=first)
 

@@ -291,13 +291,13 @@ def _consume(problem: Problem, wg, unit_of, units, add_dbias: bool, first_entry:
             ds_slot[...] = ds.astype(dtype)
             plgpu.commit_smem()
 
-            products = ((dv, ((p_mine.transpose((1, 0)), do_smem.at[slot]),)),
-                        *((dk, ((ds_slot.transpose((1, 0)), q_smem.at[slot, _index(j, wg)]),))
-                          for j, dk in enumerate(dks)))
+            updates = ((dv, ((p_mine.transpose((1, 0)), do_smem.at[slot]),)),
+                       *((dk, ((ds_slot.transpose((1, 0)), q_smem.at[slot, _index(j, wg)]),))
+                         for j, dk in enumerate(dks)))
             if dq_parts is None:
-                dv, *dks = accumulate(products, problem.interpret)
+                dv, *dks = accumulate(updates, problem.interpret)
             else:
-                dv, *dks = dq_parts.step(problem, wg, products, lax.rem(at, 2), b, n, row0)
+                dv, *dks = dq_parts.step(problem, wg, updates, lax.rem(at, 2), b, n, row0)
             plgpu.barrier_arrive(step_consumed.at[slot])
             if has_dbias:
                 def store():
@@ -464,17 +464,18 @@ def dq_dkdv(problem: Problem, q: jax.Array, k: jax.Array, v: jax.Array, do: jax.
 
 def _launch(problem: Problem, q, k, v, do, stats, bias, bias_grad: bool, slopes,
             dbias_first, with_dq: bool):
+    name = f"mosaic_dkv.{'dq_dkdv' if with_dq else 'dkdv'}"  # the caller, for the errors
     if why := unsupported(problem):
-        raise AssertionError(f"mosaic_dkv.dkdv called for an unsupported problem: {why}")
+        raise AssertionError(f"{name} called for an unsupported problem: {why}")
     if bias_grad and not tuning.mosaic_fusable_dbias(
             bias.shape, batch=problem.batch, num_heads=problem.num_heads,
             bias_dtype=bias.dtype, dtype=problem.dtype):
-        raise AssertionError(f"mosaic_dkv.dkdv cannot write the dbias of a {bias.dtype} "
+        raise AssertionError(f"{name} cannot write the dbias of a {bias.dtype} "
                              f"bias of shape {bias.shape}")
     blocks = problem.blocks
     if (blocks.block_q_dkv, blocks.block_k_dkv) != (STEP_ROWS, UNIT_KEYS):
         raise AssertionError(
-            f"mosaic_dkv.dkdv needs block_q_dkv={STEP_ROWS}, block_k_dkv={UNIT_KEYS}: {blocks}")
+            f"{name} needs block_q_dkv={STEP_ROWS}, block_k_dkv={UNIT_KEYS}: {blocks}")
     B, Tp, N, hp = q.shape
     _, Sp, KH, hvp = v.shape
     stages = blocks.num_stages_dkv
@@ -488,7 +489,7 @@ def _launch(problem: Problem, q, k, v, do, stats, bias, bias_grad: bool, slopes,
     # reduce-add copies) runs an item's batch entries as passes of one program.
     add_dbias = sums_batch(problem, bias, bias_grad)
     if dbias_first is not None and not (add_dbias and dbias_first.shape == bias.shape):
-        raise AssertionError(f"mosaic_dkv.dkdv takes dbias_first only for a bias shared by "
+        raise AssertionError(f"{name} takes dbias_first only for a bias shared by "
                              f"{B} batch entries and of its shape, got {dbias_first.shape} "
                              f"for a bias of shape {bias.shape}")
     passes = B if add_dbias and problem.interpret else 1
