@@ -352,9 +352,9 @@ class _DqParts:
     stage: Any  # this consumer's [STEP_ROWS, hp / CONSUMERS] float32 buffer
     ready: Any
 
-    def step(self, problem: Problem, wg, products, ds_index, b, n, row0):
-        """dV and dK += the step's products (as `accumulate`), and this consumer's
-        part of the step's dQ reduce-added into out."""
+    def step(self, problem: Problem, wg, updates, ds_index, b, n, row0):
+        """dV and dK += the step's products (updates, as `accumulate` takes them), and
+        this consumer's part of the step's dQ reduce-added into out."""
         cols = self.stage.shape[-1]
         plgpu.barrier_arrive(self.ready)
         dq_products = [(self.ds.at[_index(c, wg), ds_index], self.k.at[_index(c, wg), wg])
@@ -362,7 +362,7 @@ class _DqParts:
         dq_zero = plgpu.layout_cast(jnp.zeros((STEP_ROWS, cols), jnp.float32),
                                     plgpu.Layout.WGMMA)
         plgpu.barrier_wait(self.ready)  # the other consumer's dS is in
-        *sums, dq = accumulate((*products, (dq_zero, dq_products)), problem.interpret)
+        *sums, dq = accumulate((*updates, (dq_zero, dq_products)), problem.interpret)
         dst = self.out.at[b, pl.ds(row0, STEP_ROWS), n, pl.ds(wg * cols, cols)]
         if problem.interpret:  # no reduce-add copies: one program, through registers
             dst[...] = dst[...] + dq
@@ -520,7 +520,7 @@ def _launch(problem: Problem, q, k, v, do, stats, bias, bias_grad: bool, slopes,
             dq=(smem_tiles((CONSUMERS, STEP_ROWS, hp // CONSUMERS), jnp.float32)
                 if with_dq else None),
         )
-        kinds = {name: kind for name, kind in kinds.items() if kind is not None}
+        kinds = {key: kind for key, kind in kinds.items() if kind is not None}
         copies = 2 + parts + (CONSUMERS if has_bias else 0)
         barriers = (
             plgpu.Barrier(num_arrivals=copies, num_barriers=stages),  # Q, dO, stats, bias
