@@ -114,7 +114,8 @@ MOSAIC_BLOCK_Q = 128
 MOSAIC_BLOCK_K = (64, 128)
 # The Mosaic dK/dV kernel: steps of 64 query rows, units of 128 keys (64 per consumer).
 MOSAIC_DKV_TILES = (64, 128)
-# The Mosaic dQ kernel: the forward's items of 128 query rows, key tiles of 64.
+# The Mosaic dQ kernel: the forward's items of 128 query rows, key tiles of 64 (128-key
+# tiles spill and ran 14% slower plain, BENCHMARKS.md session 18).
 MOSAIC_DQ_TILES = (MOSAIC_BLOCK_Q, 64)
 
 

@@ -195,6 +195,9 @@ def _consume(problem: Problem, ctx, tiles, slot_of, row0, stop, mine: dict, k_sm
                 mine["ds"], dbias[1].at[:, pl.ds(t * block_k, block_k)]))
         plgpu.barrier_arrive(schedule)  # this gradient math is done
         plgpu.barrier_wait(schedule)  # the other consumer has issued its products
+        # NOTE: leaving dS K in flight (dQ in an accumulator across the tiles, the next
+        # S and dP queued behind it) made ptxas inject waits of its own (C7519/C7517),
+        # 28% slower (BENCHMARKS.md, session 18).
         (dq,) = accumulate(((dq, ((mine["ds"], k_smem.at[slot]),)),),
                            problem.interpret)
         plgpu.barrier_arrive(k_consumed.at[slot])
