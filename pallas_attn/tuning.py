@@ -114,9 +114,13 @@ MOSAIC_BLOCK_Q = 128
 MOSAIC_BLOCK_K = (64, 128)
 # The Mosaic dK/dV kernel: steps of 64 query rows, units of 128 keys (64 per consumer).
 MOSAIC_DKV_TILES = (64, 128)
-# The Mosaic dQ kernel: the forward's items of 128 query rows, key tiles of 64 (128-key
-# tiles spill and ran 14% slower plain, BENCHMARKS.md session 18).
+# The Mosaic dQ kernel: key tiles of 64 (128-key tiles spill and ran 14% slower plain,
+# BENCHMARKS.md session 18); block_q_dq is the padding of the query rows. Its work items
+# hold three consumer warpgroups of 64 query rows or two that take turns on the tensor
+# cores (`mosaic_dq_consumers`).
 MOSAIC_DQ_TILES = (MOSAIC_BLOCK_Q, 64)
+# Query rows per consumer warpgroup of the Mosaic kernels (the wgmma M dimension).
+MOSAIC_ROWS_PER_CONSUMER = 64
 
 
 @dataclasses.dataclass(frozen=True)
@@ -339,6 +343,43 @@ def resolve_fuse_dbias(block_sizes: BlockSizes, bias_shape: tuple[int, int, int,
     return dataclasses.replace(block_sizes, fuse_dbias=fused)
 
 
+def _mosaic_dq_bytes(b: BlockSizes, hd: int, hv: int, dtype: Any, bias_dtype: Any,
+                     consumers: int) -> int:
+    """Shared memory of the Mosaic dQ kernel with this many consumers: per consumer
+    its rows' Q, dO, dS, three float32 row residuals and bias tile (its own buffer,
+    not multi-buffered); the K/V ring; with a bias the dbias zero tile (one
+    consumer's dS tile, `mosaic_dq.dq_and_dbias`); 8-byte barriers (rows and bias
+    per consumer, loaded and consumed per slot for K and V, the turns of two)."""
+    size = np.dtype(jnp.dtype(dtype)).itemsize
+    bias_size = 0 if bias_dtype is None else np.dtype(jnp.dtype(bias_dtype)).itemsize
+    rows, bk = consumers * MOSAIC_ROWS_PER_CONSUMER, b.block_k_dq
+    return (rows * ((hd + hv) * size + bk * (size + bias_size) + 3 * 4)
+            + b.num_stages_dq * bk * (hd + hv) * size
+            + (MOSAIC_ROWS_PER_CONSUMER * bk * size if bias_dtype is not None else 0)
+            + 8 * (4 * b.num_stages_dq + consumers * (2 if bias_dtype is not None else 1)
+                   + (consumers == 2)))
+
+
+def mosaic_dq_consumers(block_sizes: BlockSizes, head_dim: int, value_head_dim: int | None,
+                        dtype: Any, *, bias_dtype: Any = None, has_window: bool = False,
+                        device: DeviceInfo | None = None) -> int:
+    """Consumer warpgroups of the Mosaic dQ kernel: 3 (work items of 192 query rows, no
+    turns) without a bias or a local window where their buffers fit in the device's
+    shared memory, else 2 (items of 128 rows that take turns on the tensor cores).
+
+    A third consumer keeps the tensor cores busy while two compute their scores'
+    exponentials and soft-cap tanh: forward+backward 4% faster plain and 6% with a soft
+    cap at T = S = 4096, d128. With a bias it was 28% slower (probably registers: each
+    consumer also holds its bias tile, on a smaller budget), with a window of 512 at
+    T = S = 8192 3% slower (BENCHMARKS.md, session 19)."""
+    if bias_dtype is not None or has_window:
+        return 2
+    device = device or DeviceInfo.current()
+    hd, hv = padded_head_dim(head_dim), padded_head_dim(value_head_dim or head_dim)
+    three = _mosaic_dq_bytes(block_sizes, hd, hv, dtype, bias_dtype, 3)
+    return 3 if three <= device.max_shared_memory_per_block else 2
+
+
 def shared_memory_estimate(block_sizes: BlockSizes, head_dim: int, value_head_dim: int | None,
                            dtype: Any, *, bias_dtype: Any = None,
                            has_mask: bool = False) -> dict[str, int]:
@@ -390,19 +431,17 @@ def shared_memory_estimate(block_sizes: BlockSizes, head_dim: int, value_head_di
                 + b.num_stages_dkv * b.block_q_dkv * (hd + hv) * size
                 + 2 * b.block_q_dkv * b.block_k_dkv * size
                 + tile_inputs(b.block_q_dkv, b.block_k_dkv, b.num_stages_dkv))
-    dq = (b.block_q_dq * (hd + hv) * size + b.num_stages_dq * b.block_k_dq * (hd + hv) * size
-          + b.block_q_dq * b.block_k_dq * size)
     if b.dq_backend == "mosaic":
-        # The Triton kernel's Q, dO, K/V ring and dS, plus the three float32 row
-        # residuals, each consumer's bias tile (its own buffer, not multi-buffered),
-        # with a bias the dbias zero tile (half a dS tile, `mosaic_dq.dq_and_dbias`)
-        # and 8-byte barriers (rows per consumer, loaded and consumed per slot for K
-        # and V, the turns, the bias buffers').
-        dq += (3 * b.block_q_dq * 4 + b.block_q_dq * b.block_k_dq * extra
-               + (b.block_q_dq * b.block_k_dq // 2 * size if bias_dtype is not None else 0)
-               + 8 * (4 * b.num_stages_dq + 3 + (2 if bias_dtype is not None else 0)))
+        # Without a window (not an argument here): with one the kernel runs two
+        # consumers, so this is an upper bound.
+        dq = _mosaic_dq_bytes(b, hd, hv, dtype, bias_dtype,
+                              mosaic_dq_consumers(b, head_dim, value_head_dim, dtype,
+                                                  bias_dtype=bias_dtype))
     else:
-        dq += tile_inputs(b.block_q_dq, b.block_k_dq, b.num_stages_dq)
+        dq = (b.block_q_dq * (hd + hv) * size
+              + b.num_stages_dq * b.block_k_dq * (hd + hv) * size
+              + b.block_q_dq * b.block_k_dq * size
+              + tile_inputs(b.block_q_dq, b.block_k_dq, b.num_stages_dq))
     estimate = {"forward": forward, "dkdv": dkdv, "dq": dq}
     if bias_dtype is not None:
         bias_size = np.dtype(jnp.dtype(bias_dtype)).itemsize

@@ -145,6 +145,13 @@ MOSAIC_DQ_DKV = dataclasses.replace(MOSAIC_DQ, block_q_dkv=64, block_k_dkv=128,
                                     dkv_backend="mosaic")
 
 
+def _two_dq_consumers(monkeypatch) -> None:
+    # NOTE: the Pallas interpreter hangs on some bottom-right causal problems with T > S
+    # with three dQ consumers (and on T=300, S=100 with two; BENCHMARKS.md, session 19),
+    # while the GPU computes them with three. Tests of those problems keep two.
+    monkeypatch.setattr(tuning, "mosaic_dq_consumers", lambda *a, **k: 2)
+
+
 @pytest.mark.parametrize("shapes,bias_shape,kwargs,blocks", [
     (dict(B=2, T=150, S=140, N=2, K=1, H=64), (1, 2), dict(is_causal=True,
                                                            logits_soft_cap=8.0), MOSAIC_DQ),
@@ -158,6 +165,8 @@ MOSAIC_DQ_DKV = dataclasses.replace(MOSAIC_DQ, block_q_dkv=64, block_k_dkv=128,
 def test_gradients_with_the_mosaic_dq_against_reference_and_float64(shapes, bias_shape,
                                                                     kwargs, blocks,
                                                                     monkeypatch):
+    if kwargs.get("causal_alignment") == "bottom_right":
+        _two_dq_consumers(monkeypatch)
     calls = []
     chained = mosaic_dq.dq_and_dbias
     monkeypatch.setattr(mosaic_dq, "dq_and_dbias",
@@ -232,13 +241,48 @@ def test_heuristic_keeps_the_triton_dq_kernel_elsewhere(head_dim, dtype, device,
 
 
 def test_shared_memory_estimate_fits_the_mosaic_dq_kernel():
-    """Q, dO, the K/V ring and dS (147456 bytes at d128), the row residuals, barriers
-    and each consumer's bias tile fit an H100's shared memory."""
-    sizes = [tuning.shared_memory_estimate(MOSAIC_DQ, 128, None, jnp.bfloat16,
-                                           bias_dtype=bias_dtype)["dq"]
-             for bias_dtype in (None, jnp.bfloat16, jnp.float32)]
-    assert 147456 < sizes[0] < sizes[1] < sizes[2] <= HOPPER.max_shared_memory_per_block
-    assert sizes[2] - sizes[1] == 128 * 64 * 2
+    """Three consumers' Q, dO and dS and the K/V ring (188416 bytes at d128), the row
+    residuals and barriers fit an H100's shared memory with two or three K/V slots;
+    with a bias (each consumer's bias tile and the dbias zero tile) two consumers do."""
+    def estimate(blocks, bias_dtype=None):
+        return tuning.shared_memory_estimate(blocks, 128, None, jnp.bfloat16,
+                                             bias_dtype=bias_dtype)["dq"]
+
+    limit = HOPPER.max_shared_memory_per_block
+    three_slots, four_slots = (dataclasses.replace(MOSAIC_DQ, num_stages_dq=n) for n in (3, 4))
+    assert 188416 < estimate(MOSAIC_DQ) < estimate(three_slots) <= limit
+    assert estimate(MOSAIC_DQ, jnp.bfloat16) < estimate(MOSAIC_DQ, jnp.float32) <= limit
+    assert estimate(three_slots, jnp.float32) <= limit
+    # Four slots do not fit three consumers: two, at the two-consumer estimate.
+    assert estimate(four_slots) <= limit < estimate(four_slots) + 64 * (2 * 128 + 64) * 2
+
+
+@pytest.mark.parametrize("blocks,kwargs,consumers", [
+    (MOSAIC_DQ, {}, 3),
+    (dataclasses.replace(MOSAIC_DQ, num_stages_dq=3), {}, 3),
+    (dataclasses.replace(MOSAIC_DQ, num_stages_dq=4), {}, 2),
+    (MOSAIC_DQ, dict(bias_dtype=jnp.bfloat16), 2),
+    (MOSAIC_DQ, dict(has_window=True), 2),
+], ids=["two_slots", "three_slots", "four_slots", "bias", "window"])
+def test_mosaic_dq_consumers(blocks, kwargs, consumers):
+    """Three consumers without a bias or a window where they fit, else two."""
+    assert tuning.mosaic_dq_consumers(blocks, 128, None, jnp.bfloat16, device=HOPPER,
+                                      **kwargs) == consumers
+
+
+def test_the_kernel_cases_run_both_consumer_counts():
+    """The interpreter cases cover three consumers (with a first item that starts
+    before row 0: 192 does not divide the padded length) and two (with turns)."""
+    counts = set()
+    for _, shapes, bias_shape, kwargs, blocks in CASES:
+        q_pad = -(-shapes["T"] // 128) * 128
+        n = tuning.mosaic_dq_consumers(
+            dataclasses.replace(MOSAIC_DQ, **blocks), shapes.get("H", 32), shapes.get("Hv"),
+            jnp.bfloat16, bias_dtype=None if bias_shape is None else jnp.bfloat16,
+            has_window="local_window_size" in kwargs, device=HOPPER)
+        counts.add(n)
+        assert n == 2 or q_pad % 192 != 0
+    assert counts == {2, 3}
 
 
 @pytest.mark.parametrize("blocks", [
@@ -251,6 +295,7 @@ def test_alibi_float_positions_match_the_integer_fallback(blocks, monkeypatch):
     2**24) and as integers (the fallback above) are the same exact distances: the
     forward and every gradient come out bitwise equal, in the Triton kernels and in
     the Mosaic forward, dK/dV and dQ (with an offset: bottom-right causal, T > S)."""
+    _two_dq_consumers(monkeypatch)
     inputs = make_inputs(61, B=1, T=150, S=100, N=2, H=64, dtype=jnp.bfloat16)
     kwargs = dict(block_sizes=blocks, arrays={"alibi_slopes": jnp.array([0.3, 0.07])},
                   is_causal=True, causal_alignment="bottom_right", split="eager")

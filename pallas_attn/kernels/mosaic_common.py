@@ -3,12 +3,12 @@ and key-tile walk of the forward and dQ kernels, the consumers' turns, bias stre
 wgmma accumulation, the row residuals and the launch.
 
 Every Mosaic kernel is persistent (one program per multiprocessor, `launch`) and
-warp-specialised: two consumer warpgroups of ROWS_PER_CONSUMER rows each and one
-producer warpgroup that issues bulk copies.
+warp-specialised: consumer warpgroups of ROWS_PER_CONSUMER rows each (two; three in
+the dQ kernel where they fit) and one producer warpgroup that issues bulk copies.
 
 * `unsupported` / `unsupported_scores`: the problems all of them compute.
-* `Walk`: the forward's and dQ kernel's items (ITEM_ROWS query rows of one batch
-  entry and head) over the programs, each item's band of key tiles and the
+* `Walk`: the forward's and dQ kernel's items (64 query rows per consumer, of one
+  batch entry and head) over the programs, each item's band of key tiles and the
   producer's K/V ring; `own_band`, `run_band` and `release_slot` give each consumer
   its part of a band while keeping the ring's barriers and the turns in step.
 * `take_turn`: one step of the consumers' alternation on the tensor cores.
@@ -39,17 +39,32 @@ from pallas_attn.kernels.common import (
     run_tile_loops,
 )
 from pallas_attn.spec import AttentionSpec
-from pallas_attn.tuning import MOSAIC_BLOCK_Q, padded_head_dim
+from pallas_attn.tuning import MOSAIC_BLOCK_Q, MOSAIC_ROWS_PER_CONSUMER, padded_head_dim
 
 # Query rows per item (BlockSizes.block_q) and per consumer warpgroup (the wgmma
 # M dimension), and so the consumers per item.
 ITEM_ROWS = MOSAIC_BLOCK_Q
-ROWS_PER_CONSUMER = 64
+ROWS_PER_CONSUMER = MOSAIC_ROWS_PER_CONSUMER
 CONSUMERS = ITEM_ROWS // ROWS_PER_CONSUMER
 # Register budgets (per thread) after the warpgroups specialise: consumers hold the
-# accumulator and the score tile, the producer only issues copies.
+# accumulator and the score tile, the producer only issues copies. With three consumers
+# (the dQ kernel's, `tuning.mosaic_dq_consumers`) the four warpgroups share the 64K
+# registers as 3 x 160 + 24.
 CONSUMER_REGISTERS = 232
 PRODUCER_REGISTERS = 40
+_REGISTERS = {CONSUMERS: (CONSUMER_REGISTERS, PRODUCER_REGISTERS), 3: (160, 24)}
+
+
+def consumer_registers(consumers: int) -> int:
+    """A consumer warpgroup's registers per thread with this many consumers."""
+    return _REGISTERS[consumers][0]
+
+
+def producer_registers(consumers: int) -> int:
+    """The producer warpgroup's registers per thread with this many consumers."""
+    return _REGISTERS[consumers][1]
+
+
 _HEAD_DIMS = (64, 128)
 _DTYPES = ("bfloat16", "float16")
 
@@ -101,7 +116,8 @@ class Band:
 
 @dataclasses.dataclass(frozen=True)
 class Item:
-    """One unit of work: 128 query rows from q0 of batch entry b, head n."""
+    """One unit of work: the query rows from q0 (64 per consumer) of batch entry b,
+    head n. q0 may be negative in a head's first item (`Walk`)."""
     valid: Any
     q0: Any
     b: Any
@@ -110,9 +126,11 @@ class Item:
 
 @dataclasses.dataclass(frozen=True)
 class Walk:
-    """The persistent programs' walk over items of ITEM_ROWS query rows, each with its
+    """The persistent programs' walk over items of item_rows query rows, each with its
     band of key tiles streamed through a ring of shared-memory slots (the forward's
-    and the dQ kernel's).
+    and the dQ kernel's). Items end at the padded length; where item_rows does not
+    divide it, a head's first item starts before row 0 and its consumers for those
+    rows have nothing to do.
 
     Round r gives program pid item r * programs + pid, the lanes reversed on odd
     rounds so that heavy and light causal tiles even out over the rounds. Items run
@@ -123,10 +141,15 @@ class Walk:
     programs: int
     block_k: int
     stages: int
+    item_rows: int = ITEM_ROWS
+
+    @property
+    def consumers(self) -> int:
+        return self.item_rows // ROWS_PER_CONSUMER
 
     @property
     def num_tiles(self) -> int:
-        return self.problem.q_pad // ITEM_ROWS
+        return -(-self.problem.q_pad // self.item_rows)
 
     @property
     def items(self) -> int:
@@ -142,14 +165,15 @@ class Walk:
         idx = r * self.programs + lane
         batch_head = lax.div(idx, self.num_tiles)
         return Item(idx < self.items,
-                     (self.num_tiles - 1 - lax.rem(idx, self.num_tiles)) * ITEM_ROWS,
+                     self.problem.q_pad - (lax.rem(idx, self.num_tiles) + 1) * self.item_rows,
                      lax.rem(batch_head, self.problem.batch),
                      lax.div(batch_head, self.problem.batch))
 
     def band(self, item: Item) -> tuple[TileContext, Band, Any]:
         """(context, key tiles, ring steps) of an item; no steps for an invalid one."""
         ctx = TileContext(self.problem, {}, item.b, item.n)
-        tiles = Band(*ctx.key_tiles(item.q0, item.q0 + ITEM_ROWS, self.block_k))
+        tiles = Band(*ctx.key_tiles(jnp.maximum(item.q0, 0), item.q0 + self.item_rows,
+                                    self.block_k))
         steps = jnp.where(item.valid, jnp.maximum(tiles.stop - tiles.first, 0), 0)
         return ctx, tiles, steps
 
@@ -200,11 +224,11 @@ class Walk:
             plgpu.barrier_wait(v_consumed.at[self.slot(step)])
 
     def produce(self, wg, k_ref, v_ref, k_smem, v_smem, ring, on_item=None) -> None:
-        """The producer warpgroup's part (wg == CONSUMERS, wg the warpgroup index): it
+        """The producer warpgroup's part (wg == consumers, wg the warpgroup index): it
         gives up registers, then streams every item's K and V tiles (`stream`)."""
-        @pl.when(wg == CONSUMERS)
+        @pl.when(wg == self.consumers)
         def _producer():
-            plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
+            plgpu.set_max_registers(producer_registers(self.consumers), action="decrease")
             self.stream(k_ref, v_ref, k_smem, v_smem, ring, on_item)
 
     def bias_rows(self, bias_ref, item: Item, row0, buffers, barriers) -> Any:
@@ -283,7 +307,10 @@ def release_slot(slot, ring, schedule) -> None:
 
 
 def take_turn(schedule) -> None:
-    """Both consumers arrive, then both wait: one step of their alternation."""
+    """Both consumers arrive, then both wait: one step of their alternation. None:
+    consumers that take no turns (the dQ kernel's three)."""
+    if schedule is None:
+        return
     plgpu.barrier_arrive(schedule)
     plgpu.barrier_wait(schedule)
 
@@ -423,7 +450,8 @@ def accumulate(products, interpret: bool) -> tuple[jax.Array, ...]:
     return tuple(acc + x for (acc, _), x in zip(products, fresh, strict=True))
 
 
-def launch(entry, out_type: Any, programs: int, interpret: bool) -> Any:
+def launch(entry, out_type: Any, programs: int, interpret: bool,
+           consumers: int = CONSUMERS) -> Any:
     """The persistent warp-specialised kernel `entry` (consumers and a producer, named
     "wg") on `programs` programs (named "program"), as a function of its operands.
 
@@ -434,5 +462,5 @@ def launch(entry, out_type: Any, programs: int, interpret: bool) -> Any:
               if interpret else None)
     return plgpu.kernel(
         entry, out_type=out_type, grid=(programs,), grid_names=("program",),
-        num_threads=CONSUMERS + 1, thread_name="wg",
+        num_threads=consumers + 1, thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True), interpret=params)

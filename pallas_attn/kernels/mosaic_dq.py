@@ -1,21 +1,24 @@
 """dQ kernel for Hopper (Pallas, Mosaic GPU backend): warp-specialised, persistent.
 
-It walks the forward's work items (`mosaic_common.Walk`: 128 query rows of one batch
-entry and head, one program per multiprocessor) with the forward's three
-warpgroups:
+It walks work items of 64 query rows per consumer warpgroup (`mosaic_common.Walk`:
+rows of one batch entry and head, one program per multiprocessor), with three
+consumers, or two with a bias or a local window (`tuning.mosaic_dq_consumers`):
 
-* Warpgroup 2, the producer, streams each item's band of K and V tiles
-  (`MOSAIC_DQ_TILES`: 64 keys) into a ring of `num_stages_dq` slots, exactly as the
-  forward does.
-* Warpgroups 0 and 1, the consumers, each take 64 rows. Per item a consumer copies
-  its rows of Q, dO and the row residuals (row reference, log2 row sum, delta) into
-  buffers of its own; per key tile it computes S = Q K^T and dP = dO V^T with wgmma,
-  P and dS from the residuals and the shared score rules
-  (`mosaic_common.tile_gradient`), stages dS in shared memory and adds dS K into its
-  dQ accumulator with a third wgmma. The consumers take turns on the tensor cores
-  as in the forward (two turns per key tile), so one consumer's exponentials and
-  soft-cap tanh run while the other's products do; the bias comes through each
-  consumer's own buffer one tile ahead (`mosaic_common.BiasTiles`).
+* The producer warpgroup streams each item's band of K and V tiles
+  (`MOSAIC_DQ_TILES`: 64 keys) into a ring of `num_stages_dq` slots, as the forward
+  does.
+* Each consumer takes 64 rows. Per item it copies its rows of Q, dO and the row
+  residuals (row reference, log2 row sum, delta) into buffers of its own; per key
+  tile it computes S = Q K^T and dP = dO V^T with wgmma, P and dS from the residuals
+  and the shared score rules (`mosaic_common.tile_gradient`), stages dS in shared
+  memory and adds dS K into its dQ accumulator with a third wgmma. The bias comes
+  through each consumer's own buffer one tile ahead (`mosaic_common.BiasTiles`).
+* Three consumers (items of 192 rows) run without turns: while two compute their
+  exponentials and soft-cap tanh, the third's products keep the tensor cores busy
+  (BENCHMARKS.md, session 19). Items end at the padded length, so the first item of
+  a head may start before row 0; the consumers whose rows lie there only release
+  the ring's slots. Two consumers (items of 128 rows) take turns on the tensor cores
+  as the forward's do (two turns per key tile).
 
 dQ (times the softmax scale) is stored from registers. Rows that see no key get
 zeros. Scope: the Mosaic kernels' (`mosaic_common.unsupported`).
@@ -41,13 +44,11 @@ from pallas_attn import tuning
 from pallas_attn.kernels import mosaic_common
 from pallas_attn.kernels.common import Problem
 from pallas_attn.kernels.mosaic_common import (
-    CONSUMER_REGISTERS,
-    CONSUMERS,
-    ITEM_ROWS,
     ROWS_PER_CONSUMER,
     Band,
     Walk,
     accumulate,
+    consumer_registers,
     head_slope,
     optional_refs,
     own_band,
@@ -68,42 +69,46 @@ def unsupported(problem: Problem) -> str:
 
 
 def _kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, bias_ref, slopes_ref, dq_ref, dbias_ref,
-            smem, barriers, *, problem: Problem, programs: int):
+            smem, barriers, *, problem: Problem, programs: int, consumers: int):
     rows_loaded, k_loaded, v_loaded, k_consumed, v_consumed, schedule, bias_loaded = barriers
     ring = (k_loaded, v_loaded, k_consumed, v_consumed)
     block_k = problem.blocks.block_k_dq
-    walk = Walk(problem, programs, block_k, problem.blocks.num_stages_dq)
+    walk = Walk(problem, programs, block_k, problem.blocks.num_stages_dq,
+                consumers * ROWS_PER_CONSUMER)
     wg = lax.axis_index("wg")
     on_item = None
     if dbias_ref is not None:
         # The producer writes batch entry 0's dbias tiles outside each item's band.
         zero_tile = smem["zeros"]
-        pl.when(wg == CONSUMERS)(lambda: zero_tile_init(zero_tile))
+        pl.when(wg == consumers)(lambda: zero_tile_init(zero_tile))
 
         def on_item(item, tiles, steps):
-            @pl.when(item.valid & (item.b == 0))
-            def _():
-                for c in range(CONSUMERS):
-                    rows = dbias_ref.at[0, item.n, pl.ds(item.q0 + c * ROWS_PER_CONSUMER,
-                                                         ROWS_PER_CONSUMER)]
+            for c in range(consumers):  # rows before 0: a consumer idle in the first item
+                row0 = item.q0 + c * ROWS_PER_CONSUMER
+
+                @pl.when(item.valid & (item.b == 0) & (row0 >= 0))
+                def _(row0=row0):
+                    rows = dbias_ref.at[0, item.n, pl.ds(row0, ROWS_PER_CONSUMER)]
                     zero_tiles_outside(
-                        zero_tile, lambda t, rows=rows: rows.at[:, pl.ds(t * block_k, block_k)],
+                        zero_tile, lambda t: rows.at[:, pl.ds(t * block_k, block_k)],
                         tiles.first, tiles.first + steps, dbias_ref.shape[3] // block_k)
 
     walk.produce(wg, k_ref, v_ref, smem["k"], smem["v"], ring, on_item)
     if dbias_ref is not None:
-        pl.when(wg == CONSUMERS)(lambda: plgpu.wait_smem_to_gmem(0))
+        pl.when(wg == consumers)(lambda: plgpu.wait_smem_to_gmem(0))
 
-    @pl.when(wg < CONSUMERS)
+    @pl.when(wg < consumers)
     def _consumer():
-        plgpu.set_max_registers(CONSUMER_REGISTERS, action="increase")
+        plgpu.set_max_registers(consumer_registers(consumers), action="increase")
         rows_n = ROWS_PER_CONSUMER
         mine = {name: smem[name].at[wg] for name in ("q", "do", "stats", "ds")}
 
         def load_rows(item):
-            @pl.when(item.valid)
+            row0 = item.q0 + wg * rows_n
+
+            @pl.when(item.valid & (row0 >= 0))
             def _():
-                rows = pl.ds(item.q0 + wg * rows_n, rows_n)
+                rows = pl.ds(row0, rows_n)
                 loaded = rows_loaded.at[wg]
                 plgpu.copy_gmem_to_smem(q_ref.at[item.b, rows, item.n], mine["q"], loaded)
                 plgpu.copy_gmem_to_smem(do_ref.at[item.b, rows, item.n], mine["do"], loaded)
@@ -111,32 +116,34 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, bias_ref, slopes_ref, dq_ref
                                         loaded)
 
         load_rows(walk.item(0))
-        # Consumer 1 starts half a turn behind consumer 0 and consumer 0 takes that
-        # half turn at the end (as in the forward).
-        pl.when(wg == 1)(lambda: take_turn(schedule))
+        # Two consumers take turns: consumer 1 starts half a turn behind consumer 0 and
+        # consumer 0 takes that half turn at the end (as in the forward).
+        if schedule is not None:
+            pl.when(wg == 1)(lambda: take_turn(schedule))
         row_layout = plgpu.Layout.WGMMA.reduce(1)
 
         def work(r, step):
             item = walk.item(r)
             ctx, tiles, steps = walk.band(item)
             row0 = item.q0 + wg * rows_n
-            pl.when(item.valid)(lambda: plgpu.barrier_wait(rows_loaded.at[wg]))
+            mine_valid = item.valid & (row0 >= 0)  # rows before 0: nothing to do
+            pl.when(mine_valid)(lambda: plgpu.barrier_wait(rows_loaded.at[wg]))
             residuals = tuple(plgpu.load(mine["stats"].at[j], layout=row_layout)
                               for j in range(3))
             plgpu.commit_smem()  # the reads are done before the next item's copy lands
             bias = walk.bias_rows(bias_ref, item, row0, smem.get("bias"), bias_loaded)
             dbias = None
             if dbias_ref is not None:  # batch entry 0 writes its dS tiles as dbias
-                dbias = (item.valid & (item.b == 0),
+                dbias = (mine_valid & (item.b == 0),
                          dbias_ref.at[0, item.n, pl.ds(row0, rows_n)])
             dq = _consume(problem, ctx, tiles, lambda t: walk.slot(step + t - tiles.first),
                           row0, tiles.first + steps, mine, smem["k"], smem["v"], ring,
                           schedule, bias, head_slope(slopes_ref, item.valid, item.b, item.n),
-                          residuals, dbias)
+                          residuals, dbias, row0 >= 0)
             # Every product of this item is done: its rows' buffers are free.
             load_rows(walk.item(r + 1))
 
-            @pl.when(item.valid)
+            @pl.when(mine_valid)
             def _store():
                 dq_ref.at[item.b, pl.ds(row0, rows_n), item.n][...] = (
                     dq * problem.spec.scale).astype(dq_ref.dtype)
@@ -144,17 +151,20 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, bias_ref, slopes_ref, dq_ref
             return step + steps
 
         lax.fori_loop(0, walk.rounds, work, jnp.int32(0))
-        pl.when(wg == 0)(lambda: take_turn(schedule))
+        if schedule is not None:
+            pl.when(wg == 0)(lambda: take_turn(schedule))
         if dbias_ref is not None:
             plgpu.wait_smem_to_gmem(0)
 
 
 def _consume(problem: Problem, ctx, tiles, slot_of, row0, stop, mine: dict, k_smem, v_smem,
-             ring, schedule, bias, slope, residuals, dbias) -> jax.Array:
+             ring, schedule, bias, slope, residuals, dbias, active) -> jax.Array:
     """One consumer warpgroup: dQ / scale of rows [row0, row0 + 64) (float32) over key
-    tiles [tiles.first, stop), taking turns with the other consumer as the forward's
-    consumers do: a consumer issues S and dP, waits for the other's gradient math,
-    computes its own P and dS while the other's products run, then adds dS K.
+    tiles [tiles.first, stop); active false (rows before 0): it only releases the
+    tiles. With a `schedule` (two consumers) it takes turns with the other consumer
+    as the forward's consumers do: a consumer issues S and dP, waits for the other's
+    gradient math, computes its own P and dS while the other's products run, then
+    adds dS K.
 
     dbias: (when, its rows of the dbias) or None; when, the consumer stores its dS
     tiles of the item's band there, running every tile of the band (those outside its
@@ -163,6 +173,8 @@ def _consume(problem: Problem, ctx, tiles, slot_of, row0, stop, mine: dict, k_sm
     block_k = problem.blocks.block_k_dq
     rows_n = ROWS_PER_CONSUMER
     own = own_band(ctx, tiles, row0, stop, block_k)
+    own = Band(*(jnp.where(active, x, tiles.first)
+                 for x in (own.first, own.stop, own.full_first, own.full_stop)))
     if dbias is not None:
         whole = dbias[0]
         own = Band(jnp.where(whole, tiles.first, own.first), jnp.where(whole, stop, own.stop),
@@ -178,7 +190,8 @@ def _consume(problem: Problem, ctx, tiles, slot_of, row0, stop, mine: dict, k_sm
         def products(s_ref, dp_ref):
             plgpu.wgmma(s_ref, mine["q"], k_smem.at[slot].transpose((1, 0)))
             plgpu.wgmma(dp_ref, mine["do"], v_smem.at[slot].transpose((1, 0)))
-            take_turn(schedule)  # the other consumer's gradient math is done
+            if schedule is not None:
+                take_turn(schedule)  # the other consumer's gradient math is done
             return s_ref[...], dp_ref[...]
 
         s, dp = pl.run_scoped(products, plgpu.ACC(shape, jnp.float32),
@@ -193,8 +206,9 @@ def _consume(problem: Problem, ctx, tiles, slot_of, row0, stop, mine: dict, k_sm
         if dbias is not None:
             pl.when(dbias[0])(lambda: plgpu.copy_smem_to_gmem(
                 mine["ds"], dbias[1].at[:, pl.ds(t * block_k, block_k)]))
-        plgpu.barrier_arrive(schedule)  # this gradient math is done
-        plgpu.barrier_wait(schedule)  # the other consumer has issued its products
+        if schedule is not None:
+            plgpu.barrier_arrive(schedule)  # this gradient math is done
+            plgpu.barrier_wait(schedule)  # the other consumer has issued its products
         # NOTE: leaving dS K in flight (dQ in an accumulator across the tiles, the next
         # S and dP queued behind it) made ptxas inject waits of its own (C7519/C7517),
         # 28% slower (BENCHMARKS.md, session 18).
@@ -250,42 +264,46 @@ def _launch(problem: Problem, q, k, v, do, stats, bias, slopes, with_dbias: bool
         bias_ref, slopes_ref = optional_refs(refs, bias, slopes)
         dq_ref, *dbias_ref = refs[(bias is not None) + (slopes is not None):]
         kinds = dict(
-            q=smem_tiles((CONSUMERS, ROWS_PER_CONSUMER, hp), dtype),
-            do=smem_tiles((CONSUMERS, ROWS_PER_CONSUMER, hvp), dtype),
-            stats=plgpu.SMEM((CONSUMERS, 3, ROWS_PER_CONSUMER), jnp.float32),
+            q=smem_tiles((consumers, ROWS_PER_CONSUMER, hp), dtype),
+            do=smem_tiles((consumers, ROWS_PER_CONSUMER, hvp), dtype),
+            stats=plgpu.SMEM((consumers, 3, ROWS_PER_CONSUMER), jnp.float32),
             k=smem_tiles((stages, block_k, hp), dtype),
             v=smem_tiles((stages, block_k, hvp), dtype),
-            ds=smem_tiles((CONSUMERS, ROWS_PER_CONSUMER, block_k), dtype),
-            bias=(smem_tiles((CONSUMERS, ROWS_PER_CONSUMER, block_k), bias.dtype)
+            ds=smem_tiles((consumers, ROWS_PER_CONSUMER, block_k), dtype),
+            bias=(smem_tiles((consumers, ROWS_PER_CONSUMER, block_k), bias.dtype)
                   if bias is not None else None),
             zeros=smem_tiles((ROWS_PER_CONSUMER, block_k), dtype) if with_dbias else None,
         )
         kinds = {name: kind for name, kind in kinds.items() if kind is not None}
         barriers = (
-            plgpu.Barrier(num_arrivals=3, num_barriers=CONSUMERS),  # Q, dO, residuals
+            plgpu.Barrier(num_arrivals=3, num_barriers=consumers),  # Q, dO, residuals
             plgpu.Barrier(num_barriers=stages),
             plgpu.Barrier(num_barriers=stages),
-            plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=stages),
-            plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=stages),
-            plgpu.Barrier(num_arrivals=CONSUMERS),  # the consumers' turns
-            plgpu.Barrier(num_barriers=CONSUMERS) if bias is not None else None,
+            plgpu.Barrier(num_arrivals=consumers, num_barriers=stages),
+            plgpu.Barrier(num_arrivals=consumers, num_barriers=stages),
+            plgpu.Barrier(num_arrivals=2) if consumers == 2 else None,  # the turns of two
+            plgpu.Barrier(num_barriers=consumers) if bias is not None else None,
         )
 
         def body(*scratch):
             smem = dict(zip(kinds, scratch, strict=False))
-            barrier_refs = list(scratch[len(kinds):])
-            if bias is None:
-                barrier_refs.append(None)
+            live = iter(scratch[len(kinds):])
+            barrier_refs = tuple(None if b is None else next(live) for b in barriers)
             _kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, bias_ref, slopes_ref, dq_ref,
-                    dbias_ref[0] if dbias_ref else None, smem, tuple(barrier_refs),
-                    problem=problem, programs=programs)
+                    dbias_ref[0] if dbias_ref else None, smem, barrier_refs,
+                    problem=problem, programs=programs, consumers=consumers)
 
         pl.run_scoped(body, *kinds.values(), *(b for b in barriers if b is not None),
                       collective_axes="wg")
 
-    programs = tuning.persistent_programs(Tp // ITEM_ROWS * B * N, problem.interpret)
+    consumers = tuning.mosaic_dq_consumers(
+        blocks, hp, hvp, dtype, bias_dtype=None if bias is None else bias.dtype,
+        has_window=problem.spec.local_window is not None)
+    items = -(-Tp // (consumers * ROWS_PER_CONSUMER)) * B * N
+    programs = tuning.persistent_programs(items, problem.interpret)
     operands = [q, k, v, do, stats] + [x for x in (bias, slopes) if x is not None]
     out_type = [jax.ShapeDtypeStruct(q.shape, q.dtype)]
     if with_dbias:
         out_type.append(jax.ShapeDtypeStruct(bias.shape, bias.dtype))
-    return mosaic_common.launch(entry, out_type, programs, problem.interpret)(*operands)
+    return mosaic_common.launch(entry, out_type, programs, problem.interpret,
+                                consumers)(*operands)
