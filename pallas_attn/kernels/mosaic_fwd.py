@@ -155,9 +155,11 @@ def _consume(problem: Problem, ctx: TileContext, tiles: Band, slot_of, row0, sto
     against key tiles [tiles.first, stop) (stop = tiles.first for no work).
 
     The two consumers take turns on the tensor cores through the `schedule` barrier
-    (two-arrival, FlashAttention-3's ping-pong): a consumer issues its P V and its
-    next Q K^T, then waits until the other has finished its softmax, so one's
-    softmax runs while the other's products do (`run_band` keeps the turns paired).
+    (two-arrival, FlashAttention-3's ping-pong): a consumer issues its Q K^T, then
+    waits until the other has finished its softmax; after its own softmax it waits
+    until the other has issued its Q K^T, then issues its P V and waits for it. So
+    one's softmax runs while the other's products do (`run_band` keeps the turns
+    paired).
 
     bias: None, or this consumer's bias stream (`BiasTiles`); scores with a bias stay
     in natural units (Problem.exp2_factor), as in the Triton forward. slope: the
