@@ -190,8 +190,7 @@ def _consume(problem: Problem, ctx, tiles, slot_of, row0, stop, mine: dict, k_sm
         def products(s_ref, dp_ref):
             plgpu.wgmma(s_ref, mine["q"], k_smem.at[slot].transpose((1, 0)))
             plgpu.wgmma(dp_ref, mine["do"], v_smem.at[slot].transpose((1, 0)))
-            if schedule is not None:
-                take_turn(schedule)  # the other consumer's gradient math is done
+            take_turn(schedule)  # the other consumer's gradient math is done
             return s_ref[...], dp_ref[...]
 
         s, dp = pl.run_scoped(products, plgpu.ACC(shape, jnp.float32),
@@ -206,9 +205,8 @@ def _consume(problem: Problem, ctx, tiles, slot_of, row0, stop, mine: dict, k_sm
         if dbias is not None:
             pl.when(dbias[0])(lambda: plgpu.copy_smem_to_gmem(
                 mine["ds"], dbias[1].at[:, pl.ds(t * block_k, block_k)]))
-        if schedule is not None:
-            plgpu.barrier_arrive(schedule)  # this gradient math is done
-            plgpu.barrier_wait(schedule)  # the other consumer has issued its products
+        # This gradient math is done; then the other consumer has issued its products.
+        take_turn(schedule)
         # NOTE: leaving dS K in flight (dQ in an accumulator across the tiles, the next
         # S and dP queued behind it) made ptxas inject waits of its own (C7519/C7517),
         # 28% slower (BENCHMARKS.md, session 18).
