@@ -1,6 +1,6 @@
 """Time two source trees of pallas_attn in one GPU session: before/after a change.
 
-Run-to-run spread on the GPU machines (4-15%, BENCHMARKS.md) is as large as most
+Run-to-run spread on the GPU machines (4-15%, docs/decisions.md) is as large as most
 changes, so a change is judged against its parent measured minutes apart on the
 same machine, not against last session's table. Each tree runs in its own process
 (`PYTHONPATH=<tree>`), through that tree's own `pallas_attn.bench` (the shapes,

@@ -1,14 +1,12 @@
 """Where the time of one problem goes: each Pallas kernel timed alone (GPU only).
 
 For a problem (bf16 by default, B x N heads, T = S, with a bias, ALiBi or a soft
-cap as asked), prints the heuristic tiles and the milliseconds of the forward (the
-Mosaic one where the heuristic picks it, as dot_product_attention's does), dK/dV,
-dQ and (with --bias) dbias kernels, and the dK/dV kernel writing dbias itself where
-it can (the Mosaic one for either bias, the Triton one for a bias per batch entry
-and head, --bias-per-batch) or, without a bias at head dim 128, computing dQ too
-(the Mosaic one, `mosaic_dkv.dq_dkdv`); then one jitted forward+backward as `python -m
-pallas_attn bench` times it (for a per-batch bias both ways), so the kernels' sum
-can be checked against the whole.
+cap as asked), prints the plan dot_product_attention runs and the milliseconds of
+its forward, dK/dV, dQ and (with --bias) dbias kernels, and of the dK/dV kernel
+writing dbias itself where it can (the Mosaic one for either bias, the Triton one
+for a bias per batch entry and head, --bias-per-batch); then one jitted
+forward+backward as `python -m pallas_attn bench` times it (for a per-batch bias
+both ways), so the kernels' sum can be checked against the whole.
 
     PYTHONPATH=. python benchmarks/kernel_times.py --head-dim 128 --bias
     PYTHONPATH=. python benchmarks/kernel_times.py --alibi   # or --soft-cap 30
@@ -45,36 +43,37 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
     import pallas_attn
-    from pallas_attn import autotune, bench
+    from pallas_attn import bench
+    from pallas_attn.tuning import autotune
 
-    heuristic, runner = autotune.kernel_runner(
+    plan, runner = autotune.kernel_runner(
         batch=args.batch, q_len=args.seq_len, kv_len=args.seq_len, heads=args.heads,
         kv_heads=args.heads, head_dim=args.head_dim, is_causal=args.causal, bias=args.bias,
-        bias_per_batch=args.bias_per_batch, alibi=args.alibi, soft_cap=args.soft_cap,
-        mosaic_forward=True)
-    kernels = ["forward", "dkdv", "dq"] + (["dbias"] if args.bias else [])
+        bias_per_batch=args.bias_per_batch, alibi=args.alibi, soft_cap=args.soft_cap)
+    roles = ["forward", "dkdv", "dq"] + (["dbias"] if args.bias else [])
     # dK/dV writing dbias: the Mosaic kernel for either bias, the Triton one only for
     # a bias per batch entry.
-    if args.bias_per_batch or (args.bias and heuristic.dkv_backend == "mosaic"):
-        kernels.append("dkdv_dbias")
-    # dQ computed by the Mosaic dK/dV kernel (mosaic_dkv.dq_dkdv: no bias, head dim
-    # 128), against the dkdv and dq rows' sum.
-    if heuristic.dkv_backend == "mosaic" and not args.bias and args.head_dim == 128:
-        kernels.append("dq_dkdv")
+    if args.bias_per_batch or (args.bias and plan.dkdv.backend == "mosaic"):
+        roles.append("dkdv_dbias")
     if args.end_to_end_only:
-        kernels = []
-    print(f"tiles: {heuristic}")
-    print("| kernel | tiles | ms |\n|---|---|---|")
-    for kernel in kernels:
-        blocks = heuristic
-        if kernel == "dkdv_dbias":
-            blocks = dataclasses.replace(heuristic, fuse_dbias=True)
-        tiles = heuristic.tiles("dkdv" if kernel in ("dkdv_dbias", "dq_dkdv") else kernel)
+        roles = []
+    print(plan)
+    if args.bias and plan.dbias.fused:  # time the separate dbias kernel too
+        separate, _ = autotune.kernel_runner(
+            batch=args.batch, q_len=args.seq_len, kv_len=args.seq_len, heads=args.heads,
+            kv_heads=args.heads, head_dim=args.head_dim, is_causal=args.causal,
+            bias=args.bias, bias_per_batch=args.bias_per_batch, alibi=args.alibi,
+            soft_cap=args.soft_cap, block_sizes=pallas_attn.BlockSizes(fuse_dbias=False))
+        plan = dataclasses.replace(plan, dbias=separate.dbias)
+    print("| kernel | route | ms |\n|---|---|---|")
+    for role in roles:
+        route = plan.route("dkdv" if role == "dkdv_dbias" else role)
         try:
-            ms = autotune.time_call(runner(kernel, blocks)) * 1e3
-            print(f"| {kernel} | {tiles} | {ms:.3f} |")
+            ms = autotune.time_call(runner(role, route)) * 1e3
+            print(f"| {role} | {route.describe()} | {ms:.3f} |")
         except Exception as e:  # noqa: BLE001 - report and go on with the others
-            print(f"| {kernel} | {tiles} | fails: {type(e).__name__}: {str(e)[:200]} |")
+            print(f"| {role} | {route.describe()} | fails: {type(e).__name__}: "
+                  f"{str(e)[:200]} |")
     # End to end: one jitted forward+backward (as `bench` times it), for a bias both
     # ways of computing dbias.
     features = []
@@ -88,9 +87,9 @@ def main(argv: list[str] | None = None) -> int:
                         args.head_dim, args.causal, tuple(features))
     inputs = bench.make_inputs(shape)
     for fuse in (False, True) if args.bias_per_batch else (None,):
-        blocks = dataclasses.replace(heuristic, fuse_dbias=fuse)
         attention = functools.partial(pallas_attn.dot_product_attention,
-                                      implementation="pallas", block_sizes=blocks)
+                                      implementation="pallas",
+                                      block_sizes=pallas_attn.BlockSizes(fuse_dbias=fuse))
         step = bench._loss_and_grad(attention, inputs)
         seconds = autotune.time_call(lambda step=step: step(
             inputs["query"], inputs["key"], inputs["value"], inputs["kwargs"].get("bias"),

@@ -4,7 +4,7 @@
 # caches left alone. Only the third (warm) call is profiled (cudaProfilerStart/Stop).
 # Usage (repo root, on the GPU machine): bash benchmarks/step_kernels.sh [FEATURE [DQ]]
 #   FEATURE: plain (default), softcap, bias or alibi; DQ: the dQ backend to force
-#   (mosaic or triton; default: the heuristic's).
+#   (mosaic or triton; default: the plan's).
 set -uo pipefail
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 OUT=${OUT:-out}; mkdir -p "$OUT"
@@ -18,26 +18,17 @@ case "$dq" in ""|mosaic|triton) ;; *)
 esac
 script=$(mktemp --suffix=.py)
 cat > "$script" <<'PY'
-import ctypes, dataclasses, functools, glob, os, site, sys
+import ctypes, functools, glob, os, site, sys
 import jax
 import pallas_attn
-from pallas_attn import bench, tuning
+from pallas_attn import bench
 
 feature, dq = sys.argv[1], sys.argv[2]
 feats = {"plain": (), "softcap": (("softcap", 30.0),), "bias": (("bias", None),),
          "alibi": (("alibi", None),)}[feature]
 inputs = bench.make_inputs(bench.Shape(4, 4096, 4096, 16, 16, 128, False, feats))
 kw = inputs["kwargs"]
-blocks = tuning.choose_block_sizes(
-    128, q_len=4096, kv_len=4096, has_soft_cap="logits_soft_cap" in kw,
-    has_bias="bias" in kw, bias_dtype=kw["bias"].dtype if "bias" in kw else None,
-    mosaic_scores=True)
-if dq == "mosaic":
-    blocks = dataclasses.replace(blocks, dq_backend="mosaic", block_q_dq=128, block_k_dq=64,
-                                 num_stages_dq=2)
-elif dq == "triton":
-    blocks = dataclasses.replace(blocks, dq_backend="triton", block_q_dq=128, block_k_dq=64,
-                                 num_stages_dq=3, num_warps_dq=8)
+blocks = pallas_attn.BlockSizes(dq_backend=dq or None)
 att = functools.partial(pallas_attn.dot_product_attention, implementation="pallas",
                         block_sizes=blocks)
 step = bench._loss_and_grad(att, inputs)

@@ -302,8 +302,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, dict]:
     """Runs the CLI; returns {attention: train()'s result} (for tests)."""
     cfg, args = parse_args(argv)
     device = jax.devices()[0]
-    print(f"device: {device.device_kind} ({device.platform}); pallas_attn implementation: "
-          f"{pallas_attn.api.default_implementation()}")
+    kernels = "Pallas kernels" if pallas_attn.device.on_nvidia_gpu() else "jnp reference"
+    print(f"device: {device.device_kind} ({device.platform}); pallas_attn runs its {kernels}")
     tokens = stdlib_source_bytes(cfg.max_bytes)
     train_tokens, val_tokens = split(tokens)
     print(f"data: {len(tokens):,} bytes of Python stdlib source from "

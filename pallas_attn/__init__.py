@@ -1,15 +1,21 @@
 """pallas_attn: differentiable fused attention for JAX (Pallas GPU kernels)."""
 
-from pallas_attn.api import dot_product_attention
-from pallas_attn.dropout import dropout_keep_mask
+from pallas_attn.api import dot_product_attention, explain
+from pallas_attn.device import DeviceInfo
+from pallas_attn.plan import BlockSizes, Plan, Route
+from pallas_attn.semantics.dropout import dropout_keep_mask
 from pallas_attn.spec import AttentionSpec
-from pallas_attn.tuning import BlockSizes, DeviceInfo, choose_block_sizes
+
+__version__ = "0.1.0"
 
 __all__ = [
     "AttentionSpec",
     "BlockSizes",
     "DeviceInfo",
-    "choose_block_sizes",
+    "Plan",
+    "Route",
+    "__version__",
     "dot_product_attention",
     "dropout_keep_mask",
+    "explain",
 ]

@@ -1,4 +1,13 @@
-"""python -m pallas_attn {bench,check,tune}: see `python -m pallas_attn --help`."""
+"""pallas_attn's commands.
+
+  bench    speed next to jax.nn's cuDNN and XLA attention on a GPU (TFLOP/s of the
+           forward and of forward+backward); on a CPU, a labelled interpreter check
+  check    every kernel's outputs and gradients against the reference at realistic
+           sizes (FlashAttention's rule: at most twice the same-dtype reference's error)
+  tune     time Triton tile candidates on the GPU and cache the fastest
+  explain  the plan for one problem: which kernel runs each role, with which tiles, and
+           why a faster one was not taken (plans for an H100 on a machine without a GPU)
+"""
 
 from __future__ import annotations
 
@@ -7,7 +16,8 @@ import sys
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m pallas_attn", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m pallas_attn", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     bench = sub.add_parser("bench", help="speed table vs jax.nn (GPU); interpreter check (CPU)")
     bench.add_argument("--quick", action="store_true", help="head dim 128 only")
@@ -31,9 +41,38 @@ def main(argv: list[str] | None = None) -> int:
     tune.add_argument("--causal", choices=["no", "yes", "both"], default="both")
     tune.add_argument("--bias", action="store_true", help="with a [1, N, T, S] bias (+ dbias)")
     tune.add_argument("--json", help="write every timing to this file")
+    explain = sub.add_parser("explain", help="the plan for one problem (which kernel runs "
+                             "each role, and why)")
+    explain.add_argument("--batch", type=int, default=4)
+    explain.add_argument("--q-len", type=int, default=4096)
+    explain.add_argument("--kv-len", type=int, default=None, help="default: --q-len")
+    explain.add_argument("--heads", type=int, default=16)
+    explain.add_argument("--kv-heads", type=int, default=None, help="default: --heads")
+    explain.add_argument("--head-dim", type=int, default=128)
+    explain.add_argument("--value-head-dim", type=int, default=None)
+    explain.add_argument("--dtype", default="bfloat16")
+    explain.add_argument("--causal", action="store_true")
+    explain.add_argument("--alignment", choices=["top_left", "bottom_right"],
+                         default="top_left")
+    explain.add_argument("--window", metavar="LEFT[,RIGHT]", help="local_window_size")
+    explain.add_argument("--softcap", type=float, help="logits_soft_cap")
+    explain.add_argument("--alibi", action="store_true", help="ALiBi slopes per head")
+    explain.add_argument("--bias", metavar="SHAPE",
+                         help="Bb,Nb for a [Bb, Nb, T, S] bias, or Bb,Nb,Tb,Sb")
+    explain.add_argument("--bias-dtype", help="default: --dtype")
+    explain.add_argument("--mask", action="store_true", help="a boolean mask [B, 1, T, S]")
+    explain.add_argument("--segments", action="store_true", help="segment ids")
+    explain.add_argument("--lengths", action="store_true", help="sequence lengths")
+    explain.add_argument("--dropout", type=float, default=0.0, help="dropout_rate")
+    explain.add_argument("--implementation", choices=["pallas", "xla", "xla_chunked"])
+    explain.add_argument("--capability", help="plan for this compute capability, e.g. 8.0 "
+                         "(default: this machine's GPU, or an H100 without one)")
+    explain.add_argument("--sms", type=int, help="multiprocessors of that device")
     args = parser.parse_args(argv)
     if args.command == "tune":
         return _tune(args)
+    if args.command == "explain":
+        return _explain(args, parser)
 
     from pallas_attn import bench as bench_lib
 
@@ -102,10 +141,77 @@ def _bench_implementations(args: argparse.Namespace, parser: argparse.ArgumentPa
     return [names[x] for x in args.impl]
 
 
+def _explain(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    import jax
+    import jax.numpy as jnp
+
+    import pallas_attn
+    from pallas_attn.device import on_nvidia_gpu
+
+    B, T, N, H = args.batch, args.q_len, args.heads, args.head_dim
+    S, K, Hv = args.kv_len or T, args.kv_heads or N, args.value_head_dim or H
+    try:
+        dtype = jnp.dtype(args.dtype)
+        bias_dtype = jnp.dtype(args.bias_dtype or args.dtype)
+    except TypeError as e:
+        parser.error(f"--dtype/--bias-dtype: {e}")
+
+    def shape(*dims, dtype=dtype):
+        return jax.ShapeDtypeStruct(dims, dtype)
+
+    kwargs = dict(is_causal=args.causal, causal_alignment=args.alignment,
+                  logits_soft_cap=args.softcap, dropout_rate=args.dropout,
+                  implementation=args.implementation)
+    if args.window:
+        try:
+            window = tuple(int(x) for x in args.window.split(","))
+        except ValueError:
+            parser.error(f"--window {args.window!r}: expected LEFT or LEFT,RIGHT")
+        kwargs["local_window_size"] = window[0] if len(window) == 1 else window
+    if args.alibi:
+        kwargs["alibi_slopes"] = shape(N, dtype=jnp.float32)
+    if args.bias:
+        try:
+            dims = tuple(int(x) for x in args.bias.split(","))
+        except ValueError:
+            dims = ()
+        if len(dims) not in (2, 4):
+            parser.error(f"--bias {args.bias!r}: expected Bb,Nb or Bb,Nb,Tb,Sb")
+        kwargs["bias"] = shape(*(dims if len(dims) == 4 else (*dims, T, S)), dtype=bias_dtype)
+    if args.mask:
+        kwargs["mask"] = shape(B, 1, T, S, dtype=jnp.bool_)
+    if args.segments:
+        kwargs["q_segment_ids"] = shape(B, T, dtype=jnp.int32)
+        kwargs["kv_segment_ids"] = shape(B, S, dtype=jnp.int32)
+    if args.lengths:
+        kwargs["query_seq_lengths"] = kwargs["key_value_seq_lengths"] = shape(
+            B, dtype=jnp.int32)
+    if args.dropout:
+        kwargs["dropout_rng"] = jax.random.key(0)
+    device = None
+    if args.capability or not on_nvidia_gpu():
+        try:
+            major, minor = (int(x) for x in (args.capability or "9.0").split("."))
+        except ValueError:
+            parser.error(f"--capability {args.capability!r}: expected MAJOR.MINOR, e.g. 9.0")
+        device = pallas_attn.DeviceInfo.for_capability((major, minor), args.sms or 132)
+        if not args.capability:
+            print("No NVIDIA GPU here: planning for an H100 (sm90, 132 SMs); "
+                  "--capability plans for another.")
+    try:
+        plan = pallas_attn.explain(shape(B, T, N, H), shape(B, S, K, H), shape(B, S, K, Hv),
+                                   device=device, **kwargs)
+    except (TypeError, ValueError) as e:
+        parser.error(str(e))
+    print(plan)
+    return 0
+
+
 def _tune(args: argparse.Namespace) -> int:
     import json
 
-    from pallas_attn import autotune, bench
+    from pallas_attn import bench
+    from pallas_attn.tuning import autotune
 
     if not bench.on_gpu():
         print("tune times kernels on an NVIDIA GPU; none found", file=sys.stderr)

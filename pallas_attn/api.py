@@ -1,26 +1,28 @@
-"""The public entry point: validate once, pick an implementation, run it."""
+"""The public entry points: validate once, plan (dispatch.py), run the plan.
+
+`dot_product_attention` computes; `explain` returns the plan the same call would
+run, for arrays or shapes (jax.ShapeDtypeStruct), on this or a described GPU.
+"""
 
 from __future__ import annotations
 
 from typing import Any
 
 import jax
+import numpy as np
 
-from pallas_attn import reference
-from pallas_attn.spec import IMPLEMENTATIONS, MAX_KERNEL_HEAD_DIM, check_bool, normalize
-
-
-def default_implementation(interpret: bool = False) -> str:
-    """The Pallas kernels on an NVIDIA GPU (or in the interpreter), the reference elsewhere."""
-    if interpret:
-        return "pallas"
-    try:
-        device = jax.devices()[0]
-    except RuntimeError:
-        return "xla"
-    if device.platform == "gpu" and "nvidia" in device.device_kind.lower():
-        return "pallas"
-    return "xla"
+from pallas_attn import dispatch
+from pallas_attn.device import DeviceInfo
+from pallas_attn.plan import BlockSizes, Plan
+from pallas_attn.semantics import reference
+from pallas_attn.spec import (
+    IMPLEMENTATIONS,
+    MAX_KERNEL_HEAD_DIM,
+    AttentionSpec,
+    Operands,
+    check_bool,
+    normalize,
+)
 
 
 def dot_product_attention(
@@ -86,13 +88,7 @@ def dot_product_attention(
       output 0 and logsumexp -inf (jax.nn returns the mean of value there).
     """
     return_residual = check_bool("return_residual", return_residual)
-    interpret = check_bool("interpret", interpret)
-    automatic = implementation is None
-    if automatic:
-        implementation = default_implementation(interpret)
-    if implementation not in IMPLEMENTATIONS:
-        raise ValueError(f"implementation must be None or one of {IMPLEMENTATIONS}, "
-                         f"got {implementation!r}")
+    _check_options(implementation, block_sizes, interpret, None)
     spec, ops, batched = normalize(
         query, key, value, bias, mask, scale=scale, is_causal=is_causal,
         query_seq_lengths=query_seq_lengths, key_value_seq_lengths=key_value_seq_lengths,
@@ -100,38 +96,91 @@ def dot_product_attention(
         alibi_slopes=alibi_slopes, logits_soft_cap=logits_soft_cap,
         q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
         dropout_rate=dropout_rate, dropout_rng=dropout_rng, broadcast_dropout=broadcast_dropout)
-    if automatic and implementation == "xla":
-        from pallas_attn import chunked
-
-        if chunked.prefer_chunked(ops.query.shape[1], ops.key.shape[1]):
-            implementation = "xla_chunked"  # the reference would build T x S matrices
-    if implementation != "pallas" and (block_sizes is not None or interpret):
-        raise ValueError(
-            f"block_sizes and interpret apply to implementation='pallas', got {implementation!r}")
-
-    if implementation == "xla":
+    plan = _plan(spec, ops, implementation, block_sizes, interpret, None)
+    if plan.implementation == "xla":
         out, lse = reference.attention(spec, ops)
-    elif implementation == "xla_chunked":
-        from pallas_attn import chunked
+    elif plan.implementation == "xla_chunked":
+        from pallas_attn.semantics import chunked
 
         out, lse = chunked.attention(spec, ops)
     else:
-        head_dims = (ops.query.shape[-1], ops.value.shape[-1])
+        from pallas_attn.kernels import vjp
+
+        out, lse = vjp.attention(spec, ops, plan)
+    return reference.finish(out, lse, batched, return_residual)
+
+
+def _check_options(implementation: Any, block_sizes: Any, interpret: Any, device: Any) -> None:
+    check_bool("interpret", interpret)
+    if implementation is not None and implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"implementation must be None or one of {IMPLEMENTATIONS}, "
+                         f"got {implementation!r}")
+    if block_sizes is not None and not isinstance(block_sizes, BlockSizes):
+        raise TypeError(f"block_sizes must be a pallas_attn.BlockSizes, got "
+                        f"{type(block_sizes).__name__}")
+    if device is not None and not isinstance(device, DeviceInfo):
+        raise TypeError(f"device must be a pallas_attn.DeviceInfo, got "
+                        f"{type(device).__name__}")
+
+
+def _plan(spec: AttentionSpec, ops: Operands, implementation: str | None,
+          block_sizes: BlockSizes | None, interpret: bool, device: DeviceInfo | None) -> Plan:
+    """The plan of a normalized call (options checked by _check_options)."""
+    interpret = bool(interpret)
+    call = dispatch.Call.of(spec, ops)
+    if implementation is None and device is not None:
+        implementation, why = "pallas", "planning for the device given"
+    else:
+        implementation, why = dispatch.choose_implementation(implementation, call, interpret)
+    if implementation != "pallas" and (block_sizes is not None or interpret):
+        raise ValueError(
+            f"block_sizes and interpret apply to implementation='pallas', got {implementation!r}")
+    if implementation == "pallas":
+        head_dims = (call.head_dim, call.value_head_dim)
         if max(head_dims) > MAX_KERNEL_HEAD_DIM:
             raise ValueError(
                 f"the Pallas kernels support head dims up to {MAX_KERNEL_HEAD_DIM}, got "
                 f"query/key {head_dims[0]} and value {head_dims[1]}; use implementation='xla'")
-        from pallas_attn.kernels import attention as kernel_attention
-        from pallas_attn.tuning import BlockSizes, check_fuse_dbias
+    return dispatch.plan(call, implementation=implementation, device=device,
+                         block_sizes=block_sizes, interpret=interpret, why=why)
 
-        if block_sizes is not None and not isinstance(block_sizes, BlockSizes):
-            raise TypeError(f"block_sizes must be a pallas_attn.BlockSizes, got "
-                            f"{type(block_sizes).__name__}")
-        if block_sizes is not None:
-            check_fuse_dbias(block_sizes, spec.bias_shape, batch=ops.query.shape[0],
-                             num_heads=ops.query.shape[2],
-                             bias_dtype=None if ops.bias is None else ops.bias.dtype,
-                             dtype=ops.query.dtype)
-        out, lse = kernel_attention.attention(spec, ops, block_sizes=block_sizes,
-                                              interpret=interpret)
-    return reference.finish(out, lse, batched, return_residual)
+
+def explain(
+    query: Any,
+    key: Any,
+    value: Any,
+    bias: Any = None,
+    mask: Any = None,
+    *,
+    implementation: str | None = None,
+    block_sizes: BlockSizes | None = None,
+    interpret: bool = False,
+    device: DeviceInfo | None = None,
+    **kwargs: Any,
+) -> Plan:
+    """The plan `dot_product_attention` runs for these arguments, without running it.
+
+    Takes the same arguments (arrays, or jax.ShapeDtypeStruct for any array
+    argument) and device: a pallas_attn.DeviceInfo to plan for a GPU you are not on
+    (implementation then defaults to "pallas"). `print(explain(...))` shows one line
+    per role (forward, dQ, dK/dV, and dbias with a bias) naming its backend (mosaic,
+    triton or xla) and tiles, each followed by the faster backends not taken and why.
+    """
+    _check_options(implementation, block_sizes, interpret, device)
+    arrays = {"query": query, "key": key, "value": value, "bias": bias, "mask": mask}
+    arrays.update({name: x for name, x in kwargs.items() if _is_array_like(x)})
+    static = {name: x for name, x in kwargs.items() if name not in arrays}
+    normalized = {}
+
+    def trace(arrays):
+        spec, ops, _ = normalize(**arrays, **static)
+        normalized["spec"] = spec
+        return ops
+
+    ops = jax.eval_shape(trace, arrays)
+    return _plan(normalized["spec"], ops, implementation, block_sizes, interpret, device)
+
+
+def _is_array_like(x: Any) -> bool:
+    return isinstance(x, jax.Array | np.ndarray | jax.ShapeDtypeStruct) or (
+        hasattr(x, "shape") and hasattr(x, "dtype"))

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import pallas_attn
-from pallas_attn import autotune
+from pallas_attn.tuning import autotune
 
 
 def on_gpu() -> bool:
@@ -236,7 +236,7 @@ def check(shapes: Sequence[Shape], *, interpret: bool = False,
 
 
 def standard_shapes(quick: bool = False) -> list[Shape]:
-    """PEERS.md's shapes: 16k tokens (T = S = 4096) at head dims 64, 128, 256."""
+    """The standard shapes: 16k or 32k tokens (T = S = 4096) at head dims 64, 128, 256."""
     shapes = []
     for head_dim, batch, heads in ((64, 8, 16), (128, 4, 16), (256, 4, 8)):
         if quick and head_dim != 128:

@@ -66,7 +66,8 @@ from flax import linen, nnx
 from flax.nnx.nn import dtypes as nnx_dtypes
 from flax.nnx.nn.linear import default_kernel_init
 
-from pallas_attn.api import default_implementation, dot_product_attention
+from pallas_attn.api import dot_product_attention
+from pallas_attn.device import on_nvidia_gpu
 from pallas_attn.spec import MAX_KERNEL_HEAD_DIM
 
 __all__ = [
@@ -354,9 +355,8 @@ def attention_fn(
             attn_weights_value_einsum=attn_weights_value_einsum)
 
     if implementation is None and block_sizes is None:
-        resolved = default_implementation(interpret)
         head_dims = (query.shape[-1], value.shape[-1])
-        if resolved == "pallas" and max(head_dims) > MAX_KERNEL_HEAD_DIM and not interpret:
+        if on_nvidia_gpu() and max(head_dims) > MAX_KERNEL_HEAD_DIM and not interpret:
             _warn_once("head_dim", f"pallas_attn.flax.attention_fn: head dims {head_dims} exceed "
                                    f"the kernels' {MAX_KERNEL_HEAD_DIM}; using pallas_attn's jnp "
                                    f"reference (implementation='xla') instead.")

@@ -22,6 +22,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_attn.semantics.dropout import seed_from_key
+
 IMPLEMENTATIONS = ("pallas", "xla", "xla_chunked")
 ALIGNMENTS = ("top_left", "bottom_right")
 MAX_KERNEL_HEAD_DIM = 256
@@ -95,6 +97,10 @@ class Operands(NamedTuple):
     query_seq_lengths: jax.Array | None = None
     key_value_seq_lengths: jax.Array | None = None
     dropout_seed: jax.Array | None = None
+
+
+# The optional operands, in the order the kernels receive them.
+OPTIONAL_INPUTS = Operands._fields[3:]
 
 
 def _shape(x: Any) -> tuple[int, ...]:
@@ -347,8 +353,6 @@ def normalize(
     if dropout_rate > 0.0:
         if dropout_rng is None:
             raise ValueError(f"dropout_rate={dropout_rate} needs a dropout_rng (a jax PRNG key)")
-        from pallas_attn.dropout import seed_from_key
-
         seed = seed_from_key(dropout_rng)
 
     spec = AttentionSpec(

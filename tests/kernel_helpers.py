@@ -21,9 +21,12 @@ import numpy as np
 import pytest
 
 import pallas_attn
-from pallas_attn import tuning
-from pallas_attn.kernels import attention as kernel_attention
-from pallas_attn.kernels import mosaic_common, triton_bwd, triton_fwd
+from pallas_attn import dispatch
+from pallas_attn.kernels import vjp
+from pallas_attn.kernels.mosaic.common import row_residuals
+from pallas_attn.kernels.triton import fwd as triton_fwd
+from pallas_attn.kernels.triton.context import backward_inputs
+from pallas_attn.plan import BACKEND_FIELDS, TILE_FIELDS, Route
 from pallas_attn.spec import normalize
 
 # NOTE: at these sizes the interpreted kernels run in milliseconds; the time goes
@@ -412,16 +415,26 @@ def no_mosaic_races():
     assert not races.races_found, "the interpreter detected a data race"
 
 
+def plan_for(spec: Any, ops: Any, block_sizes: Any, *, interpret: bool = True,
+             device: Any = None) -> Any:
+    """The plan dot_product_attention makes for normalized arguments."""
+    return dispatch.plan(dispatch.Call.of(spec, ops), block_sizes=block_sizes,
+                         interpret=interpret, device=device)
+
+
+def with_routes(problem: Any, **routes: Route) -> Any:
+    """The problem with some roles' routes replaced."""
+    return dataclasses.replace(problem, plan=dataclasses.replace(problem.plan, **routes))
+
+
 def assert_needs_hopper(block_sizes: Any, match: str) -> None:
-    """resolve_block_sizes rejects these Mosaic tiles on an sm80 device with a
-    ValueError matching `match`."""
+    """The routing table rejects these Mosaic tiles on an sm80 device with a ValueError
+    matching `match`."""
     inputs = make_inputs(1, B=1, T=16, S=16, N=1, H=64, dtype=jnp.bfloat16)
-    ampere = tuning.DeviceInfo.for_capability((8, 0))
+    ampere = pallas_attn.DeviceInfo.for_capability((8, 0))
     spec, ops, _ = normalize(inputs["q"], inputs["k"], inputs["v"])
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(tuning.DeviceInfo, "current", staticmethod(lambda: ampere))
-        with pytest.raises(ValueError, match=match):
-            kernel_attention.resolve_block_sizes(spec, ops, block_sizes, interpret=False)
+    with pytest.raises(ValueError, match=match):
+        plan_for(spec, ops, block_sizes, interpret=False, device=ampere)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -443,7 +456,7 @@ class KernelBackward:
     @property
     def stats(self) -> jax.Array:
         """The Mosaic backward kernels' stacked row residuals."""
-        return mosaic_common.row_residuals(self.row_stats, self.delta)
+        return row_residuals(self.row_stats, self.delta)
 
     def first_entry(self) -> KernelBackward:
         """The same problem cut to its batch entry 0 (a bias shared by the batch entries
@@ -459,11 +472,22 @@ class KernelBackward:
                               self.T, self.S)
 
     def triton(self, **tiles: Any) -> tuple[Any, tuple[str, ...], list]:
-        """(problem with these tiles, names, inputs) for the Triton backward kernels."""
-        problem = dataclasses.replace(
-            self.problem, blocks=dataclasses.replace(self.problem.blocks, **tiles))
-        names, inputs = triton_bwd.backward_inputs(self.q, self.k, self.v, self.operands,
-                                                   self.row_stats, self.do, self.delta)
+        """(problem whose plan runs these roles' Triton kernels with these tiles, given by
+        BlockSizes field names; names, inputs) for the Triton backward kernels."""
+        plan = self.problem.plan
+        routes = {}
+        for role, fields in TILE_FIELDS.items():
+            tiles.pop(BACKEND_FIELDS[role], None)
+            given = {f: tiles.pop(f) for f in fields if f in tiles}
+            if given:
+                old = plan.route(role)
+                base = (old.block_q, old.block_k, old.num_warps or 4, old.num_stages or 1)
+                routes[role] = Route("triton", *(given.get(f, b) for f, b in zip(
+                    fields, base, strict=True)))
+        assert not tiles, f"not BlockSizes tile fields: {tiles}"
+        problem = dataclasses.replace(self.problem, plan=dataclasses.replace(plan, **routes))
+        names, inputs = backward_inputs(self.q, self.k, self.v, self.operands, self.row_stats,
+                                        self.do, self.delta)
         return problem, names, inputs
 
 
@@ -479,10 +503,13 @@ def kernel_backward(dtype: str, shapes: dict, bias_shape: tuple | None, kwargs: 
     bias = (random_bias(3, (*bias_shape, T, S), DTYPES[bias_dtype or dtype])
             if bias_shape is not None else None)
     spec, ops, _ = normalize(inputs["q"], inputs["k"], inputs["v"], bias, **kwargs)
-    problem, q, k, v, differentiable, optional = kernel_attention.prepare(
-        spec, ops, block_sizes, interpret=True)
+    problem, q, k, v, differentiable, optional = vjp.prepare(
+        spec, ops, plan_for(spec, ops, block_sizes))
     operands = {**optional, **differentiable}
-    out, row_stats = triton_fwd.forward(problem, q, k, v, operands)
+    forward = problem.plan.forward
+    triton_problem = dataclasses.replace(problem, plan=dataclasses.replace(
+        problem.plan, forward=Route("triton", forward.block_q, forward.block_k, 4, 2)))
+    out, row_stats = triton_fwd.forward(triton_problem, q, k, v, operands)
     do = jax.random.normal(jax.random.key(11), out.shape, out.dtype)
     delta = jnp.einsum("btnh,btnh->bnt", do.astype(jnp.float32), out.astype(jnp.float32))
     return KernelBackward(problem, q, k, v, operands, row_stats, do, delta, T, S)

@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 
 import pallas_attn
-from pallas_attn import chunked, reference
+from pallas_attn.semantics import chunked, reference
 from pallas_attn.spec import normalize
 
 TOL = dict(rtol=1e-5, atol=1e-5)
@@ -326,7 +326,7 @@ def test_public_api_unbatched_and_residual():
         np.testing.assert_allclose(g, w, **TOL)
 
 
-def test_choose_tiles_chunk_and_prefer_chunked():
+def test_choose_tiles_and_chunk():
     assert chunked.choose_tiles(100, 100) == (32, 100)
     assert chunked.choose_tiles(500, 800) == (64, 512)
     assert chunked.choose_tiles(4096, 4096) == (256, 512)
@@ -342,9 +342,14 @@ def test_choose_tiles_chunk_and_prefer_chunked():
             chunked.attention(spec, ops, chunk=bad)
     with pytest.raises(ValueError, match="block_q"):
         chunked.attention(spec, ops, block_q=-4)
-    assert not chunked.prefer_chunked(1024, 1024)
-    assert chunked.prefer_chunked(2048, 2048)
-    assert chunked.prefer_chunked(128, 32768)
+
+
+@pytest.mark.parametrize("q_len,kv_len,expected", [(1024, 1024, "xla"), (2048, 2048, "xla_chunked"),
+                                                   (128, 32768, "xla_chunked")])
+def test_the_cpu_default_is_blockwise_for_long_sequences(q_len, kv_len, expected):
+    q = jax.ShapeDtypeStruct((1, q_len, 1, 16), jnp.float32)
+    k = jax.ShapeDtypeStruct((1, kv_len, 1, 16), jnp.float32)
+    assert pallas_attn.explain(q, k, k).implementation == expected
 
 
 # --------------------------------------------------------------------------------------

@@ -32,6 +32,7 @@ from kernel_helpers import (
 )
 
 import pallas_attn
+from pallas_attn.kernels.triton import config as triton_config
 
 PALLAS = {"implementation": "pallas", "interpret": True, "block_sizes": SMALL_BLOCKS}
 F32 = jnp.float32
@@ -70,7 +71,7 @@ BIAS_CASES = [
 # Every case through the separate dbias kernel; biases with an entry per batch entry and
 # head also through the dK/dV kernel (fused; the others are refused: test_validation.py).
 BIAS_RUNS = [(shape, kwargs, fuse) for shape, kwargs in BIAS_CASES for fuse in (False, True)
-             if not fuse or pallas_attn.tuning.fusable_dbias(shape, batch=B, num_heads=N)]
+             if not fuse or triton_config.fusable_dbias(shape, batch=B, num_heads=N)]
 
 
 @pytest.mark.parametrize("bias_shape,kwargs,fuse_dbias", BIAS_RUNS,

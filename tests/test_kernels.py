@@ -294,7 +294,7 @@ def test_tolerance_table_is_keyed_by_every_tested_dtype():
     (-5, 0, (0, 0)),
 ])
 def test_tile_span_of_an_empty_range_is_empty(lo, hi, expected):
-    from pallas_attn.kernels.common import tile_span
+    from pallas_attn.kernels.core import tile_span
 
     first, stop = tile_span(jnp.int32(lo), jnp.int32(hi), 64)
     assert (int(first), int(stop)) == expected
@@ -303,15 +303,17 @@ def test_tile_span_of_an_empty_range_is_empty(lo, hi, expected):
 def test_query_tiles_of_keys_past_a_window_are_empty():
     """Keys 256..383 lie right of every query's window (T=100, window (40, 10)): no
     query tile is visited (a tile past the padded queries was before)."""
-    from pallas_attn.kernels import attention as kernel_attention
-    from pallas_attn.kernels.common import TileContext
+    from kernel_helpers import plan_for
+
+    from pallas_attn.kernels import vjp
+    from pallas_attn.kernels.core import TileRanges
     from pallas_attn.spec import normalize
 
     q = jnp.zeros((1, 100, 1, 64), jnp.bfloat16)
     k = jnp.zeros((1, 260, 1, 64), jnp.bfloat16)
     spec, ops, _ = normalize(q, k, k, local_window_size=(40, 10))
-    problem, *_ = kernel_attention.prepare(spec, ops, pallas_attn.BlockSizes(32, 32, 64, 128),
-                                           interpret=True)
-    first, stop, full_first, full_stop = (int(x) for x in TileContext(
-        problem, {}, 0, 0).query_tiles(jnp.int32(256), jnp.int32(384), 64))
+    problem, *_ = vjp.prepare(spec, ops, plan_for(spec, ops, pallas_attn.BlockSizes(
+        32, 32, 64, 128)))
+    first, stop, full_first, full_stop = (int(x) for x in TileRanges(
+        problem, 0, 0).query_tiles(jnp.int32(256), jnp.int32(384), 64))
     assert first == stop == full_first == full_stop

@@ -7,7 +7,6 @@ compilation (shared memory, register allocation) still needs a GPU: see BUILD.md
 """
 
 import dataclasses
-import functools
 import importlib.util
 import pathlib
 
@@ -124,26 +123,3 @@ CASES = {
 @pytest.mark.parametrize("case", CASES, ids=str)
 def test_kernels_lower_for_sm90(case):
     assert lower_for_gpu.lower(**dict(CASES[case]))
-
-
-@pytest.mark.parametrize("kwargs", [dict(), dict(logits_soft_cap=30.0, is_causal=True,
-                                                 alibi_slopes=jnp.ones(4))],
-                         ids=["plain", "softcap_causal_alibi"])
-def test_dkdv_kernel_with_dq_lowers_for_sm90(kwargs):
-    """mosaic_dkv.dq_dkdv (dQ computed by the dK/dV kernel) is not reachable through
-    dot_product_attention: lowered directly."""
-    from pallas_attn.kernels import attention as kernel_attention
-    from pallas_attn.kernels import mosaic_dkv
-    from pallas_attn.spec import normalize
-
-    B, T, N, H = 2, 256, 4, 128
-    q = jnp.zeros((B, T, N, H), jnp.bfloat16)
-    spec, ops, _ = normalize(q, q, q, None, **kwargs)
-    blocks = pallas_attn.BlockSizes(128, 128, num_stages=2, forward_backend="mosaic",
-                                    **_MOSAIC_DKV, **_MOSAIC_DQ)
-    problem, qp, kp, vp, _, optional = kernel_attention.prepare(spec, ops, blocks,
-                                                                interpret=False)
-    stats = jnp.zeros((B, N, 3, T), jnp.float32)
-    fn = functools.partial(mosaic_dkv.dq_dkdv, problem)
-    jax.jit(fn).trace(qp, kp, vp, qp, stats, optional.get("alibi_slopes")).lower(
-        lowering_platforms=("cuda",))

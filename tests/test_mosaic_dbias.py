@@ -29,8 +29,8 @@ from kernel_helpers import (  # no_mosaic_races: an autouse fixture
 )
 
 import pallas_attn
-from pallas_attn import tuning
-from pallas_attn.kernels import mosaic_dbias, triton_bwd
+from pallas_attn.kernels.mosaic import dbias as mosaic_dbias
+from pallas_attn.kernels.triton import dbias as triton_dbias
 
 # Small Triton tiles around the Mosaic dbias kernel's 128-row items.
 MOSAIC_DBIAS = pallas_attn.BlockSizes(32, 32, 32, 32, 32, 32, block_q_dbias=128,
@@ -63,7 +63,7 @@ def _kernel_outputs(dtype: str, bias_dtype: str, shapes: dict, bias_shape: tuple
     bias = x.operands["bias"]
     mosaic = mosaic_dbias.dbias(x.problem, x.q, x.k, x.v, x.do, x.stats, bias,
                                 x.operands.get("alibi_slopes"))
-    triton = triton_bwd.dbias(*x.triton(block_q_dbias=32, block_k_dbias=32,
+    triton = triton_dbias.dbias(*x.triton(block_q_dbias=32, block_k_dbias=32,
                                         dbias_backend="triton"), bias)
     assert mosaic.dtype == bias.dtype and mosaic.shape == bias.shape
     return np.asarray(mosaic, np.float32), np.asarray(triton, np.float32), (x.T, x.S)
@@ -138,43 +138,14 @@ def test_a_bias_without_the_mosaic_dbias_kernel_runs():
 @pytest.mark.parametrize("fields,match", [
     (dict(block_q_dbias=64), "block_q_dbias=128"),
     (dict(block_k_dbias=32), "block_k_dbias in"),
-    (dict(dbias_backend="cuda"), "dbias_backend must be one of"),
 ])
-def test_block_sizes_validate_the_mosaic_dbias_tiles(fields, match):
-    with pytest.raises(ValueError, match=match):
-        dataclasses.replace(MOSAIC_DBIAS, **fields)
+def test_the_routing_table_checks_the_mosaic_dbias_tiles(fields, match):
+    inputs = make_inputs(1, B=1, T=16, S=16, N=2, H=64, dtype=jnp.bfloat16)
+    bias = jnp.zeros((1, 1, 16, 16), jnp.bfloat16)
+    with pytest.raises(ValueError, match=f"dbias_backend='mosaic' does not cover.*{match}"):
+        pallas_attn.explain(inputs["q"], inputs["k"], inputs["v"], bias, interpret=True,
+                            block_sizes=dataclasses.replace(MOSAIC_DBIAS, **fields))
 
 
 def test_mosaic_dbias_needs_a_hopper_gpu():
-    assert_needs_hopper(MOSAIC_DBIAS, "dbias_backend='mosaic' needs an sm90")
-
-
-HOPPER = tuning.DeviceInfo.for_capability((9, 0))
-
-
-@pytest.mark.parametrize("case,expected", [
-    (dict(), (128, 64, 2)),
-    (dict(head_dim=64), (128, 64, 2)),
-    (dict(bias_dtype=jnp.float32), (128, 64, 1)),  # two slots leave no room for it
-    (dict(device=tuning.DeviceInfo.for_capability((8, 0))), None),
-    (dict(dtype=jnp.float32), None),
-    (dict(head_dim=256), None),
-    (dict(bias_dtype=None), None),
-    (dict(mosaic_scores=False), None),  # e.g. a mask or dropout as well
-    (dict(q_len=100), None),
-])
-def test_heuristic_picks_the_mosaic_dbias_kernel(case, expected):
-    args = dict(head_dim=128, dtype=jnp.bfloat16, q_len=4096, kv_len=4096, device=HOPPER,
-                bias_dtype=jnp.bfloat16, mosaic_scores=True)
-    args.update(case)
-    head_dim = args.pop("head_dim")
-    blocks = tuning.choose_block_sizes(head_dim, has_bias=args["bias_dtype"] is not None,
-                                       **args)
-    if expected is None:
-        assert blocks.dbias_backend == "triton"
-        return
-    assert blocks.dbias_backend == "mosaic"
-    assert (blocks.block_q_dbias, blocks.block_k_dbias, blocks.num_stages_dbias) == expected
-    estimate = tuning.shared_memory_estimate(blocks, head_dim, head_dim, args["dtype"],
-                                             bias_dtype=args["bias_dtype"])
-    assert estimate["dbias"] <= HOPPER.max_shared_memory_per_block
+    assert_needs_hopper(MOSAIC_DBIAS, "dbias_backend='mosaic'.*needs an sm90")

@@ -30,12 +30,13 @@ from kernel_helpers import (  # no_mosaic_races: an autouse fixture
     kernel_backward,
     make_inputs,
     no_mosaic_races,  # noqa: F401
+    plan_for,
 )
 
 import pallas_attn
-from pallas_attn import tuning
-from pallas_attn.kernels import attention as kernel_attention
-from pallas_attn.kernels import mosaic_dkv, triton_bwd
+from pallas_attn.kernels.mosaic import dkv as mosaic_dkv
+from pallas_attn.kernels.triton import dbias as triton_dbias
+from pallas_attn.kernels.triton import dkdv as triton_dkdv
 from pallas_attn.spec import normalize
 
 # Small Triton tiles around the Mosaic dK/dV kernel's (64, 128) tiles.
@@ -76,8 +77,8 @@ def _kernel_outputs(dtype: str, shapes: dict, bias_shape: tuple | None, kwargs: 
     mosaic = mosaic_dkv.dkdv(x.problem, x.q, x.k, x.v, x.do, x.stats, bias, bias_grad,
                              x.operands.get("alibi_slopes"))
     triton_args = x.triton(**TRITON_TILES)
-    triton = (*triton_bwd.dkdv(*triton_args)[:2],
-              triton_bwd.dbias(*triton_args, bias) if bias_grad else None)
+    triton = (*triton_dkdv.dkdv(*triton_args)[:2],
+              triton_dbias.dbias(*triton_args, bias) if bias_grad else None)
     as_dict = (lambda xs: {name: np.asarray(x, np.float32)
                            for name, x in zip(("dk", "dv", "dbias"), xs, strict=True)
                            if x is not None})
@@ -121,7 +122,7 @@ def test_mosaic_dkv_adds_the_other_entries_to_dbias_first(shapes, kwargs):
     x = kernel_backward("bfloat16", shapes, (1, shapes["N"]), kwargs, MOSAIC_DKV)
     bias = x.operands["bias"]
     tiles = dict(block_q_dbias=32, block_k_dbias=32)
-    first = triton_bwd.dbias(*x.first_entry().triton(**tiles), bias)
+    first = triton_dbias.dbias(*x.first_entry().triton(**tiles), bias)
     args = (x.problem, x.q, x.k, x.v, x.do, x.stats, bias, True,
             x.operands.get("alibi_slopes"))
     dk, dv, dbias = mosaic_dkv.dkdv(*args, dbias_first=first)
@@ -129,7 +130,7 @@ def test_mosaic_dkv_adds_the_other_entries_to_dbias_first(shapes, kwargs):
     for a, b in ((dk, dk0), (dv, dv0)):
         np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
     T, S = x.T, x.S
-    expected = np.asarray(triton_bwd.dbias(*x.triton(**tiles), bias), np.float32)[..., :T, :S]
+    expected = np.asarray(triton_dbias.dbias(*x.triton(**tiles), bias), np.float32)[..., :T, :S]
     dbias = np.asarray(dbias, np.float32)[..., :T, :S]
     tol = (shapes["B"] + 1) * float(jnp.finfo(jnp.bfloat16).eps) * np.abs(expected).max()
     np.testing.assert_allclose(dbias, expected, rtol=0, atol=tol)
@@ -142,7 +143,7 @@ def test_dbias_first_only_starts_a_batch_shared_sum_of_its_shape(bias_shape, fir
     bias = x.operands["bias"]
     first = jnp.zeros((*first_shape, *bias.shape[2:]), bias.dtype)
     with pytest.raises(AssertionError,
-                       match="mosaic_dkv.dkdv takes dbias_first only for a bias shared by 2 batch"):
+                       match="mosaic.dkv.dkdv takes dbias_first only for a bias shared by 2 batch"):
         mosaic_dkv.dkdv(x.problem, x.q, x.k, x.v, x.do, x.stats, bias, True,
                         dbias_first=first)
 
@@ -198,8 +199,8 @@ def test_batch_shared_dbias_under_vmap(blocks):
     (dict(dropout_rate=0.1, dropout_rng=jax.random.key(0)), "dkv_backend='mosaic'.*no dropout"),
     (dict(dtype=jnp.float32), "dkv_backend='mosaic'.*bfloat16 or float16"),
     (dict(H=256), "dkv_backend='mosaic'.*head dims must pad to"),
-    (dict(bias=(2, 1, 16, 16), fuse_dbias=True), "fuse_dbias=True with dkv_backend='mosaic'"),
-    (dict(bias_dtype=jnp.float32, fuse_dbias=True), "dkv_backend='mosaic' needs a bias"),
+    (dict(bias=(2, 1, 16, 16), fuse_dbias=True), "fuse_dbias=True with the Mosaic dK/dV"),
+    (dict(bias_dtype=jnp.float32, fuse_dbias=True), "Mosaic dK/dV kernel needs a bias"),
 ])
 def test_unsupported_problems_name_the_reason(kwargs, match):
     dtype = kwargs.pop("dtype", jnp.bfloat16)
@@ -224,90 +225,20 @@ def test_the_mosaic_dkv_kernel_writes_the_dbias_it_can(bias_shape, bias_dtype, f
     inputs = make_inputs(1, B=2, T=16, S=16, N=2, H=64, dtype=jnp.bfloat16)
     spec, ops, _ = normalize(inputs["q"], inputs["k"], inputs["v"],
                              jnp.zeros((*bias_shape, 16, 16), bias_dtype))
-    blocks = kernel_attention.resolve_block_sizes(spec, ops, MOSAIC_DKV, interpret=True)
-    assert blocks.fuse_dbias is fused
+    plan = plan_for(spec, ops, MOSAIC_DKV)
+    assert plan.dbias.fused is fused
 
 
 @pytest.mark.parametrize("fields,match", [
     (dict(block_q_dkv=32), r"\(block_q_dkv, block_k_dkv\) = \(64, 128\)"),
     (dict(block_k_dkv=64), r"\(block_q_dkv, block_k_dkv\) = \(64, 128\)"),
-    (dict(dkv_backend="cuda"), "dkv_backend must be one of"),
 ])
-def test_block_sizes_validate_the_mosaic_dkv_tiles(fields, match):
-    with pytest.raises(ValueError, match=match):
-        dataclasses.replace(MOSAIC_DKV, **fields)
+def test_the_routing_table_checks_the_mosaic_dkv_tiles(fields, match):
+    inputs = make_inputs(1, B=1, T=16, S=16, N=1, H=64, dtype=jnp.bfloat16)
+    with pytest.raises(ValueError, match=f"dkv_backend='mosaic' does not cover.*{match}"):
+        pallas_attn.explain(inputs["q"], inputs["k"], inputs["v"], interpret=True,
+                            block_sizes=dataclasses.replace(MOSAIC_DKV, **fields))
 
 
 def test_mosaic_dkv_needs_a_hopper_gpu():
-    assert_needs_hopper(MOSAIC_DKV, "dkv_backend='mosaic' needs an sm90")
-
-
-HOPPER = tuning.DeviceInfo.for_capability((9, 0))
-
-
-@pytest.mark.parametrize("case,expected", [
-    (dict(), True),
-    (dict(head_dim=64), True),
-    (dict(bias_dtype=None), True),
-    (dict(bias_dtype=jnp.float32), False),  # two slots leave no room for it
-    (dict(device=tuning.DeviceInfo.for_capability((8, 0))), False),
-    (dict(dtype=jnp.float32), False),
-    (dict(head_dim=256), False),
-    (dict(mosaic_scores=False), False),  # e.g. a mask or dropout as well
-    (dict(q_len=100), False),
-])
-def test_heuristic_picks_the_mosaic_dkv_kernel(case, expected):
-    args = dict(head_dim=128, dtype=jnp.bfloat16, q_len=4096, kv_len=4096, device=HOPPER,
-                bias_dtype=jnp.bfloat16, mosaic_scores=True)
-    args.update(case)
-    head_dim = args.pop("head_dim")
-    blocks = tuning.choose_block_sizes(head_dim, has_bias=args["bias_dtype"] is not None,
-                                       **args)
-    if not expected:
-        assert blocks.dkv_backend == "triton"
-        return
-    assert blocks.dkv_backend == "mosaic"
-    assert (blocks.block_q_dkv, blocks.block_k_dkv, blocks.num_stages_dkv) == (64, 128, 2)
-    estimate = tuning.shared_memory_estimate(blocks, head_dim, head_dim, args["dtype"],
-                                             bias_dtype=args["bias_dtype"])
-    assert estimate["dkdv"] <= HOPPER.max_shared_memory_per_block
-
-
-@pytest.mark.parametrize("shapes,kwargs", [
-    (dict(B=1, T=64, S=128, N=1), {}),
-    (dict(B=2, T=100, S=260, N=4, K=2), dict(local_window_size=(40, 10),
-                                            logits_soft_cap=5.0)),
-    (dict(B=2, T=130, S=200, N=2), dict(is_causal=True,
-                                        alibi_slopes=jnp.array([0.5, 0.03]))),
-], ids=["plain", "gqa_window_soft_cap", "causal_ragged_alibi"])
-def test_dq_computed_by_the_dkdv_kernel(shapes, kwargs):
-    """mosaic_dkv.dq_dkdv: dK and dV bitwise those of dkdv, dQ (summed over the units'
-    parts in float32) close to the Triton dQ kernel's, every row written (NaN poison);
-    the kernel call under test is the last one, so its race verdict is checked."""
-    x = kernel_backward("bfloat16", dict(shapes, H=128), None, kwargs, MOSAIC_DKV)
-    slopes = x.operands.get("alibi_slopes")
-    dk0, dv0, _ = mosaic_dkv.dkdv(x.problem, x.q, x.k, x.v, x.do, x.stats, None, False,
-                                  slopes)
-    expected = np.asarray(triton_bwd.dq(*x.triton(block_q_dq=32, block_k_dq=32)),
-                          np.float32)[:, :x.T]
-    dq, dk, dv = mosaic_dkv.dq_dkdv(x.problem, x.q, x.k, x.v, x.do, x.stats, slopes)
-    for a, b in ((dk, dk0), (dv, dv0)):
-        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
-    dq = np.asarray(dq, np.float32)[:, :x.T]
-    assert not np.isnan(dq).any()
-    assert np.abs(expected).max() > 0.1
-    tol = 2 * float(jnp.finfo(jnp.bfloat16).eps) * np.abs(expected).max()
-    np.testing.assert_allclose(dq, expected, rtol=0, atol=tol)
-
-
-@pytest.mark.parametrize("head_dim,bias_shape,match", [
-    (128, (1, 2), "a bias needs the shared memory"),
-    (64, None, "head dim padding to 128, got 64"),
-])
-def test_dq_in_the_dkdv_kernel_names_what_it_cannot_do(head_dim, bias_shape, match):
-    x = kernel_backward("bfloat16", dict(B=1, T=64, S=128, N=2, H=head_dim), bias_shape, {},
-                        MOSAIC_DKV)
-    assert match in mosaic_dkv.fuses_dq(x.problem, x.operands.get("bias"))
-    if bias_shape is None:
-        with pytest.raises(AssertionError, match=match):
-            mosaic_dkv.dq_dkdv(x.problem, x.q, x.k, x.v, x.do, x.stats)
+    assert_needs_hopper(MOSAIC_DKV, "dkv_backend='mosaic' does not cover this call: needs an")

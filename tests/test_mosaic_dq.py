@@ -33,9 +33,11 @@ from kernel_helpers import (  # no_mosaic_races: an autouse fixture
 )
 
 import pallas_attn
-from pallas_attn import tuning
-from pallas_attn.kernels import mosaic_dq, triton_bwd
-from pallas_attn.kernels.common import Problem, logit_scores
+from pallas_attn.kernels.core import Problem, logit_scores
+from pallas_attn.kernels.mosaic import config as mosaic_config
+from pallas_attn.kernels.mosaic import dq as mosaic_dq
+from pallas_attn.kernels.triton import dbias as triton_dbias
+from pallas_attn.kernels.triton import dq as triton_dq
 
 # Small Triton tiles around the Mosaic dQ kernel's (128, 64) tiles.
 MOSAIC_DQ = pallas_attn.BlockSizes(32, 32, 32, 32, 128, 64, block_q_dbias=32,
@@ -62,7 +64,7 @@ def _kernel_outputs(dtype: str, shapes: dict, bias_shape: tuple | None, kwargs: 
                         dataclasses.replace(MOSAIC_DQ, **blocks))
     mosaic = mosaic_dq.dq(x.problem, x.q, x.k, x.v, x.do, x.stats, x.operands.get("bias"),
                           x.operands.get("alibi_slopes"))
-    triton = triton_bwd.dq(*x.triton(block_q_dq=32, block_k_dq=32, dq_backend="triton"))
+    triton = triton_dq.dq(*x.triton(block_q_dq=32, block_k_dq=32, dq_backend="triton"))
     assert mosaic.shape == x.q.shape and mosaic.dtype == x.q.dtype
     return np.asarray(mosaic, np.float32), np.asarray(triton, np.float32), x.T
 
@@ -108,7 +110,7 @@ def test_dq_and_dbias_stores_batch_entry_0s_dbias(shapes, kwargs):
     assert dbias.shape == bias.shape and not np.isnan(dbias).any()
     T, S = x.T, x.S
     assert np.all(dbias[..., :T, S:] == 0.0)  # padded keys
-    expected = np.asarray(triton_bwd.dbias(
+    expected = np.asarray(triton_dbias.dbias(
         *x.first_entry().triton(block_q_dbias=32, block_k_dbias=32), bias), np.float32)
     dbias, expected = dbias[..., :T, :S], expected[..., :T, :S]
     assert np.abs(expected).max() > 0.1
@@ -149,7 +151,7 @@ def _two_dq_consumers(monkeypatch) -> None:
     # NOTE: the Pallas interpreter hangs on some bottom-right causal problems with T > S
     # with three dQ consumers (and on T=300, S=100 with two; BENCHMARKS.md, session 19),
     # while the GPU computes them with three. Tests of those problems keep two.
-    monkeypatch.setattr(tuning, "mosaic_dq_consumers", lambda *a, **k: 2)
+    monkeypatch.setattr(mosaic_config, "dq_consumers", lambda *a, **k: 2)
 
 
 @pytest.mark.parametrize("shapes,bias_shape,kwargs,blocks", [
@@ -198,76 +200,16 @@ def test_unsupported_problems_name_the_reason(kwargs, match):
     (dict(block_q_dq=64), r"\(block_q_dq, block_k_dq\) = \(128, 64\)"),
     (dict(block_k_dq=128), r"\(block_q_dq, block_k_dq\) = \(128, 64\)"),
     (dict(num_stages_dq=1), "num_stages_dq >= 2"),
-    (dict(dq_backend="cuda"), "dq_backend must be one of"),
 ])
-def test_block_sizes_validate_the_mosaic_dq_tiles(fields, match):
-    with pytest.raises(ValueError, match=match):
-        dataclasses.replace(MOSAIC_DQ, **fields)
-
-
-def test_mosaic_dq_tiles_are_not_clamped():
-    b = MOSAIC_DQ.clamp(20, 30)
-    assert (b.block_q_dq, b.block_k_dq) == (128, 64) and b.block_q_dkv == 32
+def test_the_routing_table_checks_the_mosaic_dq_tiles(fields, match):
+    inputs = make_inputs(1, B=1, T=16, S=16, N=1, H=64, dtype=jnp.bfloat16)
+    with pytest.raises(ValueError, match=f"dq_backend='mosaic' does not cover.*{match}"):
+        pallas_attn.explain(inputs["q"], inputs["k"], inputs["v"], interpret=True,
+                            block_sizes=dataclasses.replace(MOSAIC_DQ, **fields))
 
 
 def test_mosaic_dq_needs_a_hopper_gpu():
-    assert_needs_hopper(MOSAIC_DQ, "dq_backend='mosaic' needs an sm90")
-
-
-HOPPER = tuning.DeviceInfo.for_capability((9, 0))
-
-
-@pytest.mark.parametrize("features", [
-    dict(has_soft_cap=True), dict(has_bias=True, bias_dtype=jnp.bfloat16),
-    dict(is_causal=True), dict(),
-], ids=["soft_cap", "bias", "causal", "plain"])
-def test_heuristic_picks_the_mosaic_dq_kernel_at_head_dim_128(features):
-    blocks = tuning.choose_block_sizes(128, jnp.bfloat16, q_len=4096, kv_len=4096,
-                                       device=HOPPER, mosaic_scores=True, **features)
-    assert blocks.dq_backend == "mosaic" and blocks.forward_backend == "mosaic"
-    assert (blocks.block_q_dq, blocks.block_k_dq, blocks.num_stages_dq) == (128, 64, 2)
-
-
-@pytest.mark.parametrize("head_dim,dtype,device,scores", [
-    (64, jnp.bfloat16, HOPPER, True),  # Triton's dQ was faster at d64
-    (128, jnp.float32, HOPPER, True),
-    (128, jnp.bfloat16, tuning.DeviceInfo.for_capability((8, 0)), True),
-    (128, jnp.bfloat16, HOPPER, False),  # scores the Mosaic kernels do not compute
-], ids=["d64", "float32", "sm80", "mask"])
-def test_heuristic_keeps_the_triton_dq_kernel_elsewhere(head_dim, dtype, device, scores):
-    blocks = tuning.choose_block_sizes(head_dim, dtype, q_len=4096, kv_len=4096,
-                                       device=device, mosaic_scores=scores)
-    assert blocks.dq_backend == "triton"
-
-
-def test_shared_memory_estimate_fits_the_mosaic_dq_kernel():
-    """Three consumers' Q, dO and dS and the K/V ring (188416 bytes at d128), the row
-    residuals and barriers fit an H100's shared memory with two or three K/V slots;
-    with a bias (each consumer's bias tile and the dbias zero tile) two consumers do."""
-    def estimate(blocks, bias_dtype=None):
-        return tuning.shared_memory_estimate(blocks, 128, None, jnp.bfloat16,
-                                             bias_dtype=bias_dtype)["dq"]
-
-    limit = HOPPER.max_shared_memory_per_block
-    three_slots, four_slots = (dataclasses.replace(MOSAIC_DQ, num_stages_dq=n) for n in (3, 4))
-    assert 188416 < estimate(MOSAIC_DQ) < estimate(three_slots) <= limit
-    assert estimate(MOSAIC_DQ, jnp.bfloat16) < estimate(MOSAIC_DQ, jnp.float32) <= limit
-    assert estimate(three_slots, jnp.float32) <= limit
-    # Four slots do not fit three consumers: two, at the two-consumer estimate.
-    assert estimate(four_slots) <= limit < estimate(four_slots) + 64 * (2 * 128 + 64) * 2
-
-
-@pytest.mark.parametrize("blocks,kwargs,consumers", [
-    (MOSAIC_DQ, {}, 3),
-    (dataclasses.replace(MOSAIC_DQ, num_stages_dq=3), {}, 3),
-    (dataclasses.replace(MOSAIC_DQ, num_stages_dq=4), {}, 2),
-    (MOSAIC_DQ, dict(bias_dtype=jnp.bfloat16), 2),
-    (MOSAIC_DQ, dict(has_window=True), 2),
-], ids=["two_slots", "three_slots", "four_slots", "bias", "window"])
-def test_mosaic_dq_consumers(blocks, kwargs, consumers):
-    """Three consumers without a bias or a window where they fit, else two."""
-    assert tuning.mosaic_dq_consumers(blocks, 128, None, jnp.bfloat16, device=HOPPER,
-                                      **kwargs) == consumers
+    assert_needs_hopper(MOSAIC_DQ, "dq_backend='mosaic' does not cover this call: needs an sm90")
 
 
 def test_the_kernel_cases_run_both_consumer_counts():
@@ -276,12 +218,14 @@ def test_the_kernel_cases_run_both_consumer_counts():
     counts = set()
     for _, shapes, bias_shape, kwargs, blocks in CASES:
         q_pad = -(-shapes["T"] // 128) * 128
-        n = tuning.mosaic_dq_consumers(
-            dataclasses.replace(MOSAIC_DQ, **blocks), shapes.get("H", 32), shapes.get("Hv"),
-            jnp.bfloat16, bias_dtype=None if bias_shape is None else jnp.bfloat16,
-            has_window="local_window_size" in kwargs, device=HOPPER)
-        counts.add(n)
-        assert n == 2 or q_pad % 192 != 0
+        inputs = make_inputs(1, dtype=jnp.bfloat16, **dict(dict(H=64), **shapes))
+        bias = (None if bias_shape is None
+                else jnp.zeros((*bias_shape, shapes["T"], shapes["S"]), jnp.bfloat16))
+        plan = pallas_attn.explain(inputs["q"], inputs["k"], inputs["v"], bias, interpret=True,
+                                   block_sizes=dataclasses.replace(MOSAIC_DQ, **blocks),
+                                   **kwargs)
+        counts.add(plan.dq.consumers)
+        assert plan.dq.consumers == 2 or q_pad % 192 != 0
     assert counts == {2, 3}
 
 

@@ -33,12 +33,16 @@ from kernel_helpers import (  # no_mosaic_races: an autouse fixture
     no_mosaic_races,  # noqa: F401
     oracle,
     pallas_and_reference,
+    plan_for,
     random_bias,
+    with_routes,
 )
 
 import pallas_attn
-from pallas_attn.kernels import attention as kernel_attention
-from pallas_attn.kernels import mosaic_fwd, triton_fwd
+from pallas_attn.kernels import vjp
+from pallas_attn.kernels.mosaic import fwd as mosaic_fwd
+from pallas_attn.kernels.triton import fwd as triton_fwd
+from pallas_attn.plan import Route
 from pallas_attn.spec import normalize
 
 # Mosaic forward (128 query rows per program); small Triton backward tiles.
@@ -128,7 +132,7 @@ def test_mosaic_forward_against_reference_and_float64(dtype, shapes, kwargs, blo
 def _padded_call(shapes: dict, kwargs: dict, blocks: pallas_attn.BlockSizes):
     inputs = make_inputs(5, dtype=jnp.bfloat16, **shapes)
     spec, ops, _ = normalize(inputs["q"], inputs["k"], inputs["v"], **kwargs)
-    problem, q, k, v, _, _ = kernel_attention.prepare(spec, ops, blocks, interpret=True)
+    problem, q, k, v, _, _ = vjp.prepare(spec, ops, plan_for(spec, ops, blocks))
     return problem, q, k, v
 
 
@@ -142,8 +146,7 @@ def test_every_output_element_and_residual_is_written():
     assert (problem.q_pad, problem.kv_pad) == (384, 128)
     out, (row_max, log2_sum) = jit(lambda q, k, v: mosaic_fwd.forward(problem, q, k, v, {}))(
         q, k, v)
-    triton = dataclasses.replace(problem, blocks=dataclasses.replace(
-        MOSAIC, forward_backend="triton", block_q=32, block_k=32))
+    triton = with_routes(problem, forward=Route("triton", 32, 32, 4, 2))
     ref_out, (ref_max, ref_sum) = jit(
         lambda q, k, v: triton_fwd.forward(triton, q, k, v, {}))(q, k, v)
     for name, x in (("out", out), ("row_max", row_max), ("log2_sum", log2_sum)):
@@ -168,12 +171,10 @@ def test_finfo_min_bias_rows_match_the_triton_forward():
     bias[:, :, [2, 77, 139], :] = np.finfo(np.float32).min
     inputs = make_inputs(6, dtype=jnp.bfloat16, **shapes)
     spec, ops, _ = normalize(inputs["q"], inputs["k"], inputs["v"], jnp.asarray(bias))
-    problem, q, k, v, differentiable, _ = kernel_attention.prepare(spec, ops, MOSAIC,
-                                                                   interpret=True)
+    problem, q, k, v, differentiable, _ = vjp.prepare(spec, ops, plan_for(spec, ops, MOSAIC))
     out, (row_max, log2_sum) = jit(lambda q, k, v, b: mosaic_fwd.forward(
         problem, q, k, v, {"bias": b}))(q, k, v, differentiable["bias"])
-    triton = dataclasses.replace(problem, blocks=dataclasses.replace(
-        MOSAIC, forward_backend="triton", block_q=32, block_k=32))
+    triton = with_routes(problem, forward=Route("triton", 32, 32, 4, 2))
     ref_out, (ref_max, ref_sum) = jit(lambda q, k, v, b: triton_fwd.forward(
         triton, q, k, v, {"bias": b}))(q, k, v, differentiable["bias"])
     np.testing.assert_allclose(np.asarray(row_max)[:, :, :140], np.asarray(ref_max)[:, :, :140],
@@ -232,11 +233,17 @@ def test_unsupported_problems_name_the_reason(kwargs, match):
     (dict(block_q=64), "block_q=128"),
     (dict(block_k=32), "block_k in"),
     (dict(num_stages=1), "num_stages >= 2"),
-    (dict(forward_backend="cuda"), "forward_backend must be one of"),
 ])
-def test_block_sizes_validate_the_mosaic_forward_tiles(fields, match):
-    with pytest.raises(ValueError, match=match):
-        dataclasses.replace(MOSAIC, **fields)
+def test_the_routing_table_checks_the_mosaic_forward_tiles(fields, match):
+    inputs = make_inputs(1, B=1, T=16, S=16, N=1, H=64, dtype=jnp.bfloat16)
+    with pytest.raises(ValueError, match=f"forward_backend='mosaic' does not cover.*{match}"):
+        pallas_attn.explain(inputs["q"], inputs["k"], inputs["v"], interpret=True,
+                            block_sizes=dataclasses.replace(MOSAIC, **fields))
+
+
+def test_block_sizes_validate_the_backend_names():
+    with pytest.raises(ValueError, match="forward_backend must be None or one of"):
+        pallas_attn.BlockSizes(forward_backend="cuda")
 
 
 def test_mosaic_needs_a_hopper_gpu():

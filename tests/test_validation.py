@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import pallas_attn
-from pallas_attn import reference
+from pallas_attn.semantics import reference
 
 B, T, S, N, K, H = 2, 8, 12, 4, 2, 16
 
@@ -26,7 +26,6 @@ ENTRY_POINTS = {
     "api": API,
     "api_xla": functools.partial(API, implementation="xla"),
     "api_pallas_interpret": functools.partial(API, implementation="pallas", interpret=True),
-    "reference": reference.dot_product_attention,
 }
 entry_points = pytest.mark.parametrize("fn", list(ENTRY_POINTS.values()), ids=list(ENTRY_POINTS))
 
@@ -39,7 +38,7 @@ def no_heavy_work(monkeypatch):
         raise AssertionError("validation let a bad input through to the implementation")
 
     monkeypatch.setattr(reference, "attention", forbidden)
-    kernels = importlib.import_module("pallas_attn.kernels.attention")
+    kernels = importlib.import_module("pallas_attn.kernels.vjp")
     monkeypatch.setattr(kernels, "attention", forbidden)
 
 
@@ -62,7 +61,7 @@ def _bad(fn, exc, match, *args, **kwargs):
 def test_good_call_passes_validation():
     """Sanity of the fixture: a valid call reaches the (stubbed) implementation."""
     with pytest.raises(AssertionError, match="let a bad input through"):
-        reference.dot_product_attention(Q, KEY, V)
+        API(Q, KEY, V, implementation="xla")
 
 
 # ----------------------------------------------------------------------------- ranks
@@ -377,12 +376,6 @@ def test_unknown_implementation(impl):
          implementation=impl)
 
 
-@pytest.mark.parametrize("impl", ["pallas", "cudnn"])
-def test_reference_rejects_other_implementations(impl):
-    _bad(reference.dot_product_attention, ValueError, r"the reference is implementation='xla'",
-         Q, KEY, V, implementation=impl)
-
-
 @pytest.mark.parametrize("q_head,v_head", [(320, 320), (16, 512)])
 def test_head_dim_over_256_with_pallas(q_head, v_head):
     q, k, v = _qkv(q_shape=(1, 16, 2, q_head), k_shape=(1, 16, 2, q_head),
@@ -406,13 +399,6 @@ def test_block_sizes_with_xla(impl):
 def test_interpret_with_xla():
     _bad(API, ValueError, r"block_sizes and interpret apply to implementation='pallas'", Q, KEY,
          V, implementation="xla", interpret=True)
-
-
-@pytest.mark.parametrize("kwargs", [dict(block_sizes=pallas_attn.BlockSizes()),
-                                    dict(interpret=True)], ids=["block_sizes", "interpret"])
-def test_reference_rejects_block_sizes_and_interpret(kwargs):
-    _bad(reference.dot_product_attention, ValueError,
-         r"block_sizes and interpret do not apply to the reference", Q, KEY, V, **kwargs)
 
 
 def _block_size_fields(prefix):
@@ -465,19 +451,9 @@ def test_return_residual_not_bool(fn, value):
     _bad(fn, TypeError, r"return_residual must be a bool", Q, KEY, V, return_residual=value)
 
 
-# Regression (fixed): reference.dot_product_attention (public signature) did
-# not validate return_residual: return_residual="no" or 1 silently returns (out, lse),
-# None or 0 returns out, where pallas_attn.dot_product_attention raises TypeError.
-# These tests fail until the reference checks it too.
-@pytest.mark.parametrize("value", ["no"], ids=str)
-def test_regression_reference_return_residual_not_bool(value):
-    _bad(reference.dot_product_attention, TypeError, r"return_residual must be a bool", Q, KEY,
-         V, return_residual=value)
-
-
 # Regression (fixed): broadcast_dropout was not validated: broadcast_dropout="no" is truthy
 # and silently shares one dropout mask across batch and heads. Fails until it is checked.
-@pytest.mark.parametrize("fn", [ENTRY_POINTS["api"], ENTRY_POINTS["reference"]],
+@pytest.mark.parametrize("fn", [ENTRY_POINTS["api"], ENTRY_POINTS["api_xla"]],
                          ids=["api", "reference"])
 @pytest.mark.parametrize("value", ["no"], ids=str)
 def test_regression_broadcast_dropout_not_bool(fn, value):
@@ -548,8 +524,9 @@ JIT_BAD_CALLS = {
     "block_sizes_xla": (lambda q, k, v: API(q, k, v, implementation="xla",
                                             block_sizes=pallas_attn.BlockSizes()),
                         ValueError, r"block_sizes and interpret apply"),
-    "reference_alignment": (lambda q, k, v: reference.dot_product_attention(
-        q, k, v, causal_alignment="middle"), ValueError, r"causal_alignment must be one of"),
+    "reference_alignment": (lambda q, k, v: API(
+        q, k, v, implementation="xla", causal_alignment="middle"), ValueError,
+        r"causal_alignment must be one of"),
 }
 
 

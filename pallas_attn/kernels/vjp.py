@@ -1,4 +1,4 @@
-"""The Pallas implementation: tile choice, padding and the jax.custom_vjp.
+"""The Pallas implementation: padding, and the jax.custom_vjp that runs a plan.
 
 Sequence lengths are padded up to a multiple of every tile and head dims to a
 power of two (Triton tiles are powers of two); the kernels mask the padded keys
@@ -6,7 +6,9 @@ and the padded rows are sliced off, so callers never pad. Padding copies q, k, v
 only when a length is ragged or a head dim is not a power of two: O(T) memory.
 
 Residuals: the (padded) inputs, the output and the forward's per-row statistics
-(row maximum and log2 of the row sum, kernels/common.py), not just the logsumexp.
+(row maximum and log2 of the row sum, kernels/core.py), not just the logsumexp.
+Which kernel runs each role, with which tiles, is the plan's (dispatch.py); this
+module only executes it.
 """
 
 from __future__ import annotations
@@ -18,20 +20,21 @@ import jax
 import jax.numpy as jnp
 from jax.custom_derivatives import SymbolicZero
 
-from pallas_attn import tuning
-from pallas_attn.kernels import (
-    mosaic_common,
-    mosaic_dbias,
-    mosaic_dkv,
-    mosaic_dq,
-    mosaic_fwd,
-    triton_bwd,
-    triton_fwd,
-)
-from pallas_attn.kernels.common import OPTIONAL_INPUTS, Problem
-from pallas_attn.spec import AttentionSpec, Operands
-from pallas_attn.tuning import BlockSizes, DeviceInfo
-from pallas_attn.vjp import is_perturbed, primal_values
+from pallas_attn.kernels import padded_head_dim
+from pallas_attn.kernels.core import Problem
+from pallas_attn.kernels.mosaic import dbias as mosaic_dbias
+from pallas_attn.kernels.mosaic import dkv as mosaic_dkv
+from pallas_attn.kernels.mosaic import dq as mosaic_dq
+from pallas_attn.kernels.mosaic import fwd as mosaic_fwd
+from pallas_attn.kernels.mosaic.common import row_residuals
+from pallas_attn.kernels.triton import dbias as triton_dbias
+from pallas_attn.kernels.triton import dkdv as triton_dkdv
+from pallas_attn.kernels.triton import dq as triton_dq
+from pallas_attn.kernels.triton import fwd as triton_fwd
+from pallas_attn.kernels.triton.context import backward_inputs
+from pallas_attn.plan import Plan
+from pallas_attn.primals import is_perturbed, primal_values
+from pallas_attn.spec import OPTIONAL_INPUTS, AttentionSpec, Operands
 
 
 def _pad_axis(x: jax.Array, axis: int, size: int, value: Any = 0) -> jax.Array:
@@ -42,50 +45,17 @@ def _pad_axis(x: jax.Array, axis: int, size: int, value: Any = 0) -> jax.Array:
     return jnp.pad(x, widths, constant_values=value)
 
 
-def resolve_block_sizes(spec: AttentionSpec, ops: Operands, block_sizes: BlockSizes | None,
-                        interpret: bool) -> BlockSizes:
-    B, T, N, H = ops.query.shape
-    S, Hv = ops.key.shape[1], ops.value.shape[-1]
-    device = DeviceInfo() if interpret else DeviceInfo.current()
-    smem = dict(bias_dtype=None if ops.bias is None else ops.bias.dtype,
-                has_mask=ops.mask is not None)
-    if block_sizes is None:
-        # NOTE: the interpreter runs the Triton forward unless block_sizes ask for the
-        # Mosaic one: interpreting it is slower, and its tests ask for it explicitly.
-        present = tuple(name for name in OPTIONAL_INPUTS if getattr(ops, name) is not None)
-        mosaic_scores = not interpret and not mosaic_common.unsupported_scores(spec, present)
-        features = dict(smem, is_causal=spec.is_causal, has_bias=spec.has_bias,
-                        has_dropout=spec.has_dropout, has_window=spec.local_window is not None,
-                        has_soft_cap=spec.logits_soft_cap is not None,
-                        mosaic_scores=mosaic_scores)
-        block_sizes = tuning.choose_block_sizes(H, ops.query.dtype, q_len=T, kv_len=S,
-                                                value_head_dim=Hv, device=device, **features)
-    elif not interpret:
-        tuning.check_fits(block_sizes, H, Hv, ops.query.dtype, device, **smem)
-        for field in ("forward_backend", "dbias_backend", "dkv_backend", "dq_backend"):
-            if getattr(block_sizes, field) == "mosaic" and device.compute_capability != (9, 0):
-                raise ValueError(
-                    f"block_sizes.{field}='mosaic' needs an sm90 (Hopper) GPU, this one "
-                    f"has compute capability {device.compute_capability}")
-    if ops.bias is not None:
-        block_sizes = tuning.resolve_fuse_dbias(block_sizes, ops.bias.shape, batch=B,
-                                                num_heads=N, num_kv_heads=ops.key.shape[2],
-                                                kv_len=S, device=device,
-                                                bias_dtype=ops.bias.dtype, dtype=ops.query.dtype)
-    return block_sizes
-
-
-def prepare(spec: AttentionSpec, ops: Operands, blocks: BlockSizes, interpret: bool):
+def prepare(spec: AttentionSpec, ops: Operands, plan: Plan):
     """(problem, q, k, v, differentiable, optional): padded operands and their Problem."""
     q, k, v = ops.query, ops.key, ops.value
     B, T, N, H = q.shape
     S, K, Hv = k.shape[1], k.shape[2], v.shape[-1]
-    kernels = ("forward", "dkdv", "dq", *(("dbias",) if ops.bias is not None else ()))
-    q_tile = max(blocks.tiles(kernel)[0] for kernel in kernels)
-    kv_tile = max(blocks.tiles(kernel)[1] for kernel in kernels)
-    q_pad = tuning.ceil_div(T, q_tile) * q_tile
-    kv_pad = tuning.ceil_div(S, kv_tile) * kv_tile
-    hp, hvp = tuning.padded_head_dim(H), tuning.padded_head_dim(Hv)
+    routes = [plan.forward, plan.dkdv, plan.dq, *(() if plan.dbias is None else (plan.dbias,))]
+    q_tile = max(route.block_q for route in routes)
+    kv_tile = max(route.block_k for route in routes)
+    q_pad = -(-T // q_tile) * q_tile
+    kv_pad = -(-S // kv_tile) * kv_tile
+    hp, hvp = padded_head_dim(H), padded_head_dim(Hv)
 
     optional = {name: getattr(ops, name) for name in OPTIONAL_INPUTS
                 if getattr(ops, name) is not None}
@@ -101,7 +71,7 @@ def prepare(spec: AttentionSpec, ops: Operands, blocks: BlockSizes, interpret: b
     problem = Problem(
         spec=spec, batch=B, num_heads=N, num_kv_heads=K, q_len=T, kv_len=S, q_pad=q_pad,
         kv_pad=kv_pad, head_dim=H, value_head_dim=Hv, dtype=jnp.dtype(q.dtype).name,
-        blocks=blocks, present=tuple(optional), interpret=interpret)
+        plan=plan, present=tuple(optional), interpret=plan.interpret)
     differentiable = {"bias": optional.pop("bias")} if "bias" in optional else {}
     qp = _pad_axis(_pad_axis(q, 1, q_pad), 3, hp)
     kp = _pad_axis(_pad_axis(k, 1, kv_pad), 3, hp)
@@ -109,30 +79,13 @@ def prepare(spec: AttentionSpec, ops: Operands, blocks: BlockSizes, interpret: b
     return problem, qp, kp, vp, differentiable, optional
 
 
-def attention(spec: AttentionSpec, ops: Operands, *, block_sizes: BlockSizes | None = None,
-              interpret: bool = False) -> tuple[jax.Array, jax.Array]:
-    """Canonical-layout attention through the kernels: (out [B,T,N,Hv], lse [B,N,T])."""
-    blocks = resolve_block_sizes(spec, ops, block_sizes, interpret)
-    problem, qp, kp, vp, differentiable, optional = prepare(spec, ops, blocks, interpret)
-    if blocks.forward_backend == "mosaic" and (why := mosaic_common.unsupported(problem)):
-        raise ValueError(f"block_sizes.forward_backend='mosaic' does not cover this call: {why}")
-    if _mosaic_dbias(problem) and (why := mosaic_dbias.unsupported(problem)):
-        raise ValueError(f"block_sizes.dbias_backend='mosaic' does not cover this call: {why}")
-    if blocks.dkv_backend == "mosaic" and (why := mosaic_dkv.unsupported(problem)):
-        raise ValueError(f"block_sizes.dkv_backend='mosaic' does not cover this call: {why}")
-    if blocks.dq_backend == "mosaic" and (why := mosaic_dq.unsupported(problem)):
-        raise ValueError(f"block_sizes.dq_backend='mosaic' does not cover this call: {why}")
+def attention(spec: AttentionSpec, ops: Operands, plan: Plan) -> tuple[jax.Array, jax.Array]:
+    """Canonical-layout attention through the plan's kernels: (out [B,T,N,Hv], lse [B,N,T])."""
+    problem, qp, kp, vp, differentiable, optional = prepare(spec, ops, plan)
     out, lse = _fused(problem, qp, kp, vp, differentiable, optional)
     T, Hv = ops.query.shape[1], ops.value.shape[-1]
     lse = jnp.where(lse == jnp.inf, -jnp.inf, lse)[:, :, :T]  # public: -inf for empty rows
     return out[:, :T, :, :Hv], lse
-
-
-def _mosaic_dbias(problem: Problem) -> bool:
-    """Whether a separate dbias kernel runs, and it is the Mosaic one."""
-    blocks = problem.blocks
-    return (problem.has("bias") and blocks.dbias_backend == "mosaic"
-            and not blocks.fuse_dbias)
 
 
 def _operands(differentiable: dict, optional: dict) -> dict:
@@ -140,7 +93,7 @@ def _operands(differentiable: dict, optional: dict) -> dict:
 
 
 def _forward(problem: Problem, q, k, v, operands: dict):
-    backend = mosaic_fwd if problem.blocks.forward_backend == "mosaic" else triton_fwd
+    backend = mosaic_fwd if problem.plan.forward.backend == "mosaic" else triton_fwd
     return backend.forward(problem, q, k, v, operands)
 
 
@@ -193,36 +146,36 @@ def _fused_bwd(problem: Problem, residuals, cotangents):
 
 def _backward(problem: Problem, q, k, v, operands: dict, row_stats, do, delta,
               bias_grad: bool):
-    """(dq, dk, dv, dbias or None) for padded inputs from the backends the tiles name."""
-    blocks = problem.blocks
+    """(dq, dk, dv, dbias or None) for padded inputs, each role on the plan's backend."""
+    plan = problem.plan
     bias = operands.get("bias")
-    fused = bias_grad and bool(blocks.fuse_dbias)
-    names, inputs = triton_bwd.backward_inputs(q, k, v, operands, row_stats, do, delta)
-    mosaic_dbias_kernel = bias_grad and not fused and _mosaic_dbias(problem)
-    stats = (mosaic_common.row_residuals(row_stats, delta)
-             if "mosaic" in (blocks.dkv_backend, blocks.dq_backend) or mosaic_dbias_kernel
-             else None)
+    fused = bias_grad and plan.dbias.fused
+    separate_dbias = bias_grad and not fused
+    names, inputs = backward_inputs(q, k, v, operands, row_stats, do, delta)
+    mosaic_roles = [plan.dq.backend, plan.dkdv.backend,
+                    plan.dbias.backend if separate_dbias else None]
+    stats = row_residuals(row_stats, delta) if "mosaic" in mosaic_roles else None
     slopes = operands.get("alibi_slopes")
     # Both Mosaic kernels and a fused dbias of a bias shared by the batch entries: the
     # dQ kernel stores batch entry 0's dS tiles as dbias, the dK/dV kernel adds the
     # others' to them (no zeroed buffer to start from).
     dbias_first = None
-    if blocks.dq_backend == "mosaic":
-        if blocks.dkv_backend == "mosaic" and mosaic_dkv.sums_batch(problem, bias, fused):
+    if plan.dq.backend == "mosaic":
+        if plan.dkdv.backend == "mosaic" and mosaic_dkv.sums_batch(problem, bias, fused):
             dq, dbias_first = mosaic_dq.dq_and_dbias(problem, q, k, v, do, stats, bias, slopes)
         else:
             dq = mosaic_dq.dq(problem, q, k, v, do, stats, bias, slopes)
     else:
-        dq = triton_bwd.dq(problem, names, inputs)
-    if blocks.dkv_backend == "mosaic":
+        dq = triton_dq.dq(problem, names, inputs)
+    if plan.dkdv.backend == "mosaic":
         dk, dv, dbias = mosaic_dkv.dkdv(problem, q, k, v, do, stats, bias, fused, slopes,
                                         dbias_first)
     else:
-        dk, dv, dbias = triton_bwd.dkdv(problem, names, inputs, bias if fused else None)
-    if mosaic_dbias_kernel:
+        dk, dv, dbias = triton_dkdv.dkdv(problem, names, inputs, bias if fused else None)
+    if separate_dbias and plan.dbias.backend == "mosaic":
         dbias = mosaic_dbias.dbias(problem, q, k, v, do, stats, bias, slopes)
-    elif bias_grad and not fused:
-        dbias = triton_bwd.dbias(problem, names, inputs, bias)
+    elif separate_dbias:
+        dbias = triton_dbias.dbias(problem, names, inputs, bias)
     return dq, dk, dv, dbias
 
 

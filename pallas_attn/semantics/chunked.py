@@ -24,7 +24,7 @@ GQA/MQA: query heads are grouped as [K, G] (G = N // K), so the G query heads of
 key/value head share every K/V tile and K/V are never repeated in memory.
 
 Semantics are not restated here: score modifiers and visibility come from
-`kernels/scores.py` and the dropout decision from `dropout.py`, evaluated on the
+`scores.py` and the dropout decision from `dropout.py`, evaluated on the
 tile's global (b, n, i, j) indices, so results do not depend on tiles or chunks
 (dropout included).
 
@@ -54,15 +54,10 @@ import jax.numpy as jnp
 from jax import lax
 from jax.custom_derivatives import SymbolicZero
 
-from pallas_attn import dropout as dropout_lib
-from pallas_attn.kernels import scores
+from pallas_attn.primals import is_perturbed, primal_values
+from pallas_attn.semantics import dropout as dropout_lib
+from pallas_attn.semantics import scores
 from pallas_attn.spec import AttentionSpec, Operands
-from pallas_attn.vjp import is_perturbed, primal_values
-
-# T * S from which the blockwise path is the better CPU default: the reference's
-# [B, N, T, S] float32 intermediates (several) reach 16 MiB each per batch entry and
-# head. (It is faster from 1024 x 1024 on, but compiles ~1 s longer; CPU_RESULTS.md.)
-PREFER_CHUNKED_ELEMENTS = 1 << 22
 
 # Elements of one [chunk, G, block_q, block_k] float32 tile (512 KiB). Large enough
 # that XLA splits each tile's elementwise work across cores (smaller tiles ran on one
@@ -76,15 +71,6 @@ _HIGHEST = lax.Precision.HIGHEST
 # Non-differentiable operands, in the order the custom_vjp receives them.
 _CONSTANTS = ("mask", "q_segment_ids", "kv_segment_ids", "query_seq_lengths",
               "key_value_seq_lengths", "dropout_seed")
-
-
-def prefer_chunked(q_len: int, kv_len: int) -> bool:
-    """Whether the blockwise path should be the CPU default for these lengths.
-
-    True once T * S >= 2**22 (e.g. 2048 x 2048), where each of the reference's
-    T x S float32 matrices reaches 16 MiB per batch entry and head.
-    """
-    return int(q_len) * int(kv_len) >= PREFER_CHUNKED_ELEMENTS
 
 
 def choose_tiles(q_len: int, kv_len: int, group: int = 1) -> tuple[int, int]:

@@ -6,23 +6,22 @@ bias entry: the members of that entry. The dK/dV kernel cannot write it (its
 programs would each hold a partial sum), so dbias recomputes S and dP per member,
 as the Triton dbias kernel does, streaming Q, dO, K and V once per member and
 tile. Here bulk copies run that stream ahead of the consumers, whose registers
-hold only the tile's accumulator and products. Measured on an H100 (BENCHMARKS.md,
-session 9, d128, [1, N, T, S] bias): 1.76 ms against the Triton kernel's 2.37; at
-d64 1.27 against 1.37. block_k 128 took 3.68 ms: three [64, 128] float32 arrays
-and the bias tile do not fit a consumer's registers.
+hold only the tile's accumulator and products (measured faster than the Triton
+dbias kernel; 128-key tiles do not fit a consumer's registers: docs/decisions.md,
+"Hopper dbias").
 
 Work items are [128, block_k] tiles of the bias (queries x keys), keys fastest.
 One program per multiprocessor loops over items round-robin with three warpgroups:
 
 * Warpgroup 2, the producer, streams each member's operands with the bulk copy
-  engine: Q and K into one ring of `num_stages_dbias` slots, dO, V and the
+  engine: Q and K into one ring of the route's slots, dO, V and the
   member's row residuals (row reference, log2 row sum, delta) into another. Each
   slot has a "loaded" barrier (every copy into it landed) and a
   "consumed" barrier (both consumers are done with it); the rings run on across
   items.
 * Warpgroups 0 and 1, the consumers, each take 64 rows of the item. Per member they
   compute S = Q K^T and dP = dO V^T with wgmma, the probabilities from the
-  forward's row residuals and the shared score rules (kernels/scores.py), and add
+  forward's row residuals and the shared score rules (semantics/scores.py), and add
   dS = P (dP - delta) (times the soft cap's derivative) into a float32 accumulator
   in registers. Each consumer copies its 64 rows of the item's bias into a buffer
   of its own once per item (the copy for the next item is issued as soon as the
@@ -31,7 +30,7 @@ One program per multiprocessor loops over items round-robin with three warpgroup
 
 Items outside the causal/window band or past the keys get zeros and stream
 nothing; items the band crosses apply the band masks, the others do not. Scope:
-the Mosaic kernels' (`mosaic_common.unsupported`: 16-bit inputs, padded head dims 64
+the Mosaic kernels' (`config.unsupported`: 16-bit inputs, padded head dims 64
 or 128, no operand besides q, k, v, the bias and ALiBi slopes, no dropout; causal,
 windows, soft cap, ALiBi (each member's own slope), GQA and ragged lengths are
 covered), with a bias that has its own entry per query and key.
@@ -45,35 +44,32 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_attn import tuning
-from pallas_attn.kernels import mosaic_common
-from pallas_attn.kernels.common import Problem, TileContext
-from pallas_attn.kernels.mosaic_common import (
-    CONSUMER_REGISTERS,
-    CONSUMERS,
-    PRODUCER_REGISTERS,
-    ROWS_PER_CONSUMER,
+from pallas_attn.kernels.core import Problem, TileRanges
+from pallas_attn.kernels.mosaic.common import (
     head_slope,
-    smem_tiles,
+    launch,
+    scoped,
     tile_gradient,
+    unsupported,
 )
-from pallas_attn.tuning import MOSAIC_BLOCK_Q
-
-ITEM_ROWS = MOSAIC_BLOCK_Q
-
-
-def unsupported(problem: Problem) -> str:
-    """Why this kernel cannot compute the problem's dbias, or "" when it can."""
-    if not problem.has("bias"):
-        return "there is no bias"
-    return mosaic_common.unsupported(problem)
+from pallas_attn.kernels.mosaic.config import (
+    CONSUMERS,
+    ITEM_ROWS,
+    ROWS_PER_CONSUMER,
+    consumer_registers,
+    dbias_scratch,
+    producer_registers,
+)
 
 
-def _kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, bias_ref, slopes_ref, dbias_ref, scratch,
-            *, problem: Problem, programs: int):
-    (q_smem, k_smem, do_smem, v_smem, stats_smem, bias_smem), barriers = scratch
-    qk_loaded, qk_consumed, dov_loaded, dov_consumed, bias_loaded = barriers
-    block_k = problem.blocks.block_k_dbias
+def _kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, bias_ref, slopes_ref, dbias_ref, smem,
+            barriers, *, problem: Problem, programs: int):
+    q_smem, k_smem, do_smem, v_smem, stats_smem, bias_smem = (
+        smem[name] for name in ("q", "k", "do", "v", "stats", "bias"))
+    qk_loaded, qk_consumed, dov_loaded, dov_consumed, bias_loaded = (
+        barriers[name] for name in ("qk_loaded", "qk_consumed", "dov_loaded", "dov_consumed",
+                                    "bias_loaded"))
+    block_k = problem.plan.dbias.block_k
     stages_qk, stages_dov = q_smem.shape[0], do_smem.shape[0]
     Bb, Nb = problem.spec.bias_shape[:2]
     heads_per = problem.num_heads // Nb
@@ -92,7 +88,7 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, bias_ref, slopes_ref, dbias_
         qt = lax.rem(lax.div(idx, k_tiles), q_tiles)
         bn = lax.div(idx, k_tiles * q_tiles)
         q0, k0 = qt * ITEM_ROWS, kt * block_k
-        ctx = TileContext(problem, {}, 0, 0)
+        ctx = TileRanges(problem, 0, 0)
         first, stop, full_first, full_stop = ctx.key_tiles(q0, q0 + ITEM_ROWS, block_k)
         valid = idx < items
         visible = valid & (first <= kt) & (kt < stop)
@@ -109,7 +105,7 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, bias_ref, slopes_ref, dbias_
 
     @pl.when(wg == CONSUMERS)
     def _producer():
-        plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
+        plgpu.set_max_registers(producer_registers(CONSUMERS), action="decrease")
 
         def stream(r, step):
             valid, q0, k0, bb, nb, plain, masked = item_of(r)
@@ -163,7 +159,7 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, bias_ref, slopes_ref, dbias_
 
     @pl.when(wg < CONSUMERS)
     def _consumer():
-        plgpu.set_max_registers(CONSUMER_REGISTERS, action="increase")
+        plgpu.set_max_registers(consumer_registers(CONSUMERS), action="increase")
         bias_mine, bias_ready = bias_smem.at[wg], bias_loaded.at[wg]
 
         def load_bias(item):
@@ -186,7 +182,8 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, bias_ref, slopes_ref, dbias_
             pl.when(steps > 0)(lambda: plgpu.barrier_wait(bias_ready))
             member = _member_step(problem, wg, row0, k0, steps,
                                   (q_smem, k_smem, do_smem, v_smem, stats_smem, bias_mine),
-                                  barriers, lambda: load_bias(following),
+                                  (qk_loaded, qk_consumed, dov_loaded, dov_consumed),
+                                  lambda: load_bias(following),
                                   lambda i: head_slope(slopes_ref, valid, *member_of(bb, nb, i)))
             acc = plgpu.layout_cast(jnp.zeros((rows_n, block_k), jnp.float32),
                                     plgpu.Layout.WGMMA)
@@ -210,9 +207,9 @@ def _member_step(problem: Problem, wg, row0, k0, steps, buffers, barriers, load_
     (ring step of the item's first member, member index, acc, masked) -> acc.
     slope_of(i): member i's ALiBi slope or None."""
     q_smem, k_smem, do_smem, v_smem, stats_smem, bias_mine = buffers
-    qk_loaded, qk_consumed, dov_loaded, dov_consumed, _ = barriers
+    qk_loaded, qk_consumed, dov_loaded, dov_consumed = barriers
     rows_n = ROWS_PER_CONSUMER
-    block_k = problem.blocks.block_k_dbias
+    block_k = problem.plan.dbias.block_k
     stages_qk, stages_dov = q_smem.shape[0], do_smem.shape[0]
     row_layout = plgpu.Layout.WGMMA.reduce(1)
 
@@ -248,46 +245,24 @@ def dbias(problem: Problem, q: jax.Array, k: jax.Array, v: jax.Array, do: jax.Ar
           stats: jax.Array, bias: jax.Array, slopes: jax.Array | None = None
           ) -> jax.Array:
     """dbias of the bias's (padded) shape for padded inputs; stats: the row residuals
-    (`mosaic_common.row_residuals`, one bulk copy per consumer); slopes: ALiBi slopes
-    [B, N] or None."""
+    (`common.row_residuals`, one bulk copy per consumer); slopes: ALiBi slopes [B, N] or
+    None."""
     if why := unsupported(problem):
-        raise AssertionError(f"mosaic_dbias.dbias called for an unsupported problem: {why}")
-    B, Tp, N, hp = q.shape
-    hvp = v.shape[-1]
-    blocks = problem.blocks
-    block_k, stages = blocks.block_k_dbias, blocks.num_stages_dbias
-    if blocks.block_q_dbias != ITEM_ROWS:
-        raise AssertionError(f"mosaic_dbias.dbias needs block_q_dbias={ITEM_ROWS}: {blocks}")
-    dtype = q.dtype
+        raise AssertionError(f"mosaic.dbias.dbias called for an unsupported problem: {why}")
+    route = problem.plan.dbias
+    if route.block_q != ITEM_ROWS:
+        raise AssertionError(f"mosaic.dbias.dbias needs block_q={ITEM_ROWS}: {route}")
+    scratch = dbias_scratch(q.shape[-1], v.shape[-1], route.block_k, route.num_stages,
+                            q.dtype, bias.dtype)
 
     def entry(q_ref, k_ref, v_ref, do_ref, stats_ref, bias_ref, *refs):
         slopes_ref = refs[0] if slopes is not None else None
-        dbias_ref = refs[-1]
-        buffers = (
-            smem_tiles((stages, CONSUMERS, ROWS_PER_CONSUMER, hp), dtype),
-            smem_tiles((stages, block_k, hp), dtype),
-            smem_tiles((stages, CONSUMERS, ROWS_PER_CONSUMER, hvp), dtype),
-            smem_tiles((stages, block_k, hvp), dtype),
-            plgpu.SMEM((stages, CONSUMERS, 3, ROWS_PER_CONSUMER), jnp.float32),
-            smem_tiles((CONSUMERS, ROWS_PER_CONSUMER, block_k), bias.dtype),
-        )
-        barriers = (
-            plgpu.Barrier(num_arrivals=CONSUMERS + 1, num_barriers=stages),  # Q halves, K
-            plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=stages),
-            # dO halves, residual halves, V
-            plgpu.Barrier(num_arrivals=2 * CONSUMERS + 1, num_barriers=stages),
-            plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=stages),
-            plgpu.Barrier(num_barriers=CONSUMERS),
-        )
-        pl.run_scoped(
-            lambda *scratch: _kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, bias_ref,
-                                     slopes_ref, dbias_ref, (scratch[:6], scratch[6:]),
-                                     problem=problem, programs=programs),
-            *buffers, *barriers, collective_axes="wg")
+        scoped(scratch, lambda smem, barriers: _kernel(
+            q_ref, k_ref, v_ref, do_ref, stats_ref, bias_ref, slopes_ref, refs[-1], smem,
+            barriers, problem=problem, programs=programs))
 
     Bb, Nb, Tb, Sb = bias.shape
-    programs = tuning.persistent_programs(
-        Tb // ITEM_ROWS * (Sb // block_k) * Bb * Nb, problem.interpret)
-    return mosaic_common.launch(entry, jax.ShapeDtypeStruct(bias.shape, bias.dtype), programs,
-                             problem.interpret)(
-        q, k, v, do, stats, bias, *([] if slopes is None else [slopes]))
+    programs = problem.plan.programs_for(Tb // ITEM_ROWS * (Sb // route.block_k) * Bb * Nb)
+    return launch(entry, jax.ShapeDtypeStruct(bias.shape, bias.dtype), programs,
+                  problem.interpret)(q, k, v, do, stats, bias,
+                                     *([] if slopes is None else [slopes]))

@@ -1,7 +1,7 @@
 """Forward kernel for Hopper (Pallas, Mosaic GPU backend): warp-specialised, persistent.
 
 The work is items of 128 query rows of one (batch entry, head), two per 64-row
-consumer. One program per multiprocessor loops over items (`mosaic_common.Walk`:
+consumer. One program per multiprocessor loops over items (`common.Walk`:
 round-robin, lanes reversed every other round, query tiles fastest and the
 heaviest causal tile first) with three warpgroups:
 
@@ -12,8 +12,8 @@ heaviest causal tile first) with three warpgroups:
   consumers finish the current one.
 * Warpgroups 0 and 1, the consumers, each take 64 rows. They compute S = Q K^T
   with wgmma into registers, apply the shared score and visibility rules
-  (kernels/scores.py) and the Triton forward's online softmax (log2 units, row
-  reference starting at MAX_FLOOR, or the soft cap's bound), stage P in shared
+  (semantics/scores.py) and the online softmax step (`core.softmax_step`: log2
+  units, the running row maximum or the soft cap's bound), stage P in shared
   memory and accumulate P V with a second wgmma. A two-arrival barrier makes the
   consumers take turns on the tensor cores (FlashAttention-3's ping-pong), so one
   consumer's softmax overlaps the other's products. The next item's Q is loaded as
@@ -24,30 +24,24 @@ heaviest causal tile first) with three warpgroups:
   buffer of its own while it works on the current tile (`_consume`), and its
   scores stay in natural units, as in the Triton forward.
 
-It writes the same outputs as triton_fwd.forward: the output and the per-row
+It writes the same outputs as the Triton forward: the output and the per-row
 residuals (row reference, +inf for rows that see no key, and log2 of the row
 sum), so the Triton backward kernels consume them unchanged.
 
-Scope (`unsupported` says what lies outside it): 16-bit inputs, padded head dims
-64 or 128, no operand besides q, k, v, a bias with its own entry per query and key
-and ALiBi slopes (no mask, segments, lengths or dropout); causal, local windows in
-both alignments, soft cap (with the Triton forward's fixed row reference where it
-applies), ALiBi (each consumer reads its item's slope), GQA and ragged lengths are
-covered. Everything else runs the Triton
-forward. With the default tiles (block_k 128) a float32 bias does not fit the shared
-memory next to two K/V slots (tuning.shared_memory_estimate), so the heuristic gives
-it the Triton forward; explicit tiles with block_k 64 run it here.
+Scope (config.unsupported): 16-bit inputs, padded head dims 64 or 128, no operand
+besides q, k, v, a bias with its own entry per query and key and ALiBi slopes (no
+mask, segments, lengths or dropout); causal, local windows in both alignments, soft
+cap (with the fixed row reference where it applies), ALiBi (each consumer reads its
+item's slope), GQA and ragged lengths are covered. With 128-key tiles a float32 bias
+does not fit next to two K/V slots (config.forward_scratch), so the routing table
+gives it the Triton forward; block_k 64 runs it here.
 
 Key tiles outside an item's band are never loaded. A consumer whose own band is
 narrower than the item's (causal: warpgroup 0 can end a key tile earlier) still
 waits on and releases the slots it skips, so the barrier phases of both consumers
-stay in step with the producer. Measured (BENCHMARKS.md, session 5): persistence
-took d128 from 1.40 to 1.30 ms; the consumers' turns took a further 2-5% off the
-full and causal forwards (session 6); pairing causal tiles with their mirrors, as
-the Triton forward does, gained nothing here and is not done. With a bfloat16
-[1, N, T, S] bias at d128 this forward took 1.30 ms against the Triton forward's
-1.58 (session 7); loading the bias from global memory straight into registers
-instead took 1.82.
+stay in step with the producer. Persistence, the turns and the bias buffers were
+each measured faster; pairing causal tiles with their mirrors, as the Triton forward
+does, was not (docs/decisions.md, "Hopper forward").
 """
 
 from __future__ import annotations
@@ -60,13 +54,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_attn import tuning
-from pallas_attn.kernels.common import MAX_FLOOR, Problem, TileContext
-from pallas_attn.kernels.mosaic_common import (
-    CONSUMER_REGISTERS,
-    CONSUMERS,
-    ITEM_ROWS,
-    ROWS_PER_CONSUMER,
+from pallas_attn.kernels.core import Problem, TileRanges, softmax_reference_init, softmax_step
+from pallas_attn.kernels.mosaic.common import (
     Band,
     BiasTiles,
     Item,
@@ -77,26 +66,35 @@ from pallas_attn.kernels.mosaic_common import (
     own_band,
     release_slot,
     run_band,
-    smem_tiles,
+    scoped,
     take_turn,
     tile_scores,
     unsupported,
 )
+from pallas_attn.kernels.mosaic.config import (
+    CONSUMERS,
+    ITEM_ROWS,
+    ROWS_PER_CONSUMER,
+    consumer_registers,
+    forward_scratch,
+)
 
 
 def _kernel(q_ref, k_ref, v_ref, bias_ref, slopes_ref, out_ref, row_max_ref, log2_sum_ref,
-            scratch, *, problem: Problem, programs: int):
-    (q_smem, o_smem, k_smem, v_smem, p_smem, bias_smem), barriers = scratch
-    o_smem = p_smem if o_smem is None else o_smem
-    q_loaded, k_loaded, v_loaded, k_consumed, v_consumed, schedule, bias_loaded = barriers
-    ring = (k_loaded, v_loaded, k_consumed, v_consumed)
-    walk = Walk(problem, programs, problem.blocks.block_k, problem.blocks.num_stages)
+            smem, barriers, *, problem: Problem, programs: int):
+    q_smem, k_smem, v_smem, p_smem = (smem[name] for name in ("q", "k", "v", "p"))
+    o_smem = p_smem if smem["o"] is None else smem["o"]  # the output staged in P's buffer
+    q_loaded, schedule = barriers["q_loaded"], barriers["schedule"]
+    ring = tuple(barriers[name] for name in ("k_loaded", "v_loaded", "k_consumed",
+                                              "v_consumed"))
+    route = problem.plan.forward
+    walk = Walk(problem, programs, route.block_k, route.num_stages)
     wg = lax.axis_index("wg")
     walk.produce(wg, k_ref, v_ref, k_smem, v_smem, ring)
 
     @pl.when(wg < CONSUMERS)
     def _consumer():
-        plgpu.set_max_registers(CONSUMER_REGISTERS, action="increase")
+        plgpu.set_max_registers(consumer_registers(CONSUMERS), action="increase")
         rows_n = ROWS_PER_CONSUMER
         q_mine, o_mine, p_mine = q_smem.at[wg], o_smem.at[wg], p_smem.at[wg]
 
@@ -119,7 +117,7 @@ def _kernel(q_ref, k_ref, v_ref, bias_ref, slopes_ref, out_ref, row_max_ref, log
             # The previous item's output copies read o_mine, which may be p_mine.
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
             pl.when(item.valid)(lambda: plgpu.barrier_wait(q_loaded.at[wg]))
-            bias = walk.bias_rows(bias_ref, item, row0, bias_smem, bias_loaded)
+            bias = walk.bias_rows(bias_ref, item, row0, smem["bias"], barriers["bias_loaded"])
             acc, m, l_sum = _consume(
                 problem, ctx, tiles, lambda t: walk.slot(step + t - tiles.first), row0,
                 tiles.first + steps, q_mine, k_smem, v_smem, p_mine, o_mine.shape[-1],
@@ -148,7 +146,7 @@ def _kernel(q_ref, k_ref, v_ref, bias_ref, slopes_ref, out_ref, row_max_ref, log
         plgpu.wait_smem_to_gmem(0)
 
 
-def _consume(problem: Problem, ctx: TileContext, tiles: Band, slot_of, row0, stop,
+def _consume(problem: Problem, ctx: TileRanges, tiles: Band, slot_of, row0, stop,
              q_smem, k_smem, v_smem, p_smem, hv: int, ring, schedule,
              bias: BiasTiles | None, slope) -> tuple[Any, Any, Any]:
     """One consumer warpgroup: (acc, row reference, row sum) of rows [row0, row0 + 64)
@@ -166,8 +164,7 @@ def _consume(problem: Problem, ctx: TileContext, tiles: Band, slot_of, row0, sto
     head's ALiBi slope or None.
     """
     k_loaded, v_loaded, k_consumed, v_consumed = ring
-    block_k = problem.blocks.block_k
-    fixed = problem.fixed_row_reference
+    block_k = problem.plan.forward.block_k
     rows_n = ROWS_PER_CONSUMER
     dtype = q_smem.dtype
     own = own_band(ctx, tiles, row0, stop, block_k)
@@ -186,15 +183,8 @@ def _consume(problem: Problem, ctx: TileContext, tiles: Band, slot_of, row0, sto
         s = pl.run_scoped(qk, plgpu.ACC((rows_n, block_k), jnp.float32))
         plgpu.barrier_arrive(k_consumed.at[slot])
         s, _ = tile_scores(problem, s, row0, t * block_k, masked, bias=tile_bias, slope=slope)
-        if fixed is not None:  # bounded scores: the bound is every row's reference
-            m_next, alpha = m_prev, None
-            prob = jnp.exp2(s - fixed)
-            l_next = l_prev + prob.sum(axis=1)
-        else:
-            m_next = jnp.maximum(m_prev, s.max(axis=1))  # stays >= MAX_FLOOR
-            alpha = problem.exp2_of(m_prev - m_next)  # natural units: times log2(e)
-            prob = problem.exp2_of(s - lax.broadcast_in_dim(m_next, s.shape, [0]))
-            l_next = l_prev * alpha + prob.sum(axis=1)
+        prob, m_next, l_next, alpha = softmax_step(
+            problem, s, m_prev, l_prev, rows=lambda x: lax.broadcast_in_dim(x, s.shape, [0]))
         p_smem[...] = prob.astype(dtype)
         plgpu.commit_smem()
         plgpu.barrier_arrive(schedule)  # this softmax is done
@@ -213,8 +203,8 @@ def _consume(problem: Problem, ctx: TileContext, tiles: Band, slot_of, row0, sto
 
     row_layout = plgpu.Layout.WGMMA.reduce(1)
     carry = (plgpu.layout_cast(jnp.zeros((rows_n, hv), jnp.float32), plgpu.Layout.WGMMA),
-             plgpu.layout_cast(jnp.full((rows_n,), MAX_FLOOR if fixed is None else fixed,
-                                        jnp.float32), row_layout),
+             plgpu.layout_cast(jnp.full((rows_n,), softmax_reference_init(problem), jnp.float32),
+                               row_layout),
              plgpu.layout_cast(jnp.zeros((rows_n,), jnp.float32), row_layout))
     if bias is not None:
         pl.when(own.first < own.stop)(lambda: bias.start(own.first))
@@ -225,51 +215,28 @@ def _consume(problem: Problem, ctx: TileContext, tiles: Band, slot_of, row0, sto
 def forward(problem: Problem, q: jax.Array, k: jax.Array, v: jax.Array,
             optional: dict[str, jax.Array]) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
     """(out [B, Tp, N, Hvp], (row_max, log2_sum) [B, N, Tp]) for padded inputs."""
+    route = problem.plan.forward
     if (set(optional) - {"bias", "alibi_slopes"} or unsupported(problem)
-            or problem.blocks.block_q != ITEM_ROWS):
-        raise AssertionError(f"mosaic_fwd.forward called for an unsupported problem: "
-                             f"{unsupported(problem) or problem.blocks}")
+            or route.block_q != ITEM_ROWS):
+        raise AssertionError(f"mosaic.fwd.forward called for an unsupported problem: "
+                             f"{unsupported(problem) or route}")
     B, Tp, N, hp = q.shape
     hvp = v.shape[-1]
-    blocks = problem.blocks
-    block_k, stages = blocks.block_k, blocks.num_stages
     dtype = q.dtype
     row = jax.ShapeDtypeStruct((B, N, Tp), jnp.float32)
     out_type = (jax.ShapeDtypeStruct((B, Tp, N, hvp), dtype), row, row)
-
     bias, slopes = optional.get("bias"), optional.get("alibi_slopes")
+    scratch = forward_scratch(hp, hvp, route.block_k, route.num_stages, dtype,
+                              None if bias is None else bias.dtype)
 
     def entry(q_ref, k_ref, v_ref, *refs):
         bias_ref, slopes_ref = optional_refs(refs, bias, slopes)
         out_ref, row_max_ref, log2_sum_ref = refs[-3:]
-        buffers = (
-            smem_tiles((CONSUMERS, ROWS_PER_CONSUMER, hp), dtype),
-            # The output is staged in P's buffer when the shapes agree.
-            smem_tiles((CONSUMERS, ROWS_PER_CONSUMER, hvp), dtype) if hvp != block_k else None,
-            smem_tiles((stages, block_k, hp), dtype),
-            smem_tiles((stages, block_k, hvp), dtype),
-            smem_tiles((CONSUMERS, ROWS_PER_CONSUMER, block_k), dtype),
-            None if bias is None else smem_tiles((CONSUMERS, ROWS_PER_CONSUMER, block_k),
-                                            bias.dtype),
-        )
-        barriers = (
-            plgpu.Barrier(num_barriers=CONSUMERS),
-            plgpu.Barrier(num_barriers=stages),
-            plgpu.Barrier(num_barriers=stages),
-            plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=stages),
-            plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=stages),
-            plgpu.Barrier(num_arrivals=CONSUMERS),  # the consumers' turns
-            None if bias is None else plgpu.Barrier(num_barriers=CONSUMERS),
-        )
-        pl.run_scoped(
-            lambda *scratch: _kernel(q_ref, k_ref, v_ref, bias_ref, slopes_ref, out_ref,
-                                     row_max_ref, log2_sum_ref, (scratch[:6], scratch[6:]),
-                                     problem=problem, programs=programs),
-            *buffers, *barriers, collective_axes="wg")
+        scoped(scratch, lambda smem, barriers: _kernel(
+            q_ref, k_ref, v_ref, bias_ref, slopes_ref, out_ref, row_max_ref, log2_sum_ref,
+            smem, barriers, problem=problem, programs=programs))
 
-    programs = tuning.persistent_programs(Tp // ITEM_ROWS * B * N, problem.interpret)
+    programs = problem.plan.programs_for(Tp // ITEM_ROWS * B * N)
     out, row_max, log2_sum = launch(entry, out_type, programs, problem.interpret)(
         q, k, v, *(x for x in (bias, slopes) if x is not None))
     return out, (row_max, log2_sum)
-
-

@@ -1,27 +1,29 @@
-"""What the Hopper (Pallas, Mosaic GPU) kernels share: their scope, the work items
-and key-tile walk of the forward and dQ kernels, the consumers' turns, bias streams,
-wgmma accumulation, the row residuals and the launch.
+"""What the Hopper (Pallas, Mosaic GPU) kernels share: the work items and key-tile
+walk of the forward and dQ kernels, the consumers' turns, bias streams, wgmma
+accumulation, scratch allocation, the row residuals and the launch.
 
-Every Mosaic kernel is persistent (one program per multiprocessor, `launch`) and
-warp-specialised: consumer warpgroups of ROWS_PER_CONSUMER rows each (two; three in
-the dQ kernel where they fit) and one producer warpgroup that issues bulk copies.
+Every Mosaic kernel is persistent (at most one program per multiprocessor, the
+plan's `programs`) and warp-specialised: consumer warpgroups of ROWS_PER_CONSUMER
+rows each (two; three in the dQ kernel where they fit) and one producer warpgroup
+that issues bulk copies. What they can run and what they allocate is config.py's.
 
-* `unsupported` / `unsupported_scores`: the problems all of them compute.
 * `Walk`: the forward's and dQ kernel's items (64 query rows per consumer, of one
   batch entry and head) over the programs, each item's band of key tiles and the
   producer's K/V ring; `own_band`, `run_band` and `release_slot` give each consumer
   its part of a band while keeping the ring's barriers and the turns in step.
 * `take_turn`: one step of the consumers' alternation on the tensor cores.
 * `BiasTiles`: a consumer's bias rows read tile by tile through its own buffer.
-* `tile_scores`: the shared score rules (`common.logit_scores`, kernels/scores.py)
-  on a WGMMA-layout tile.
+* `tile_scores` / `tile_gradient`: the shared score rules (`core.logit_scores`,
+  semantics/scores.py) on a WGMMA-layout tile.
 * `accumulate`: acc + A B with wgmma; `head_slope`: a head's ALiBi slope;
-  `row_residuals`: the backward kernels' stacked row residuals.
+  `row_residuals`: the backward kernels' stacked row residuals; `scoped`: a
+  kernel's scratch (config.Scratch) allocated and handed over by name.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -30,71 +32,28 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_attn.kernels import scores
-from pallas_attn.kernels.common import (
+from pallas_attn.kernels.core import (
     Problem,
-    TileContext,
+    TileRanges,
     log2_row_shift,
     logit_scores,
     run_tile_loops,
 )
-from pallas_attn.spec import AttentionSpec
-from pallas_attn.tuning import MOSAIC_BLOCK_Q, MOSAIC_ROWS_PER_CONSUMER, padded_head_dim
-
-# Query rows per item (BlockSizes.block_q) and per consumer warpgroup (the wgmma
-# M dimension), and so the consumers per item.
-ITEM_ROWS = MOSAIC_BLOCK_Q
-ROWS_PER_CONSUMER = MOSAIC_ROWS_PER_CONSUMER
-CONSUMERS = ITEM_ROWS // ROWS_PER_CONSUMER
-# Register budgets (per thread) after the warpgroups specialise: consumers hold the
-# accumulator and the score tile, the producer only issues copies. With three consumers
-# (the dQ kernel's, `tuning.mosaic_dq_consumers`) the four warpgroups share the 64K
-# registers as 3 x 160 + 24.
-CONSUMER_REGISTERS = 232
-PRODUCER_REGISTERS = 40
-_REGISTERS = {CONSUMERS: (CONSUMER_REGISTERS, PRODUCER_REGISTERS), 3: (160, 24)}
-
-
-def consumer_registers(consumers: int) -> int:
-    """A consumer warpgroup's registers per thread with this many consumers."""
-    return _REGISTERS[consumers][0]
-
-
-def producer_registers(consumers: int) -> int:
-    """The producer warpgroup's registers per thread with this many consumers."""
-    return _REGISTERS[consumers][1]
-
-
-_HEAD_DIMS = (64, 128)
-_DTYPES = ("bfloat16", "float16")
-
-
-def unsupported_scores(spec: AttentionSpec, present: tuple[str, ...]) -> str:
-    """Why this kernel cannot compute these scores, or "" when it can (the part of
-    `unsupported` known before tiles are chosen)."""
-    if spec.has_dropout:
-        return f"no dropout, got dropout_rate={spec.dropout_rate}"
-    others = [name for name in present if name not in ("bias", "alibi_slopes")]
-    if others:
-        return (f"it takes no operand besides q, k, v, a bias and ALiBi slopes, got "
-                f"{', '.join(others)}")
-    if spec.has_bias and 1 in spec.bias_shape[2:]:
-        return (f"the bias needs its own entry per query and key, got a bias of shape "
-                f"{spec.bias_shape} (broadcast along queries or keys)")
-    return ""
+from pallas_attn.kernels.mosaic import config
+from pallas_attn.kernels.mosaic.config import (
+    CONSUMERS,
+    ITEM_ROWS,
+    ROWS_PER_CONSUMER,
+    Scratch,
+    producer_registers,
+)
+from pallas_attn.semantics import scores
 
 
 def unsupported(problem: Problem) -> str:
-    """Why this kernel cannot run the problem, or "" when it can."""
-    if problem.dtype not in _DTYPES:
-        return f"inputs must be bfloat16 or float16, got {problem.dtype}"
-    if why := unsupported_scores(problem.spec, problem.present):
-        return why
-    dims = (padded_head_dim(problem.head_dim), padded_head_dim(problem.value_head_dim))
-    if not set(dims) <= set(_HEAD_DIMS):
-        return (f"head dims must pad to {_HEAD_DIMS}, got {problem.head_dim} and "
-                f"{problem.value_head_dim}")
-    return ""
+    """Why the Mosaic kernels cannot run the problem (config.unsupported), or ""."""
+    return config.unsupported(problem.dtype, problem.spec, problem.present, problem.head_dim,
+                              problem.value_head_dim)
 
 
 def smem_tiles(shape: tuple[int, ...], dtype: Any) -> Any:
@@ -169,9 +128,9 @@ class Walk:
                      lax.rem(batch_head, self.problem.batch),
                      lax.div(batch_head, self.problem.batch))
 
-    def band(self, item: Item) -> tuple[TileContext, Band, Any]:
+    def band(self, item: Item) -> tuple[TileRanges, Band, Any]:
         """(context, key tiles, ring steps) of an item; no steps for an invalid one."""
-        ctx = TileContext(self.problem, {}, item.b, item.n)
+        ctx = TileRanges(self.problem, item.b, item.n)
         tiles = Band(*ctx.key_tiles(jnp.maximum(item.q0, 0), item.q0 + self.item_rows,
                                     self.block_k))
         steps = jnp.where(item.valid, jnp.maximum(tiles.stop - tiles.first, 0), 0)
@@ -267,7 +226,7 @@ class BiasTiles:
         return bias
 
 
-def own_band(ctx: TileContext, tiles: Band, row0, stop, block_k: int) -> Band:
+def own_band(ctx: TileRanges, tiles: Band, row0, stop, block_k: int) -> Band:
     """A consumer's key tiles (its 64 rows from row0), clipped into the item's
     [tiles.first, stop) (they agree except at the band's ends)."""
     own = Band(*ctx.key_tiles(row0, row0 + ROWS_PER_CONSUMER, block_k))
@@ -364,12 +323,8 @@ def tile_gradient(problem: Problem, s: jax.Array, dp: jax.Array, bias: jax.Array
     def rows_of(x):
         return lax.broadcast_in_dim(x, s.shape, [0])
 
-    # NOTE: ptxas schedules this math differently with the order of its steps, and it
-    # shows (BENCHMARKS.md, session 14). In log2 units (no bias, no soft cap: plain,
-    # ALiBi), subtracting delta after P made the Mosaic dQ kernel 4-6% faster; with a
-    # soft cap that order was no faster, and with a bias the forward+backward got 4%
-    # slower, so those subtract delta first (and take the cap's derivative right after
-    # the tanh).
+    # NOTE: ptxas schedules this math by the order of its steps: delta after P only in
+    # log2 units, where it measured faster (docs/decisions.md, "tile_gradient delta order").
     log2_units = log2_row_shift(problem, bias)
     if not log2_units:
         dp = dp - rows_of(delta)
@@ -412,10 +367,9 @@ def row_residuals(row_stats: tuple[jax.Array, jax.Array], delta: jax.Array) -> j
     """The backward kernels' row residuals [B, N, 3, Tp] float32: (row reference, log2
     row sum, delta) stacked, so a consumer copies its rows' three in one bulk copy.
 
-    delta passes an optimization barrier first. Without it XLA fuses the reduction
-    that computes delta (sum over the head dim of dO * out) into the stack, one thread
-    per row reading strided entries: 0.29 ms instead of 0.05 at B=4, N=16, T=4096,
-    d128 (BENCHMARKS.md, session 12)."""
+    delta passes an optimization barrier first: otherwise XLA fuses the reduction that
+    computes delta into the stack, one thread per row reading strided entries, six times
+    slower (docs/decisions.md, "Optimization barrier on delta")."""
     return jnp.stack([*row_stats, lax.optimization_barrier(delta)], axis=2)
 
 
@@ -448,6 +402,24 @@ def accumulate(products, interpret: bool) -> tuple[jax.Array, ...]:
     fresh = pl.run_scoped(run_fresh, *(plgpu.ACC(acc.shape, jnp.float32)
                                        for acc, _ in products))
     return tuple(acc + x for (acc, _), x in zip(products, fresh, strict=True))
+
+
+def scoped(scratch: Scratch, body: Callable[[dict[str, Any], dict[str, Any]], None]) -> None:
+    """Allocates a kernel's scratch (buffers, then barriers, in config's order) for every
+    warpgroup and runs body(buffers, barriers), dicts of refs by name (None: absent)."""
+    buffers = [(name, b) for name, b in scratch.buffers if b is not None]
+    barriers = [(name, b) for name, b in scratch.barriers if b is not None]
+    kinds = [smem_tiles(b.shape, b.dtype) if b.swizzled else plgpu.SMEM(b.shape, b.dtype)
+             for _, b in buffers]
+    kinds += [plgpu.Barrier(num_arrivals=b.arrivals, num_barriers=b.count)
+              for _, b in barriers]
+
+    def run(*refs):
+        named = dict(zip([name for name, _ in buffers + barriers], refs, strict=True))
+        body({name: named.get(name) for name, _ in scratch.buffers},
+             {name: named.get(name) for name, _ in scratch.barriers})
+
+    pl.run_scoped(run, *kinds, collective_axes="wg")
 
 
 def launch(entry, out_type: Any, programs: int, interpret: bool,

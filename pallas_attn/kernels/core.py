@@ -1,10 +1,12 @@
-"""Plumbing shared by every Pallas kernel: the static problem, named refs, tile math.
+"""What every kernel shares, whatever its backend: the problem, tile spans, score
+units and the online-softmax step.
 
-`Problem` is the hashable description of one padded attention call; kernels are
-specialised on it. `TileContext` holds what a kernel program reads once (ALiBi
-slope, sequence lengths, dropout key) and computes a [block_q, block_k] tile of
-scores and score gradients with the shared modifiers of `scores.py`, so the
-forward, dK/dV, dQ and dbias kernels cannot disagree on the semantics.
+`Problem` is the hashable description of one padded attention call and its plan;
+kernels are specialised on it. `Band` finds the key tiles a block of query rows
+can see (and the query tiles a block of keys is seen by), skipping tiles outside
+the causal/window band and past the lengths. `logit_scores` builds every kernel's
+scores from the shared modifiers of semantics/scores.py, and `softmax_step` is
+the forward's online softmax, so the kernels cannot disagree on the semantics.
 
 Score units: probabilities are p = exp2((s - m) * problem.exp2_factor), with -inf
 for invisible entries. Plain scores (scale * q.k) are kept in log2 units (scale and
@@ -31,19 +33,16 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plgpu
 
-from pallas_attn import dropout as dropout_lib
-from pallas_attn.kernels import scores
+from pallas_attn.plan import Plan
+from pallas_attn.semantics import scores
 from pallas_attn.spec import AttentionSpec
-from pallas_attn.tuning import BlockSizes
 
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
@@ -57,17 +56,14 @@ MAX_FLOOR = float(jnp.finfo(jnp.float32).min)
 # bfloat16. float16 P (min normal 2**-14) never uses the fixed reference.
 FIXED_REFERENCE_MAX_LOG2 = 50.0
 
-# Names of the optional operands, in the order kernels receive them.
-OPTIONAL_INPUTS = ("bias", "mask", "alibi_slopes", "q_segment_ids", "kv_segment_ids",
-                   "query_seq_lengths", "key_value_seq_lengths", "dropout_seed")
-
 
 @dataclasses.dataclass(frozen=True)
 class Problem:
     """Static description of one padded call (hashable, a custom_vjp nondiff arg).
 
     q_len / kv_len are the caller's lengths; the arrays are padded to
-    q_pad / kv_pad (multiples of every tile) and head dims to powers of two.
+    q_pad / kv_pad (multiples of every tile) and head dims to powers of two. plan:
+    each role's backend and tiles (dispatch.py).
     """
 
     spec: AttentionSpec
@@ -81,8 +77,8 @@ class Problem:
     head_dim: int
     value_head_dim: int
     dtype: str
-    blocks: BlockSizes
-    present: tuple[str, ...]  # which OPTIONAL_INPUTS are passed
+    plan: Plan
+    present: tuple[str, ...]  # which spec.OPTIONAL_INPUTS are passed
     interpret: bool = False
 
     @property
@@ -160,35 +156,12 @@ class Problem:
         """Causal attention without a window: a query tile's work grows linearly with
         its index, so each forward program takes tile i and its mirror
         num_tiles - 1 - i and every program does the same work (schedule_query_tiles).
-        Measured (BENCHMARKS.md): 5% faster causal d128 forward; the backward kernels
-        gained nothing from it and keep one tile per program."""
+        The Triton forward only: the backward kernels gained nothing from it
+        (docs/decisions.md, "Pairing causal tiles in the Triton forward")."""
         return self.spec.is_causal and self.spec.local_window is None
-
-    @property
-    def tanh(self) -> Any:
-        # NOTE: 16-bit inputs on the GPU use the hardware tanh.approx.f32 (relative error
-        # about 2^-11, below bfloat16/float16 rounding) for the soft cap; float32 inputs
-        # and the interpreter use the exact tanh.
-        if self.interpret or self.dtype == "float32":
-            return jnp.tanh
-        return plgpu.approx_tanh
 
     def has(self, name: str) -> bool:
         return name in self.present
-
-
-def name_refs(names: Sequence[str], refs: Sequence[Any]) -> dict[str, Any]:
-    if len(names) != len(refs):
-        raise AssertionError(f"expected refs {names}, got {len(refs)}")
-    return dict(zip(names, refs, strict=True))
-
-
-def whole_array_specs(arrays: Sequence[Any]) -> list[pl.BlockSpec]:
-    """Each operand as one block; kernels index it explicitly with program ids."""
-    def spec(x):
-        zeros = (0,) * x.ndim
-        return pl.BlockSpec(x.shape, lambda *_: zeros)
-    return [spec(x) for x in arrays]
 
 
 # NOTE: kernel index arithmetic uses lax.div / lax.rem on non-negative ints, never jnp's
@@ -223,33 +196,6 @@ def _zero_unless(condition: Any, value: Any) -> Any:
     select like its boolean predicate (i1), which breaks the arithmetic after it.
     """
     return value * condition.astype(jnp.int32)
-
-
-def scheduled_grid_size(num_tiles: int, paired: bool) -> int:
-    """Programs along grid axis 0 for num_tiles query tiles (see schedule_query_tiles)."""
-    return (num_tiles + 1) // 2 if paired else num_tiles
-
-
-def schedule_query_tiles(num_tiles: int, paired: bool,
-                         tile_body: Callable[[Any], None]) -> None:
-    """Runs tile_body(tile) for the query tiles of this program (grid axis 0).
-
-    Under causal masking a query tile's work grows with its index. Unpaired, program
-    p takes tile num_tiles - 1 - p: the heavy tiles start first and the launch ends
-    on light ones. Paired, program p takes tile num_tiles - 1 - p, then its mirror p
-    (the middle tile alone when num_tiles is odd): every program does the same work.
-    """
-    pid = pl.program_id(0)
-    heavy = num_tiles - 1 - pid
-    if not paired:
-        tile_body(heavy)
-        return
-
-    def step(slot, carry):
-        tile_body(heavy + slot * (pid - heavy))
-        return carry
-
-    lax.fori_loop(0, 1 + (pid < heavy).astype(jnp.int32), step, 0)
 
 
 def run_tile_loops(first: Any, stop: Any, full_first: Any, full_stop: Any,
@@ -309,28 +255,49 @@ def log2_row_shift(problem: Problem, bias: Any) -> bool:
             and problem.exp2_factor == 1.0)
 
 
-class TileContext:
-    """Per-program state for computing score tiles of query head n of batch entry b."""
 
-    def __init__(self, problem: Problem, refs: dict[str, Any], b: Any, n: Any):
+def softmax_reference_init(problem: Problem) -> float:
+    """The row reference before any key tile: the soft cap's bound where it is every
+    row's reference (`Problem.fixed_row_reference`), else MAX_FLOOR."""
+    fixed = problem.fixed_row_reference
+    return MAX_FLOOR if fixed is None else fixed
+
+
+def softmax_step(problem: Problem, s: jax.Array, m_prev: jax.Array, l_prev: jax.Array,
+                 rows: Callable[[jax.Array], jax.Array] = lambda x: x[:, None]
+                 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array | None]:
+    """One key tile of the online softmax: (probabilities against the new reference,
+    new row reference, new row sum, alpha or None) from the tile's scores s (invisible
+    entries -inf) and the running reference and sum. The caller rescales its
+    accumulator by alpha (None: no rescaling). rows(x) broadcasts a per-row vector
+    against the tile."""
+    fixed = problem.fixed_row_reference
+    if fixed is not None:  # bounded scores: the bound is every row's reference
+        prob = jnp.exp2(s - fixed)  # invisible: s = -inf, prob = 0
+        return prob, m_prev, l_prev + jnp.sum(prob, axis=1), None
+    # The reference is the running row maximum; it stays >= MAX_FLOOR.
+    m_next = jnp.maximum(m_prev, jnp.max(s, axis=1))
+    alpha = problem.exp2_of(m_prev - m_next)  # natural units: times log2(e)
+    prob = problem.exp2_of(s - rows(m_next))  # invisible: s = -inf, prob = 0
+    return prob, m_next, l_prev * alpha + jnp.sum(prob, axis=1), alpha
+
+
+class TileRanges:
+    """The tiles that query head n of batch entry b needs: key tiles for a block of
+    query rows, query tiles for a block of keys, and which of them the causal/window
+    band and the sequence lengths cross (masked) or leave whole (unmasked).
+
+    q_length / kv_length: the call's sequence lengths of batch entry b (traced
+    scalars) or None."""
+
+    def __init__(self, problem: Problem, b: Any, n: Any, *, q_length: Any = None,
+                 kv_length: Any = None):
         self.p = problem
-        self.refs = refs
         self.b = b
         self.n = n
-        spec = problem.spec
-        # The Mosaic kernels build contexts without refs, for the tile ranges only.
-        self.slope = refs["alibi_slopes"][b, n] if "alibi_slopes" in refs else None
-        self.kv_length = (refs["key_value_seq_lengths"][b]
-                          if problem.has("key_value_seq_lengths") else None)
-        self.q_length = (refs["query_seq_lengths"][b]
-                         if problem.has("query_seq_lengths") else None)
-        self.drop_key = None
-        if spec.has_dropout:
-            seed = (refs["dropout_seed"][0], refs["dropout_seed"][1])
-            batch_head = 0 if spec.broadcast_dropout else b * problem.num_heads + n
-            self.drop_key = dropout_lib.program_key(seed, batch_head)
+        self.q_length = q_length
+        self.kv_length = kv_length
 
-    # -- ranges -------------------------------------------------------------------
     def kv_stop(self) -> Any:
         """Keys at or past this position are invisible to every query."""
         stop = self.p.kv_len
@@ -372,87 +339,3 @@ class TileContext:
             full_hi = jnp.minimum(full_hi, k0 - off + left + 1)
         full_hi = _zero_unless(k_stop <= self.kv_stop(), full_hi)  # a ragged key tile
         return (first, stop, *full_tile_span(full_lo, full_hi, block_q, first, stop))
-
-    # -- tiles --------------------------------------------------------------------
-    def _load_broadcast(self, name: str, shape: tuple[int, ...], q0: Any, k0: Any,
-                        block_q: int, block_k: int) -> jax.Array:
-        bb = self.b if shape[0] > 1 else 0
-        nb = self.n if shape[1] > 1 else 0
-        rows = pl.ds(q0, block_q) if shape[2] > 1 else pl.ds(0, 1)
-        cols = pl.ds(k0, block_k) if shape[3] > 1 else pl.ds(0, 1)
-        return self.refs[name][bb, nb, rows, cols]
-
-    def scores(self, q: jax.Array, k: jax.Array, q0: Any, k0: Any, masked: bool
-               ) -> tuple[jax.Array, jax.Array | None, jax.Array | None]:
-        """Float32 scores [bq, bk] in the problem's units, invisible entries at -inf.
-
-        Returns (scores, visible or None, tanh(logits / cap) or None).
-        masked=False skips the band masks (causal, window, lengths), for tiles the
-        caller proved fully inside the band.
-        """
-        p, spec = self.p, self.p.spec
-        block_q, block_k = q.shape[0], k.shape[0]
-        s = plgpu.dot(q, k, trans_b=True, precision=p.precision)
-        rows = (q0 + lax.broadcasted_iota(jnp.int32, (block_q, 1), 0))
-        cols = (k0 + lax.broadcasted_iota(jnp.int32, (1, block_k), 1))
-        bias = (self._load_broadcast("bias", spec.bias_shape, q0, k0, block_q, block_k)
-                if p.has("bias") else None)
-        alibi_rows, alibi_cols = rows, cols
-        if self.slope is not None and p.exact_float_positions:
-            alibi_rows, alibi_cols = rows.astype(jnp.float32), cols.astype(jnp.float32)
-        s, cap_tanh = logit_scores(p, s, alibi_rows, alibi_cols, bias=bias, slope=self.slope,
-                                   tanh=p.tanh)
-        mask = (self._load_broadcast("mask", spec.mask_shape, q0, k0, block_q, block_k)
-                if p.has("mask") else None)
-        q_seg = kv_seg = None
-        if p.has("q_segment_ids"):
-            q_seg = self.refs["q_segment_ids"][self.b, pl.ds(q0, block_q)][:, None]
-            kv_seg = self.refs["kv_segment_ids"][self.b, pl.ds(k0, block_k)][None, :]
-        band_spec = spec if masked else dataclasses.replace(spec, is_causal=False,
-                                                            local_window=None)
-        visible = scores.visibility(
-            rows, cols, band_spec, p.offset, mask=mask, q_segments=q_seg, kv_segments=kv_seg,
-            kv_length=self.kv_length if masked else None,
-            kv_bound=p.kv_len if masked and p.kv_pad != p.kv_len else None)
-        if visible is not None:
-            s = jnp.where(visible, s, -jnp.inf)
-        return s, visible, cap_tanh
-
-    def keep(self, q0: Any, k0: Any, block_q: int, block_k: int) -> jax.Array:
-        """Dropout keep decisions for the tile (same hash as the reference)."""
-        rows = q0 + lax.iota(jnp.int32, block_q)
-        cols = k0 + lax.iota(jnp.int32, block_k)
-        return dropout_lib.keep(dropout_lib.row_keys(self.drop_key, rows), cols,
-                                self.p.spec.dropout_rate)
-
-    def row_residuals(self, q0: Any, block_q: int) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """(row_max, log2_sum, delta) of query rows [q0, q0 + block_q)."""
-        rows = pl.ds(q0, block_q)
-        return tuple(self.refs[name][self.b, self.n, rows]
-                     for name in ("row_max", "log2_sum", "delta"))
-
-    def score_gradient(self, q, k, v, do, residuals, q0, k0, masked
-                       ) -> tuple[jax.Array, jax.Array]:
-        """(dropped probabilities P~, score gradient dS) of one tile, float32, both
-        divided by problem.dropout_scale: callers multiply what they accumulate from
-        them by it once, at the end, instead of every score.
-
-        residuals: row_residuals() of the tile's rows. P = exp(s - lse);
-        dP~ = dO V^T; dP = dP~ * keep / (1 - rate); dS = P * (dP - delta) times the
-        soft-cap derivative, computed as P * (dP~ * keep - delta * (1 - rate)).
-        """
-        spec = self.p.spec
-        row_max, log2_sum, delta = residuals
-        s, _, cap_tanh = self.scores(q, k, q0, k0, masked)
-        prob = self.p.probabilities(s, row_max, log2_sum)
-        dp = plgpu.dot(do, v, trans_b=True, precision=self.p.precision)
-        dropped = prob
-        if spec.has_dropout:
-            keep = self.keep(q0, k0, q.shape[0], k.shape[0])
-            dropped = jnp.where(keep, prob, 0.0)
-            dp = jnp.where(keep, dp, 0.0)
-            delta = delta * (1.0 - spec.dropout_rate)
-        ds = prob * (dp - delta[:, None])
-        if cap_tanh is not None:
-            ds = ds * scores.soft_cap_slope(cap_tanh)
-        return dropped, ds

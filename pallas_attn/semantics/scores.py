@@ -5,7 +5,7 @@ shaped to broadcast against each other (rows [..., Tq, 1], cols [..., 1, Tk]),
 so the same code serves a [block_q, block_k] tile inside a Pallas kernel and the
 full [B, N, T, S] matrix of the reference. Pure jnp: no Pallas imports here.
 
-Semantics (shared/DESIGN.md, restated in README.md):
+Semantics (README.md, "Semantics"):
 
     logits = scale * q.k + bias - slope * |i + off - j|     then cap * tanh(logits / cap)
     visible = mask & causal & window & same segment & inside both sequence lengths

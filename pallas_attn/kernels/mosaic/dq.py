@@ -1,34 +1,35 @@
 """dQ kernel for Hopper (Pallas, Mosaic GPU backend): warp-specialised, persistent.
 
-It walks work items of 64 query rows per consumer warpgroup (`mosaic_common.Walk`:
-rows of one batch entry and head, one program per multiprocessor), with three
-consumers, or two with a bias or a local window (`tuning.mosaic_dq_consumers`):
+It walks work items of 64 query rows per consumer warpgroup (`common.Walk`: rows
+of one batch entry and head, one program per multiprocessor), with the plan's
+consumer warpgroups: three, or two with a bias or a local window
+(`config.dq_consumers`):
 
 * The producer warpgroup streams each item's band of K and V tiles
-  (`MOSAIC_DQ_TILES`: 64 keys) into a ring of `num_stages_dq` slots, as the forward
+  (`config.DQ_TILES`: 64 keys) into a ring of the route's slots, as the forward
   does.
 * Each consumer takes 64 rows. Per item it copies its rows of Q, dO and the row
   residuals (row reference, log2 row sum, delta) into buffers of its own; per key
   tile it computes S = Q K^T and dP = dO V^T with wgmma, P and dS from the residuals
-  and the shared score rules (`mosaic_common.tile_gradient`), stages dS in shared
+  and the shared score rules (`common.tile_gradient`), stages dS in shared
   memory and adds dS K into its dQ accumulator with a third wgmma. The bias comes
-  through each consumer's own buffer one tile ahead (`mosaic_common.BiasTiles`).
+  through each consumer's own buffer one tile ahead (`common.BiasTiles`).
 * Three consumers (items of 192 rows) run without turns: while two compute their
   exponentials and soft-cap tanh, the third's products keep the tensor cores busy
-  (BENCHMARKS.md, session 19). Items end at the padded length, so the first item of
+  (docs/decisions.md, "Three dQ consumers"). Items end at the padded length, so the first item of
   a head may start before row 0; the consumers whose rows lie there only release
   the ring's slots. Two consumers (items of 128 rows) take turns on the tensor cores
   as the forward's do (two turns per key tile).
 
 dQ (times the softmax scale) is stored from registers. Rows that see no key get
-zeros. Scope: the Mosaic kernels' (`mosaic_common.unsupported`).
+zeros. Scope: the Mosaic kernels' (`config.unsupported`).
 
 `dq_and_dbias` also starts the gradient of a bias shared by the batch entries: the
 consumers bulk-copy batch entry 0's dS tiles (already staged in shared memory for
 dS K) into a dbias of the bias's shape, running the whole band of the item for it
 (tiles outside a consumer's own rows' band masked, so their dS is 0), and the
 producer bulk-copies a zeroed tile to the tiles outside the band. The Mosaic dK/dV
-kernel then adds the other entries' dS tiles to it (`mosaic_dkv`), so the sum needs
+kernel then adds the other entries' dS tiles to it (`dkv.dkdv`), so the sum needs
 no zeroed buffer and entry 0's tiles are written, not added.
 """
 
@@ -40,41 +41,41 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_attn import tuning
-from pallas_attn.kernels import mosaic_common
-from pallas_attn.kernels.common import Problem
-from pallas_attn.kernels.mosaic_common import (
-    ROWS_PER_CONSUMER,
+from pallas_attn.kernels.core import Problem
+from pallas_attn.kernels.mosaic.common import (
     Band,
     Walk,
     accumulate,
-    consumer_registers,
     head_slope,
+    launch,
     optional_refs,
     own_band,
     release_slot,
     run_band,
-    smem_tiles,
+    scoped,
     take_turn,
     tile_gradient,
+    unsupported,
     zero_tile_init,
     zero_tiles_outside,
 )
-from pallas_attn.tuning import MOSAIC_DQ_TILES
-
-
-def unsupported(problem: Problem) -> str:
-    """Why this kernel cannot compute the problem's dQ, or "" when it can."""
-    return mosaic_common.unsupported(problem)
+from pallas_attn.kernels.mosaic.config import (
+    DQ_TILES,
+    ROWS_PER_CONSUMER,
+    consumer_registers,
+    dq_scratch,
+    fusable_dbias,
+)
 
 
 def _kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, bias_ref, slopes_ref, dq_ref, dbias_ref,
             smem, barriers, *, problem: Problem, programs: int, consumers: int):
-    rows_loaded, k_loaded, v_loaded, k_consumed, v_consumed, schedule, bias_loaded = barriers
-    ring = (k_loaded, v_loaded, k_consumed, v_consumed)
-    block_k = problem.blocks.block_k_dq
-    walk = Walk(problem, programs, block_k, problem.blocks.num_stages_dq,
-                consumers * ROWS_PER_CONSUMER)
+    rows_loaded, schedule = barriers["rows_loaded"], barriers["schedule"]
+    ring = tuple(barriers[name] for name in ("k_loaded", "v_loaded", "k_consumed",
+                                              "v_consumed"))
+    route = problem.plan.dq
+    block_k = route.block_k
+    walk = Walk(problem, programs, block_k, route.num_stages, consumers * ROWS_PER_CONSUMER)
     wg = lax.axis_index("wg")
     on_item = None
     if dbias_ref is not None:
@@ -131,7 +132,7 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, bias_ref, slopes_ref, dq_ref
             residuals = tuple(plgpu.load(mine["stats"].at[j], layout=row_layout)
                               for j in range(3))
             plgpu.commit_smem()  # the reads are done before the next item's copy lands
-            bias = walk.bias_rows(bias_ref, item, row0, smem.get("bias"), bias_loaded)
+            bias = walk.bias_rows(bias_ref, item, row0, smem["bias"], barriers["bias_loaded"])
             dbias = None
             if dbias_ref is not None:  # batch entry 0 writes its dS tiles as dbias
                 dbias = (mine_valid & (item.b == 0),
@@ -170,7 +171,7 @@ def _consume(problem: Problem, ctx, tiles, slot_of, row0, stop, mine: dict, k_sm
     tiles of the item's band there, running every tile of the band (those outside its
     own rows' band masked: dS = 0)."""
     k_loaded, v_loaded, k_consumed, v_consumed = ring
-    block_k = problem.blocks.block_k_dq
+    block_k = problem.plan.dq.block_k
     rows_n = ROWS_PER_CONSUMER
     own = own_band(ctx, tiles, row0, stop, block_k)
     own = Band(*(jnp.where(active, x, tiles.first)
@@ -207,9 +208,8 @@ def _consume(problem: Problem, ctx, tiles, slot_of, row0, stop, mine: dict, k_sm
                 mine["ds"], dbias[1].at[:, pl.ds(t * block_k, block_k)]))
         # This gradient math is done; then the other consumer has issued its products.
         take_turn(schedule)
-        # NOTE: leaving dS K in flight (dQ in an accumulator across the tiles, the next
-        # S and dP queued behind it) made ptxas inject waits of its own (C7519/C7517),
-        # 28% slower (BENCHMARKS.md, session 18).
+        # NOTE: not left in flight across tiles: ptxas then injects waits of its own
+        # (docs/decisions.md, "dS K left in flight").
         (dq,) = accumulate(((dq, ((mine["ds"], k_smem.at[slot]),)),),
                            problem.interpret)
         plgpu.barrier_arrive(k_consumed.at[slot])
@@ -227,7 +227,7 @@ def dq(problem: Problem, q: jax.Array, k: jax.Array, v: jax.Array, do: jax.Array
        stats: jax.Array, bias: jax.Array | None, slopes: jax.Array | None = None
        ) -> jax.Array:
     """dq [B, Tp, N, Hp] for padded inputs; stats: the row residuals
-    (`mosaic_common.row_residuals`); slopes: ALiBi slopes [B, N] or None."""
+    (`common.row_residuals`); slopes: ALiBi slopes [B, N] or None."""
     return _launch(problem, q, k, v, do, stats, bias, slopes, False)[0]
 
 
@@ -237,10 +237,10 @@ def dq_and_dbias(problem: Problem, q: jax.Array, k: jax.Array, v: jax.Array, do:
     """(dq, batch entry 0's part of the gradient of a bias shared by the batch entries)
     for padded inputs: `dq`, with the dS tiles of batch entry 0 stored as a dbias of
     the bias's shape [1, N, Tp, Sp] (and zeros outside the bands). The dK/dV kernel
-    adds the other entries' to it (`mosaic_dkv.dkdv`'s dbias_first)."""
-    if not tuning.mosaic_fusable_dbias(bias.shape, batch=1, num_heads=problem.num_heads,
-                                       bias_dtype=bias.dtype, dtype=problem.dtype):
-        raise AssertionError(f"mosaic_dq.dq_and_dbias cannot write the dbias of a "
+    adds the other entries' to it (`dkv.dkdv`'s dbias_first)."""
+    if not fusable_dbias(bias.shape, batch=1, num_heads=problem.num_heads,
+                         bias_dtype=bias.dtype, dtype=problem.dtype):
+        raise AssertionError(f"mosaic.dq.dq_and_dbias cannot write the dbias of a "
                              f"{bias.dtype} bias of shape {bias.shape}")
     dq_out, dbias = _launch(problem, q, k, v, do, stats, bias, slopes, True)
     return dq_out, dbias
@@ -248,60 +248,27 @@ def dq_and_dbias(problem: Problem, q: jax.Array, k: jax.Array, v: jax.Array, do:
 
 def _launch(problem: Problem, q, k, v, do, stats, bias, slopes, with_dbias: bool) -> list:
     if why := unsupported(problem):
-        raise AssertionError(f"mosaic_dq.dq called for an unsupported problem: {why}")
-    blocks = problem.blocks
-    if (blocks.block_q_dq, blocks.block_k_dq) != MOSAIC_DQ_TILES:
-        raise AssertionError(f"mosaic_dq.dq needs (block_q_dq, block_k_dq) = "
-                             f"{MOSAIC_DQ_TILES}: {blocks}")
+        raise AssertionError(f"mosaic.dq.dq called for an unsupported problem: {why}")
+    route = problem.plan.dq
+    if (route.block_q, route.block_k) != DQ_TILES:
+        raise AssertionError(f"mosaic.dq.dq needs (block_q, block_k) = {DQ_TILES}: {route}")
     B, Tp, N, hp = q.shape
-    hvp = v.shape[-1]
-    block_k, stages = blocks.block_k_dq, blocks.num_stages_dq
-    dtype = q.dtype
+    consumers = route.consumers
+    scratch = dq_scratch(hp, v.shape[-1], route.block_k, route.num_stages, consumers, q.dtype,
+                         None if bias is None else bias.dtype, dbias=with_dbias)
 
     def entry(q_ref, k_ref, v_ref, do_ref, stats_ref, *refs):
         bias_ref, slopes_ref = optional_refs(refs, bias, slopes)
         dq_ref, *dbias_ref = refs[(bias is not None) + (slopes is not None):]
-        kinds = dict(
-            q=smem_tiles((consumers, ROWS_PER_CONSUMER, hp), dtype),
-            do=smem_tiles((consumers, ROWS_PER_CONSUMER, hvp), dtype),
-            stats=plgpu.SMEM((consumers, 3, ROWS_PER_CONSUMER), jnp.float32),
-            k=smem_tiles((stages, block_k, hp), dtype),
-            v=smem_tiles((stages, block_k, hvp), dtype),
-            ds=smem_tiles((consumers, ROWS_PER_CONSUMER, block_k), dtype),
-            bias=(smem_tiles((consumers, ROWS_PER_CONSUMER, block_k), bias.dtype)
-                  if bias is not None else None),
-            zeros=smem_tiles((ROWS_PER_CONSUMER, block_k), dtype) if with_dbias else None,
-        )
-        kinds = {name: kind for name, kind in kinds.items() if kind is not None}
-        barriers = (
-            plgpu.Barrier(num_arrivals=3, num_barriers=consumers),  # Q, dO, residuals
-            plgpu.Barrier(num_barriers=stages),
-            plgpu.Barrier(num_barriers=stages),
-            plgpu.Barrier(num_arrivals=consumers, num_barriers=stages),
-            plgpu.Barrier(num_arrivals=consumers, num_barriers=stages),
-            plgpu.Barrier(num_arrivals=2) if consumers == 2 else None,  # the turns of two
-            plgpu.Barrier(num_barriers=consumers) if bias is not None else None,
-        )
+        scoped(scratch, lambda smem, barriers: _kernel(
+            q_ref, k_ref, v_ref, do_ref, stats_ref, bias_ref, slopes_ref, dq_ref,
+            dbias_ref[0] if dbias_ref else None, smem, barriers, problem=problem,
+            programs=programs, consumers=consumers))
 
-        def body(*scratch):
-            smem = dict(zip(kinds, scratch, strict=False))
-            live = iter(scratch[len(kinds):])
-            barrier_refs = tuple(None if b is None else next(live) for b in barriers)
-            _kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, bias_ref, slopes_ref, dq_ref,
-                    dbias_ref[0] if dbias_ref else None, smem, barrier_refs,
-                    problem=problem, programs=programs, consumers=consumers)
-
-        pl.run_scoped(body, *kinds.values(), *(b for b in barriers if b is not None),
-                      collective_axes="wg")
-
-    consumers = tuning.mosaic_dq_consumers(
-        blocks, hp, hvp, dtype, bias_dtype=None if bias is None else bias.dtype,
-        has_window=problem.spec.local_window is not None)
     items = -(-Tp // (consumers * ROWS_PER_CONSUMER)) * B * N
-    programs = tuning.persistent_programs(items, problem.interpret)
+    programs = problem.plan.programs_for(items)
     operands = [q, k, v, do, stats] + [x for x in (bias, slopes) if x is not None]
     out_type = [jax.ShapeDtypeStruct(q.shape, q.dtype)]
     if with_dbias:
         out_type.append(jax.ShapeDtypeStruct(bias.shape, bias.dtype))
-    return mosaic_common.launch(entry, out_type, programs, problem.interpret,
-                                consumers)(*operands)
+    return launch(entry, out_type, programs, problem.interpret, consumers)(*operands)

@@ -14,59 +14,52 @@ says why not the lse).
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_attn.kernels.common import (
-    MAX_FLOOR,
-    OPTIONAL_INPUTS,
+from pallas_attn.kernels.core import (
     Problem,
-    TileContext,
-    name_refs,
     run_tile_loops,
+    softmax_reference_init,
+    softmax_step,
+)
+from pallas_attn.kernels.triton.context import (
+    TileContext,
+    launch,
+    name_refs,
     schedule_query_tiles,
     scheduled_grid_size,
-    whole_array_specs,
 )
+from pallas_attn.spec import OPTIONAL_INPUTS
 
 
 def forward_kernel(*refs, problem: Problem, names: tuple[str, ...]):
     r = name_refs(names, refs)
     b, n = pl.program_id(1), pl.program_id(2)
-    num_tiles = problem.q_pad // problem.blocks.block_q
+    num_tiles = problem.q_pad // problem.plan.forward.block_q
     schedule_query_tiles(num_tiles, problem.pairs_query_tiles,
                          lambda i: _forward_tile(problem, r, TileContext(problem, r, b, n), i))
 
 
 def _forward_tile(problem: Problem, r: dict, ctx: TileContext, i) -> None:
     """Output rows and row residuals of query tile i."""
-    spec, blocks = problem.spec, problem.blocks
-    block_q, block_k = blocks.block_q, blocks.block_k
+    spec, route = problem.spec, problem.plan.forward
+    block_q, block_k = route.block_q, route.block_k
     b, n = ctx.b, ctx.n
     kh = lax.div(n, problem.group)
     q0 = i * block_q
     q = r["q"][b, pl.ds(q0, block_q), n, :]
-    fixed = problem.fixed_row_reference
 
     def body(t, carry, masked):
         acc, m_prev, l_prev = carry
         k0 = t * block_k
         k = r["k"][b, pl.ds(k0, block_k), kh, :]
         s, _, _ = ctx.scores(q, k, q0, k0, masked)
-        if fixed is not None:  # bounded scores: the bound is every row's reference
-            m_next = m_prev
-            prob = jnp.exp2(s - fixed)  # invisible: s = -inf, prob = 0
-            l_next = l_prev + jnp.sum(prob, axis=1)
-        else:  # the reference is the running row maximum, acc rescaled every tile
-            m_next = jnp.maximum(m_prev, jnp.max(s, axis=1))  # stays >= MAX_FLOOR
-            alpha = problem.exp2_of(m_prev - m_next)
-            prob = problem.exp2_of(s - m_next[:, None])  # invisible: s = -inf, prob = 0
-            l_next = l_prev * alpha + jnp.sum(prob, axis=1)
+        prob, m_next, l_next, alpha = softmax_step(problem, s, m_prev, l_prev)
+        if alpha is not None:
             acc = acc * alpha[:, None]
         if spec.has_dropout:
             prob = jnp.where(ctx.keep(q0, k0, block_q, block_k), prob, 0.0)
@@ -76,7 +69,7 @@ def _forward_tile(problem: Problem, r: dict, ctx: TileContext, i) -> None:
 
     init = (
         jnp.zeros((block_q, r["v"].shape[-1]), jnp.float32),
-        jnp.full((block_q,), MAX_FLOOR if fixed is None else fixed, jnp.float32),
+        jnp.full((block_q,), softmax_reference_init(problem), jnp.float32),
         jnp.zeros((block_q,), jnp.float32),
     )
     acc, m, l_sum = run_tile_loops(*ctx.key_tiles(q0, q0 + block_q, block_k), body, init)
@@ -101,16 +94,8 @@ def forward(problem: Problem, q: jax.Array, k: jax.Array, v: jax.Array,
     B, Tp, N, _ = q.shape
     row = jax.ShapeDtypeStruct((B, N, Tp), jnp.float32)
     out_shape = [jax.ShapeDtypeStruct((B, Tp, N, v.shape[-1]), q.dtype), row, row]
-    blocks = problem.blocks
-    out, row_max, log2_sum = pl.pallas_call(
-        functools.partial(forward_kernel, problem=problem, names=names),
-        grid=(scheduled_grid_size(Tp // blocks.block_q, problem.pairs_query_tiles), B, N),
-        in_specs=whole_array_specs(inputs),
-        out_specs=whole_array_specs(out_shape),
-        out_shape=out_shape,
-        compiler_params=plgpu.CompilerParams(num_warps=blocks.num_warps,
-                                             num_stages=blocks.num_stages),
-        interpret=problem.interpret,
-        name="pallas_attn_forward",
-    )(*inputs)
+    route = problem.plan.forward
+    grid = (scheduled_grid_size(Tp // route.block_q, problem.pairs_query_tiles), B, N)
+    out, row_max, log2_sum = launch(forward_kernel, problem, names, inputs, out_shape, grid,
+                                    route.num_warps, route.num_stages, "pallas_attn_forward")
     return out, (row_max, log2_sum)

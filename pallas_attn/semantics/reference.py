@@ -17,8 +17,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from pallas_attn import dropout as dropout_lib
-from pallas_attn.kernels import scores
+from pallas_attn.semantics import dropout as dropout_lib
+from pallas_attn.semantics import scores
 from pallas_attn.spec import AttentionSpec, Operands
 
 
@@ -79,24 +79,6 @@ def attention(spec: AttentionSpec, ops: Operands) -> tuple[jax.Array, jax.Array]
                      precision=jax.lax.Precision.HIGHEST)
     out = out.reshape(B, T, N, v.shape[3]).astype(ops.query.dtype)
     return out, lse[..., 0]
-
-
-def dot_product_attention(
-    *args: Any, implementation: str | None = None, block_sizes: Any = None,
-    interpret: bool = False, **kwargs: Any,
-) -> jax.Array | tuple[jax.Array, jax.Array]:
-    """The reference through the public signature: pallas_attn.dot_product_attention
-    with implementation="xla" (same arguments, same checks).
-
-    implementation may only be None or "xla"; block_sizes and interpret do not apply.
-    """
-    if implementation not in (None, "xla"):
-        raise ValueError(f"the reference is implementation='xla', got {implementation!r}")
-    if block_sizes is not None or interpret:
-        raise ValueError("block_sizes and interpret do not apply to the reference")
-    from pallas_attn import api  # api imports this module
-
-    return api.dot_product_attention(*args, implementation="xla", **kwargs)
 
 
 def finish(out: jax.Array, lse: jax.Array, batched: bool, return_residual: bool):

@@ -1,0 +1,385 @@
+"""The routing table: which implementation, and per role which kernel and tiles.
+
+For one call (`Call`: shapes, dtypes, features) and one device, `plan()` decides
+the implementation ("pallas", "xla" or "xla_chunked") and, for the kernels, a
+`Route` per role: forward, dQ, dK/dV and dbias (when a bias is present). Every
+rule that picks a backend lives here, with the reason each faster backend was not
+taken; the backends only say what they can run (kernels/*/config.py).
+
+Order of preference per role: the warp-specialised Mosaic GPU kernel (sm90), then
+Triton's (sm80 and newer, and the interpreter). Mosaic runs a role where it can and
+where it measured faster (docs/decisions.md): every role at head dims padding to
+128, dK/dV and dbias at 64 too; the Triton kernels were faster for the forward and
+dQ at 64. Tiles: the caller's `BlockSizes`, then the tile cache (`python -m
+pallas_attn tune`), then the first rung of a ladder that fits the device's shared
+memory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax.numpy as jnp
+
+from pallas_attn.device import DeviceInfo, on_nvidia_gpu
+from pallas_attn.kernels import padded_head_dim
+from pallas_attn.kernels.mosaic import config as mosaic
+from pallas_attn.kernels.triton import config as triton
+from pallas_attn.plan import BACKEND_FIELDS, ROLE_LABELS, TILE_FIELDS, BlockSizes, Plan, Route
+from pallas_attn.spec import OPTIONAL_INPUTS, AttentionSpec, Operands
+from pallas_attn.tuning import cache
+
+# The CPU default switches from the reference to the blockwise path once the
+# reference's T x S float32 matrices reach 16 MiB per batch entry and head.
+PREFER_CHUNKED_ELEMENTS = 2**22
+
+
+@dataclasses.dataclass(frozen=True)
+class Call:
+    """What routing depends on: the shapes, dtypes and features of one call."""
+
+    spec: AttentionSpec
+    batch: int
+    q_len: int
+    kv_len: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    value_head_dim: int
+    dtype: str
+    bias_dtype: str | None = None
+    present: tuple[str, ...] = ()  # the optional inputs given (spec.OPTIONAL_INPUTS)
+
+    @staticmethod
+    def of(spec: AttentionSpec, ops: Operands) -> Call:
+        B, T, N, H = ops.query.shape
+        _, S, K, _ = ops.key.shape
+        return Call(spec, B, T, S, N, K, H, ops.value.shape[-1], jnp.dtype(ops.query.dtype).name,
+                    None if ops.bias is None else jnp.dtype(ops.bias.dtype).name,
+                    tuple(name for name in OPTIONAL_INPUTS if getattr(ops, name) is not None))
+
+    def describe(self) -> str:
+        heads = f"N={self.num_heads}" + (f"/{self.num_kv_heads}"
+                                         if self.num_kv_heads != self.num_heads else "")
+        dims = f"H={self.head_dim}" + (f" Hv={self.value_head_dim}"
+                                       if self.value_head_dim != self.head_dim else "")
+        spec = self.spec
+        features = [name for name, on in (
+            ("causal" if spec.causal_alignment == "top_left" else "causal bottom-right",
+             spec.is_causal),
+            (f"window {spec.local_window}", spec.local_window is not None),
+            (f"soft cap {spec.logits_soft_cap}", spec.logits_soft_cap is not None),
+            (f"dropout {spec.dropout_rate}", spec.has_dropout)) if on]
+        features += [f"bias {list(spec.bias_shape)} {self.bias_dtype}"] if spec.has_bias else []
+        features += [name for name in self.present if name not in ("bias", "dropout_seed")]
+        return (f"B={self.batch} T={self.q_len} S={self.kv_len} {heads} {dims} {self.dtype}"
+                + "".join(f", {f}" for f in features))
+
+
+def choose_implementation(implementation: str | None, call: Call, interpret: bool
+                          ) -> tuple[str, str]:
+    """(implementation, why) for a requested one (None: automatic)."""
+    if implementation is not None:
+        return implementation, ""
+    if interpret:
+        return "pallas", "interpret=True runs the Pallas kernels in the interpreter"
+    if on_nvidia_gpu():
+        return "pallas", "an NVIDIA GPU"
+    if call.q_len * call.kv_len >= PREFER_CHUNKED_ELEMENTS:
+        return "xla_chunked", "no NVIDIA GPU, and T * S >= 2**22 (the reference's T x S " \
+            "matrices would reach 16 MiB per batch entry and head)"
+    return "xla", "no NVIDIA GPU: the reference"
+
+
+def plan(call: Call, *, implementation: str = "pallas", device: DeviceInfo | None = None,
+         block_sizes: BlockSizes | None = None, interpret: bool = False,
+         why: str = "") -> Plan:
+    """The plan of one call. device: the GPU to plan for (None: the current one, or an
+    H100's description in the interpreter). ValueError when block_sizes asks for
+    something the table cannot give, naming the field."""
+    if implementation != "pallas":
+        xla = Route("xla")
+        return Plan(implementation, xla, xla, xla, xla if call.spec.has_bias else None, why=why,
+                    problem=call.describe())
+    if device is None:
+        device = DeviceInfo() if interpret else DeviceInfo.current()
+    overrides = block_sizes or BlockSizes()
+    if refusal := _not_hopper(device):
+        for role, field in BACKEND_FIELDS.items():
+            if overrides.backend(role) == "mosaic":  # even where the role does not run
+                raise ValueError(
+                    f"block_sizes.{field}='mosaic' does not cover this call: {refusal}")
+    tiles = _triton_tiles(call, device, overrides, interpret)
+    routes = {role: _route(role, call, device, overrides, interpret, tiles[role])
+              for role in ("forward", "dkdv", "dq")}
+    dbias = (_dbias_route(call, device, overrides, interpret, tiles["dbias"], routes["dkdv"])
+             if call.spec.has_bias else None)
+    return Plan("pallas", routes["forward"], routes["dq"], routes["dkdv"], dbias,
+                programs=2 if interpret else device.num_multiprocessors, device=device,
+                interpret=interpret, why=why, problem=call.describe())
+
+
+# ------------------------------------------------------------------ Triton tiles
+def _heavy_scores(call: Call) -> bool:
+    spec = call.spec
+    return spec.has_bias or spec.has_dropout or spec.logits_soft_cap is not None
+
+
+def _triton_tiles(call: Call, device: DeviceInfo, overrides: BlockSizes, interpret: bool
+                  ) -> dict[str, triton.Tiles]:
+    """Each role's Triton tiles: the overrides over the cached or the heuristic ones."""
+    spec = call.spec
+    budget = device.max_shared_memory_per_block
+    smem = dict(bias_dtype=call.bias_dtype, has_mask=spec.has_mask)
+    features = {"is_causal": spec.is_causal, "has_bias": spec.has_bias,
+                "has_dropout": spec.has_dropout, "has_window": spec.local_window is not None}
+    tuned = None if interpret else cache.lookup(device, call.dtype, call.head_dim,
+                                                call.value_head_dim, call.q_len, call.kv_len,
+                                                features)
+    chosen = {}
+    for role in ("forward", "dkdv", "dq", *(("dbias",) if spec.has_bias else ())):
+        def fits(tiles, role=role):
+            return triton.shared_memory(role, tiles, call.head_dim, call.value_head_dim,
+                                        call.dtype, **smem) <= budget
+
+        if tuned is not None and None not in tuned.tiles(role):
+            base = triton.clamp(tuned.tiles(role), call.q_len, call.kv_len)
+        else:
+            rungs = triton.ladder(role, call.head_dim, call.value_head_dim, spec.is_causal,
+                                  _heavy_scores(call))
+            clamped = (triton.clamp(rung, call.q_len, call.kv_len) for rung in rungs)
+            base = next((rung for rung in clamped if fits(rung)), None)
+            if base is None:
+                raise ValueError(
+                    f"no tile size of the {ROLE_LABELS[role]} kernel fits {budget} bytes of "
+                    f"shared memory (head dims {call.head_dim}/{call.value_head_dim}, "
+                    f"{call.dtype}); pass block_sizes")
+        given = overrides.tiles(role)
+        if any(x is not None for x in given):
+            tiles = triton.clamp(tuple(b if g is None else g for g, b in zip(given, base,
+                                                                               strict=True)),
+                                 call.q_len, call.kv_len)
+            if not interpret and not fits(tiles):
+                need = triton.shared_memory(role, tiles, call.head_dim, call.value_head_dim,
+                                            call.dtype, **smem)
+                raise ValueError(
+                    f"block_sizes {_fields(role, tiles)} need about {need} bytes of shared "
+                    f"memory in the {ROLE_LABELS[role]} kernel (head dims {call.head_dim}/"
+                    f"{call.value_head_dim}, {call.dtype}), over the device's {budget} bytes "
+                    f"per block; choose smaller tiles or fewer stages")
+            base = tiles
+        chosen[role] = base
+    return chosen
+
+
+def _fields(role: str, tiles: tuple) -> str:
+    return ", ".join(f"{f}={t}" for f, t in zip(TILE_FIELDS[role], tiles, strict=True))
+
+
+# ------------------------------------------------------------------ Mosaic routes
+def _not_hopper(device: DeviceInfo) -> str:
+    if device.is_hopper:
+        return ""
+    major, minor = device.compute_capability
+    return f"needs an sm90 (Hopper) GPU, this one is sm{major}{minor}"
+
+
+def _mosaic_route(role: str, call: Call, device: DeviceInfo, overrides: BlockSizes,
+                  automatic: bool, interpret: bool) -> Route | str:
+    """The Mosaic kernel's route for a role, or why it does not run it."""
+    spec = call.spec
+    if why := _not_hopper(device):
+        return why
+    if automatic and interpret:
+        return ("the interpreter runs the Triton kernels unless block_sizes names the "
+                "Mosaic ones")
+    if why := mosaic.unsupported(call.dtype, spec, call.present, call.head_dim,
+                                 call.value_head_dim):
+        return why
+    dims = {padded_head_dim(call.head_dim), padded_head_dim(call.value_head_dim)}
+    if automatic and call.q_len < mosaic.ITEM_ROWS:
+        return f"fewer query rows ({call.q_len}) than one work item ({mosaic.ITEM_ROWS})"
+    if automatic and role in ("forward", "dq") and dims != {128}:
+        return (f"head dims padding to {sorted(dims)}: the Triton {ROLE_LABELS[role]} kernel "
+                f"measured faster there (docs/decisions.md)")
+    hp, hvp = padded_head_dim(call.head_dim), padded_head_dim(call.value_head_dim)
+    block_q, block_k, _, stages = overrides.tiles(role)
+    if role == "forward":
+        wrong = (block_q not in (None, mosaic.ITEM_ROWS)
+                 or block_k not in (None, *mosaic.FORWARD_BLOCK_K)
+                 or (stages is not None and stages < 2))
+        rule = (f"block_q={mosaic.ITEM_ROWS}, block_k in {mosaic.FORWARD_BLOCK_K} and "
+                f"num_stages >= 2")
+        _, default_k, default_stages = mosaic.FORWARD_TILES
+        route = Route("mosaic", mosaic.ITEM_ROWS, block_k or default_k, 0,
+                      stages or default_stages, mosaic.CONSUMERS)
+        need = mosaic.forward_scratch(hp, hvp, route.block_k, route.num_stages, call.dtype,
+                                      call.bias_dtype).bytes
+    elif role == "dkdv":
+        wrong = (block_q, block_k) not in ((None, None), mosaic.DKV_TILES,
+                                           (None, mosaic.DKV_TILES[1]),
+                                           (mosaic.DKV_TILES[0], None))
+        rule = f"(block_q_dkv, block_k_dkv) = {mosaic.DKV_TILES}"
+        route = Route("mosaic", *mosaic.DKV_TILES, 0, stages or mosaic.DKV_STAGES,
+                      mosaic.CONSUMERS)
+        need = mosaic.dkv_scratch(hp, hvp, route.num_stages, call.dtype, call.bias_dtype,
+                                  zeros=spec.has_bias).bytes
+    elif role == "dq":
+        wrong = (block_q not in (None, mosaic.DQ_TILES[0])
+                 or block_k not in (None, mosaic.DQ_TILES[1])
+                 or (stages is not None and stages < 2))
+        rule = f"(block_q_dq, block_k_dq) = {mosaic.DQ_TILES} and num_stages_dq >= 2"
+        stages = stages or mosaic.DQ_STAGES
+        consumers = mosaic.dq_consumers(
+            hp, hvp, mosaic.DQ_TILES[1], stages, call.dtype, bias_dtype=call.bias_dtype,
+            has_window=spec.local_window is not None,
+            budget=device.max_shared_memory_per_block)
+        route = Route("mosaic", *mosaic.DQ_TILES, 0, stages, consumers)
+        need = mosaic.dq_scratch(hp, hvp, mosaic.DQ_TILES[1], stages, consumers, call.dtype,
+                                 call.bias_dtype, dbias=spec.has_bias).bytes
+    else:  # dbias
+        wrong = (block_q not in (None, mosaic.ITEM_ROWS)
+                 or block_k not in (None, *mosaic.DBIAS_BLOCK_K))
+        rule = f"block_q_dbias={mosaic.ITEM_ROWS} and block_k_dbias in {mosaic.DBIAS_BLOCK_K}"
+        block_k = block_k or mosaic.DBIAS_BLOCK_K[0]
+        options = (stages,) if stages is not None else mosaic.DBIAS_STAGES
+        needs = {s: mosaic.dbias_scratch(hp, hvp, block_k, s, call.dtype,
+                                         call.bias_dtype).bytes for s in options}
+        stages = next((s for s in options if needs[s] <= device.max_shared_memory_per_block),
+                      options[-1])
+        route = Route("mosaic", mosaic.ITEM_ROWS, block_k, 0, stages, mosaic.CONSUMERS)
+        need = needs[stages]
+    if wrong:
+        given = _fields(role, overrides.tiles(role))
+        return f"it runs {rule}; block_sizes gives {given}"
+    budget = device.max_shared_memory_per_block
+    if need > budget and (automatic or not interpret):
+        return (f"its buffers need {need} bytes of shared memory, over the device's "
+                f"{budget} per block")
+    return route
+
+
+def _route(role: str, call: Call, device: DeviceInfo, overrides: BlockSizes, interpret: bool,
+           tiles: triton.Tiles) -> Route:
+    forced = overrides.backend(role)
+    declined = ()
+    if forced != "triton":
+        mosaic_route = _mosaic_route(role, call, device, overrides, forced is None, interpret)
+        if isinstance(mosaic_route, Route):
+            return mosaic_route
+        if forced == "mosaic":
+            field = f"block_sizes.{BACKEND_FIELDS[role]}"
+            raise ValueError(f"{field}='mosaic' does not cover this call: {mosaic_route}")
+        declined = (("mosaic", mosaic_route),)
+    return Route("triton", *tiles, declined=declined)
+
+
+# ------------------------------------------------------------------ dbias
+def _fusable(call: Call, dkdv: Route) -> bool:
+    shape = call.spec.bias_shape
+    if dkdv.backend == "mosaic":
+        return mosaic.fusable_dbias(shape, batch=call.batch, num_heads=call.num_heads,
+                                    bias_dtype=call.bias_dtype, dtype=call.dtype)
+    return triton.fusable_dbias(shape, batch=call.batch, num_heads=call.num_heads)
+
+
+def _dbias_route(call: Call, device: DeviceInfo, overrides: BlockSizes, interpret: bool,
+                 tiles: triton.Tiles, dkdv: Route) -> Route:
+    """dbias: written by the dK/dV kernel where it can (fused), else its own kernel.
+
+    Automatic fusion: always where the Mosaic dK/dV kernel can (docs/decisions.md,
+    "dbias fused into the Mosaic dK/dV kernel"); with Triton's where it can and its grid has a
+    program per multiprocessor (summing a broadcast bias's dS inside it measured
+    slower than the dbias kernel)."""
+    shape = call.spec.bias_shape
+    fusable = _fusable(call, dkdv)
+    if overrides.fuse_dbias and not fusable:
+        if dkdv.backend == "mosaic":
+            raise ValueError(
+                f"BlockSizes.fuse_dbias=True with the Mosaic dK/dV kernel needs a bias of "
+                f"shape ({call.batch} or 1, {call.num_heads}, T, S) in the inputs' dtype "
+                f"{call.dtype}; this bias has shape {shape} and dtype {call.bias_dtype}: use "
+                f"fuse_dbias=None or False")
+        raise ValueError(
+            f"BlockSizes.fuse_dbias=True needs a bias with its own entry for every batch "
+            f"entry, head and key ({call.batch}, {call.num_heads}, T or 1, S); this bias has "
+            f"shape {shape}: use fuse_dbias=None or False")
+    declined = []
+    if overrides.fuse_dbias is not None:
+        fused = overrides.fuse_dbias
+    elif dkdv.backend == "mosaic":
+        fused = fusable
+    else:
+        programs = -(-call.kv_len // dkdv.block_k) * call.batch * call.num_kv_heads
+        fused = fusable and programs >= device.num_multiprocessors
+        if fusable and not fused:
+            declined.append(("fused", f"the dK/dV grid ({programs} programs) has fewer "
+                             f"programs than the device's {device.num_multiprocessors} SMs"))
+    if fused:
+        return dataclasses.replace(dkdv, fused=True, declined=())
+    if not fusable and overrides.fuse_dbias is None:
+        declined.append(("fused", f"the {dkdv.backend} dK/dV kernel cannot write the gradient "
+                         f"of a bias of shape {shape}, {call.bias_dtype}"))
+    route = _route("dbias", call, device, overrides, interpret, tiles)
+    return dataclasses.replace(route, declined=(*declined, *route.declined))
+
+
+# ------------------------------------------------------------------ the matrix
+_MATRIX_ROWS: tuple[tuple[str, dict[str, Any]], ...] = (
+    ("plain, head dim 128", {}),
+    ("plain, head dim 64", dict(head_dim=64)),
+    ("head dims 80 / 96 / 112 (padded to 128)", dict(head_dim=80)),
+    ("head dim 256", dict(head_dim=256)),
+    ("head dim 32", dict(head_dim=32)),
+    ("causal (either alignment), window, soft cap, ALiBi",
+     dict(is_causal=True, logits_soft_cap=30.0, has_alibi=True)),
+    ("bias [1, N, T, S] or [B, N, T, S], 16-bit", dict(bias_shape=(1, 16, 4096, 4096))),
+    ("bias [1, 1, T, S] (shared by heads)", dict(bias_shape=(1, 1, 4096, 4096))),
+    ("bias [B, N, 1, S] (per key)", dict(bias_shape=(4, 16, 1, 4096))),
+    ("bias in float32", dict(bias_shape=(1, 16, 4096, 4096), bias_dtype="float32")),
+    ("boolean mask", dict(mask_shape=(4, 1, 4096, 4096))),
+    ("segment ids", dict(present=("q_segment_ids", "kv_segment_ids"))),
+    ("sequence lengths", dict(present=("query_seq_lengths", "key_value_seq_lengths"))),
+    ("dropout", dict(dropout_rate=0.1)),
+    ("float32 inputs", dict(dtype="float32")),
+)
+
+
+def _matrix_call(head_dim: int = 128, dtype: str = "bfloat16", present: tuple = (),
+                 bias_dtype: str | None = None, has_alibi: bool = False,
+                 **spec_fields: Any) -> Call:
+    spec = AttentionSpec(scale=head_dim ** -0.5, has_alibi=has_alibi, **spec_fields)
+    names = set(present)
+    names |= {"bias"} if spec.has_bias else set()
+    names |= {"mask"} if spec.has_mask else set()
+    names |= {"alibi_slopes"} if has_alibi else set()
+    names |= {"dropout_seed"} if spec.has_dropout else set()
+    if spec.has_bias and bias_dtype is None:
+        bias_dtype = dtype
+    if "q_segment_ids" in names:
+        spec = dataclasses.replace(spec, has_segments=True)
+    if "query_seq_lengths" in names:
+        spec = dataclasses.replace(spec, has_q_lengths=True, has_kv_lengths=True)
+    return Call(spec, 4, 4096, 4096, 16, 16, head_dim, head_dim, dtype, bias_dtype,
+                tuple(name for name in OPTIONAL_INPUTS if name in names))
+
+
+def support_matrix(device: DeviceInfo | None = None) -> str:
+    """The backend of each role for representative problems on a device (default: an
+    H100), as a Markdown table; B=4, T=S=4096, N=16, bf16 unless the row says."""
+    device = device or DeviceInfo()
+    lines = ["| problem | forward | dQ | dK/dV | dbias |", "|---|---|---|---|---|"]
+    for label, fields in _MATRIX_ROWS:
+        p = plan(_matrix_call(**fields), device=device)
+        cells = []
+        for role in ("forward", "dq", "dkdv", "dbias"):
+            route = p.route(role)
+            if route is None:
+                cells.append("-")
+            elif route.fused:
+                cells.append(f"{route.backend} (in dK/dV)")
+            else:
+                cells.append(route.backend)
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)

@@ -1,0 +1,238 @@
+"""What the Hopper (Mosaic GPU) kernels can run and what they allocate.
+
+Pure functions, no Pallas imports: the routing table (dispatch.py) asks them
+whether a problem is in scope and whether its buffers fit; the kernels build their
+shared memory from the same scratch descriptions (`forward_scratch`, ...), so the
+estimate and the allocation cannot drift apart.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import jax.numpy as jnp
+
+from pallas_attn.kernels import padded_head_dim
+from pallas_attn.spec import AttentionSpec
+
+# Query rows per consumer warpgroup (the wgmma M dimension).
+ROWS_PER_CONSUMER = 64
+# The forward's and dbias kernel's work items: 128 query rows, two consumers.
+ITEM_ROWS = 128
+CONSUMERS = ITEM_ROWS // ROWS_PER_CONSUMER
+FORWARD_BLOCK_K = (64, 128)
+# The dK/dV kernel: steps of 64 query rows, units of 128 keys (64 per consumer).
+DKV_TILES = (64, 128)
+# The dQ kernel: block_q is the padding of the query rows, 64-key tiles.
+DQ_TILES = (ITEM_ROWS, 64)
+DBIAS_BLOCK_K = (64, 128)
+
+# Default slots (stages) per kernel ring (docs/decisions.md).
+FORWARD_TILES = (ITEM_ROWS, 128, 2)
+DKV_STAGES = 2
+DQ_STAGES = 2
+DBIAS_STAGES = (2, 1)  # the first that fits
+
+# Registers per thread after the warpgroups specialise: consumers hold the
+# accumulator and the score tile, the producer only issues copies. With three
+# consumers (the dQ kernel's) the four warpgroups share the 64K registers as
+# 3 x 160 + 24.
+_REGISTERS = {2: (232, 40), 3: (160, 24)}
+
+HEAD_DIMS = (64, 128)
+DTYPES = ("bfloat16", "float16")
+
+
+def consumer_registers(consumers: int) -> int:
+    return _REGISTERS[consumers][0]
+
+
+def producer_registers(consumers: int) -> int:
+    return _REGISTERS[consumers][1]
+
+
+
+def unsupported_scores(spec: AttentionSpec, present: tuple[str, ...]) -> str:
+    """Why the Mosaic kernels cannot compute these scores, or "" when they can."""
+    if spec.has_dropout:
+        return f"no dropout, got dropout_rate={spec.dropout_rate}"
+    others = [name for name in present if name not in ("bias", "alibi_slopes")]
+    if others:
+        return (f"they take no operand besides q, k, v, a bias and ALiBi slopes, got "
+                f"{', '.join(others)}")
+    if spec.has_bias and 1 in spec.bias_shape[2:]:
+        return (f"the bias needs its own entry per query and key, got a bias of shape "
+                f"{spec.bias_shape} (broadcast along queries or keys)")
+    return ""
+
+
+def unsupported(dtype: str, spec: AttentionSpec, present: tuple[str, ...], head_dim: int,
+                value_head_dim: int) -> str:
+    """Why the Mosaic kernels cannot run a problem, or "" when they can."""
+    if dtype not in DTYPES:
+        return f"inputs must be bfloat16 or float16, got {dtype}"
+    if why := unsupported_scores(spec, present):
+        return why
+    dims = (padded_head_dim(head_dim), padded_head_dim(value_head_dim))
+    if not set(dims) <= set(HEAD_DIMS):
+        return (f"head dims must pad to {HEAD_DIMS}, got {head_dim} and {value_head_dim}")
+    return ""
+
+
+def fusable_dbias(bias_shape: tuple[int, ...], *, batch: int, num_heads: int,
+                  bias_dtype: Any, dtype: Any) -> bool:
+    """Whether the dK/dV kernel can write dbias: a bias with its own entry per head,
+    query and key, shared by the batch entries or not, in the inputs' dtype (its dS
+    tiles, staged in that dtype, are the dbias tiles)."""
+    Bb, Nb, Tb, Sb = (1,) * (4 - len(bias_shape)) + tuple(bias_shape)
+    return (Nb == num_heads and Bb in (1, batch) and Tb > 1 and Sb > 1
+            and jnp.dtype(bias_dtype) == jnp.dtype(dtype))
+
+
+# ----------------------------------------------------------------------- scratch
+@dataclasses.dataclass(frozen=True)
+class Buffer:
+    """A shared-memory buffer: 128-byte swizzled wgmma tiles, or plain (swizzled False)."""
+    shape: tuple[int, ...]
+    dtype: str
+    swizzled: bool = True
+
+    @property
+    def bytes(self) -> int:
+        return math.prod(self.shape) * jnp.dtype(self.dtype).itemsize
+
+
+@dataclasses.dataclass(frozen=True)
+class Barriers:
+    """`count` barriers of `arrivals` arrivals each (8 bytes of shared memory apiece)."""
+    count: int = 1
+    arrivals: int = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class Scratch:
+    """A kernel's shared memory, in allocation order; an entry may be None (absent)."""
+    buffers: tuple[tuple[str, Buffer | None], ...]
+    barriers: tuple[tuple[str, Barriers | None], ...]
+
+    @property
+    def bytes(self) -> int:
+        return (sum(b.bytes for _, b in self.buffers if b is not None)
+                + 8 * sum(b.count for _, b in self.barriers if b is not None))
+
+
+def _name(dtype: Any) -> str:
+    return jnp.dtype(dtype).name
+
+
+def forward_scratch(hp: int, hvp: int, block_k: int, stages: int, dtype: Any,
+                    bias_dtype: Any = None) -> Scratch:
+    """The forward: per consumer its Q rows, output (staged in P's buffer when
+    hvp == block_k) and P; the K/V ring; with a bias each consumer's bias tile.
+    Barriers: Q per consumer, loaded and consumed per slot for K and V, the turns,
+    the bias buffers'."""
+    rows, c = ROWS_PER_CONSUMER, CONSUMERS
+    dtype = _name(dtype)
+    return Scratch(
+        buffers=(("q", Buffer((c, rows, hp), dtype)),
+                 ("o", Buffer((c, rows, hvp), dtype) if hvp != block_k else None),
+                 ("k", Buffer((stages, block_k, hp), dtype)),
+                 ("v", Buffer((stages, block_k, hvp), dtype)),
+                 ("p", Buffer((c, rows, block_k), dtype)),
+                 ("bias", None if bias_dtype is None
+                  else Buffer((c, rows, block_k), _name(bias_dtype)))),
+        barriers=(("q_loaded", Barriers(c)),
+                  ("k_loaded", Barriers(stages)),
+                  ("v_loaded", Barriers(stages)),
+                  ("k_consumed", Barriers(stages, c)),
+                  ("v_consumed", Barriers(stages, c)),
+                  ("schedule", Barriers(1, c)),
+                  ("bias_loaded", None if bias_dtype is None else Barriers(c))))
+
+
+def dq_scratch(hp: int, hvp: int, block_k: int, stages: int, consumers: int, dtype: Any,
+               bias_dtype: Any = None, dbias: bool = False) -> Scratch:
+    """The dQ kernel: per consumer its rows' Q, dO, three float32 row residuals, dS and
+    bias tile; the K/V ring; with dbias (batch entry 0's tiles) a zeroed tile.
+    Barriers: rows per consumer, loaded and consumed per slot for K and V, the turns
+    of two consumers, the bias buffers'."""
+    rows, c = ROWS_PER_CONSUMER, consumers
+    dtype = _name(dtype)
+    return Scratch(
+        buffers=(("q", Buffer((c, rows, hp), dtype)),
+                 ("do", Buffer((c, rows, hvp), dtype)),
+                 ("stats", Buffer((c, 3, rows), "float32", swizzled=False)),
+                 ("k", Buffer((stages, block_k, hp), dtype)),
+                 ("v", Buffer((stages, block_k, hvp), dtype)),
+                 ("ds", Buffer((c, rows, block_k), dtype)),
+                 ("bias", None if bias_dtype is None
+                  else Buffer((c, rows, block_k), _name(bias_dtype))),
+                 ("zeros", Buffer((rows, block_k), dtype) if dbias else None)),
+        barriers=(("rows_loaded", Barriers(c, 3)),  # Q, dO, residuals
+                  ("k_loaded", Barriers(stages)),
+                  ("v_loaded", Barriers(stages)),
+                  ("k_consumed", Barriers(stages, c)),
+                  ("v_consumed", Barriers(stages, c)),
+                  ("schedule", Barriers(1, 2) if c == 2 else None),
+                  ("bias_loaded", None if bias_dtype is None else Barriers(c))))
+
+
+def dkv_scratch(hp: int, hvp: int, stages: int, dtype: Any, bias_dtype: Any = None,
+                zeros: bool = False) -> Scratch:
+    """The dK/dV kernel: per slot Q, dO, the three float32 row residuals and the bias
+    tile of each consumer; each consumer's K and V; P and two dS buffers per consumer;
+    the zeroed dbias tile. Barriers: loaded and consumed per slot, K/V's two."""
+    rows, keys, c = DKV_TILES[0], ROWS_PER_CONSUMER, CONSUMERS
+    dtype = _name(dtype)
+    copies = 3 + (c if bias_dtype is not None else 0)  # Q, dO, residuals, bias tiles
+    return Scratch(
+        buffers=(("q", Buffer((stages, rows, hp), dtype)),
+                 ("do", Buffer((stages, rows, hvp), dtype)),
+                 ("stats", Buffer((stages, 3, rows), "float32", swizzled=False)),
+                 ("bias", None if bias_dtype is None
+                  else Buffer((stages, c, rows, keys), _name(bias_dtype))),
+                 ("k", Buffer((c, keys, hp), dtype)),
+                 ("v", Buffer((c, keys, hvp), dtype)),
+                 ("p", Buffer((c, rows, keys), dtype)),
+                 ("ds", Buffer((c, 2, rows, keys), dtype)),
+                 ("zeros", Buffer((rows, keys), dtype) if zeros else None)),
+        barriers=(("step_loaded", Barriers(stages, copies)),
+                  ("step_consumed", Barriers(stages, c)),
+                  ("kv_loaded", Barriers(1, 2 * c)),  # K and V of each consumer
+                  ("kv_consumed", Barriers(1, c))))
+
+
+def dbias_scratch(hp: int, hvp: int, block_k: int, stages: int, dtype: Any,
+                  bias_dtype: Any) -> Scratch:
+    """The dbias kernel: Q and K in `stages` slots, dO, V and the float32 row residuals
+    in as many; each consumer's bias buffer. Barriers: loaded and consumed per slot of
+    each ring, the bias buffers'."""
+    rows, c = ROWS_PER_CONSUMER, CONSUMERS
+    dtype = _name(dtype)
+    return Scratch(
+        buffers=(("q", Buffer((stages, c, rows, hp), dtype)),
+                 ("k", Buffer((stages, block_k, hp), dtype)),
+                 ("do", Buffer((stages, c, rows, hvp), dtype)),
+                 ("v", Buffer((stages, block_k, hvp), dtype)),
+                 ("stats", Buffer((stages, c, 3, rows), "float32", swizzled=False)),
+                 ("bias", Buffer((c, rows, block_k), _name(bias_dtype)))),
+        barriers=(("qk_loaded", Barriers(stages, c + 1)),  # Q halves, K
+                  ("qk_consumed", Barriers(stages, c)),
+                  ("dov_loaded", Barriers(stages, 2 * c + 1)),  # dO and residual halves, V
+                  ("dov_consumed", Barriers(stages, c)),
+                  ("bias_loaded", Barriers(c))))
+
+
+def dq_consumers(hp: int, hvp: int, block_k: int, stages: int, dtype: Any, *,
+                 bias_dtype: Any, has_window: bool, budget: int) -> int:
+    """Consumer warpgroups of the dQ kernel: 3 (work items of 192 query rows, no turns)
+    without a bias or a local window where their buffers fit, else 2 (items of 128 rows
+    that take turns on the tensor cores). With a bias three were slower (registers:
+    each consumer also holds its bias tile), with a window too (docs/decisions.md,
+    "Three dQ consumers")."""
+    if bias_dtype is not None or has_window:
+        return 2
+    three = dq_scratch(hp, hvp, block_k, stages, 3, dtype).bytes
+    return 3 if three <= budget else 2

@@ -1,0 +1,203 @@
+"""What the Triton kernels share: named refs, the grid's query-tile schedule, a
+program's score tiles, and the launch.
+
+`TileContext` holds what a kernel program reads once (ALiBi slope, sequence
+lengths, dropout key) and computes a [block_q, block_k] tile of scores and score
+gradients with the shared rules (core.logit_scores, semantics/scores.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_attn.kernels.core import Problem, TileRanges, logit_scores
+from pallas_attn.semantics import dropout as dropout_lib
+from pallas_attn.semantics import scores
+from pallas_attn.spec import OPTIONAL_INPUTS
+
+
+def name_refs(names: Sequence[str], refs: Sequence[Any]) -> dict[str, Any]:
+    if len(names) != len(refs):
+        raise AssertionError(f"expected refs {names}, got {len(refs)}")
+    return dict(zip(names, refs, strict=True))
+
+
+def whole_array_specs(arrays: Sequence[Any]) -> list[pl.BlockSpec]:
+    """Each operand as one block; kernels index it explicitly with program ids."""
+    def spec(x):
+        zeros = (0,) * x.ndim
+        return pl.BlockSpec(x.shape, lambda *_: zeros)
+    return [spec(x) for x in arrays]
+
+
+def scheduled_grid_size(num_tiles: int, paired: bool) -> int:
+    """Programs along grid axis 0 for num_tiles query tiles (see schedule_query_tiles)."""
+    return (num_tiles + 1) // 2 if paired else num_tiles
+
+
+def schedule_query_tiles(num_tiles: int, paired: bool,
+                         tile_body: Callable[[Any], None]) -> None:
+    """Runs tile_body(tile) for the query tiles of this program (grid axis 0).
+
+    Under causal masking a query tile's work grows with its index. Unpaired, program
+    p takes tile num_tiles - 1 - p: the heavy tiles start first and the launch ends
+    on light ones. Paired, program p takes tile num_tiles - 1 - p, then its mirror p
+    (the middle tile alone when num_tiles is odd): every program does the same work.
+    """
+    pid = pl.program_id(0)
+    heavy = num_tiles - 1 - pid
+    if not paired:
+        tile_body(heavy)
+        return
+
+    def step(slot, carry):
+        tile_body(heavy + slot * (pid - heavy))
+        return carry
+
+    lax.fori_loop(0, 1 + (pid < heavy).astype(jnp.int32), step, 0)
+
+
+class TileContext(TileRanges):
+    """Per-program state for computing score tiles of query head n of batch entry b."""
+
+    def __init__(self, problem: Problem, refs: dict[str, Any], b: Any, n: Any):
+        super().__init__(
+            problem, b, n,
+            q_length=(refs["query_seq_lengths"][b]
+                      if problem.has("query_seq_lengths") else None),
+            kv_length=(refs["key_value_seq_lengths"][b]
+                       if problem.has("key_value_seq_lengths") else None))
+        self.refs = refs
+        spec = problem.spec
+        self.slope = refs["alibi_slopes"][b, n] if "alibi_slopes" in refs else None
+        self.drop_key = None
+        if spec.has_dropout:
+            seed = (refs["dropout_seed"][0], refs["dropout_seed"][1])
+            batch_head = 0 if spec.broadcast_dropout else b * problem.num_heads + n
+            self.drop_key = dropout_lib.program_key(seed, batch_head)
+
+    @property
+    def tanh(self) -> Any:
+        # NOTE: 16-bit inputs on the GPU use the hardware tanh.approx.f32 (relative error
+        # about 2^-11, below bfloat16/float16 rounding) for the soft cap; float32 inputs
+        # and the interpreter use the exact tanh.
+        if self.p.interpret or self.p.dtype == "float32":
+            return jnp.tanh
+        return plgpu.approx_tanh
+
+    # -- tiles --------------------------------------------------------------------
+    def _load_broadcast(self, name: str, shape: tuple[int, ...], q0: Any, k0: Any,
+                        block_q: int, block_k: int) -> jax.Array:
+        bb = self.b if shape[0] > 1 else 0
+        nb = self.n if shape[1] > 1 else 0
+        rows = pl.ds(q0, block_q) if shape[2] > 1 else pl.ds(0, 1)
+        cols = pl.ds(k0, block_k) if shape[3] > 1 else pl.ds(0, 1)
+        return self.refs[name][bb, nb, rows, cols]
+
+    def scores(self, q: jax.Array, k: jax.Array, q0: Any, k0: Any, masked: bool
+               ) -> tuple[jax.Array, jax.Array | None, jax.Array | None]:
+        """Float32 scores [bq, bk] in the problem's units, invisible entries at -inf.
+
+        Returns (scores, visible or None, tanh(logits / cap) or None).
+        masked=False skips the band masks (causal, window, lengths), for tiles the
+        caller proved fully inside the band.
+        """
+        p, spec = self.p, self.p.spec
+        block_q, block_k = q.shape[0], k.shape[0]
+        s = plgpu.dot(q, k, trans_b=True, precision=p.precision)
+        rows = (q0 + lax.broadcasted_iota(jnp.int32, (block_q, 1), 0))
+        cols = (k0 + lax.broadcasted_iota(jnp.int32, (1, block_k), 1))
+        bias = (self._load_broadcast("bias", spec.bias_shape, q0, k0, block_q, block_k)
+                if p.has("bias") else None)
+        alibi_rows, alibi_cols = rows, cols
+        if self.slope is not None and p.exact_float_positions:
+            alibi_rows, alibi_cols = rows.astype(jnp.float32), cols.astype(jnp.float32)
+        s, cap_tanh = logit_scores(p, s, alibi_rows, alibi_cols, bias=bias, slope=self.slope,
+                                   tanh=self.tanh)
+        mask = (self._load_broadcast("mask", spec.mask_shape, q0, k0, block_q, block_k)
+                if p.has("mask") else None)
+        q_seg = kv_seg = None
+        if p.has("q_segment_ids"):
+            q_seg = self.refs["q_segment_ids"][self.b, pl.ds(q0, block_q)][:, None]
+            kv_seg = self.refs["kv_segment_ids"][self.b, pl.ds(k0, block_k)][None, :]
+        band_spec = spec if masked else dataclasses.replace(spec, is_causal=False,
+                                                            local_window=None)
+        visible = scores.visibility(
+            rows, cols, band_spec, p.offset, mask=mask, q_segments=q_seg, kv_segments=kv_seg,
+            kv_length=self.kv_length if masked else None,
+            kv_bound=p.kv_len if masked and p.kv_pad != p.kv_len else None)
+        if visible is not None:
+            s = jnp.where(visible, s, -jnp.inf)
+        return s, visible, cap_tanh
+
+    def keep(self, q0: Any, k0: Any, block_q: int, block_k: int) -> jax.Array:
+        """Dropout keep decisions for the tile (same hash as the reference)."""
+        rows = q0 + lax.iota(jnp.int32, block_q)
+        cols = k0 + lax.iota(jnp.int32, block_k)
+        return dropout_lib.keep(dropout_lib.row_keys(self.drop_key, rows), cols,
+                                self.p.spec.dropout_rate)
+
+    def row_residuals(self, q0: Any, block_q: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """(row_max, log2_sum, delta) of query rows [q0, q0 + block_q)."""
+        rows = pl.ds(q0, block_q)
+        return tuple(self.refs[name][self.b, self.n, rows]
+                     for name in ("row_max", "log2_sum", "delta"))
+
+    def score_gradient(self, q, k, v, do, residuals, q0, k0, masked
+                       ) -> tuple[jax.Array, jax.Array]:
+        """(dropped probabilities P~, score gradient dS) of one tile, float32, both
+        divided by problem.dropout_scale: callers multiply what they accumulate from
+        them by it once, at the end, instead of every score.
+
+        residuals: row_residuals() of the tile's rows. P = exp(s - lse);
+        dP~ = dO V^T; dP = dP~ * keep / (1 - rate); dS = P * (dP - delta) times the
+        soft-cap derivative, computed as P * (dP~ * keep - delta * (1 - rate)).
+        """
+        spec = self.p.spec
+        row_max, log2_sum, delta = residuals
+        s, _, cap_tanh = self.scores(q, k, q0, k0, masked)
+        prob = self.p.probabilities(s, row_max, log2_sum)
+        dp = plgpu.dot(do, v, trans_b=True, precision=self.p.precision)
+        dropped = prob
+        if spec.has_dropout:
+            keep = self.keep(q0, k0, q.shape[0], k.shape[0])
+            dropped = jnp.where(keep, prob, 0.0)
+            dp = jnp.where(keep, dp, 0.0)
+            delta = delta * (1.0 - spec.dropout_rate)
+        ds = prob * (dp - delta[:, None])
+        if cap_tanh is not None:
+            ds = ds * scores.soft_cap_slope(cap_tanh)
+        return dropped, ds
+
+
+def launch(kernel: Callable[..., None], problem: Problem, names: tuple[str, ...],
+           inputs: list[jax.Array], outputs: list[jax.ShapeDtypeStruct], grid: tuple[int, ...],
+           warps: int, stages: int, name: str, **params: Any) -> Any:
+    """One pallas_call; names: the kernel's ref names, inputs then outputs."""
+    return pl.pallas_call(
+        functools.partial(kernel, problem=problem, names=names, **params),
+        grid=grid,
+        in_specs=whole_array_specs(inputs),
+        out_specs=whole_array_specs(outputs),
+        out_shape=outputs,
+        compiler_params=plgpu.CompilerParams(num_warps=warps, num_stages=stages),
+        interpret=problem.interpret,
+        name=name,
+    )(*inputs)
+
+
+def backward_inputs(q, k, v, optional, row_stats, do, delta) -> tuple[tuple[str, ...], list]:
+    """The backward kernels' ref names and operands; row_stats: the forward's (row_max,
+    log2_sum)."""
+    present = [x for x in OPTIONAL_INPUTS if x in optional]
+    names = ("q", "k", "v", "do", "row_max", "log2_sum", "delta", *present)
+    return names, [q, k, v, do, *row_stats, delta, *(optional[x] for x in present)]

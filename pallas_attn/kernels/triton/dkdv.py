@@ -1,0 +1,115 @@
+"""dK/dV kernel (Pallas, Triton backend): FlashAttention-2's backward, keys outside.
+
+Grid (key tile, batch, kv head): a program keeps its K, V tiles resident and loops
+over the query heads of its group and their query tiles, so GQA/MQA gradients are
+summed in registers, never through repeated K/V in memory. The backward's
+preprocess, delta = rowsum(dO * O) per query row (minus the logsumexp cotangent),
+runs in jnp before it (kernels/vjp.py).
+
+When the bias needs a gradient and has its own entry for every batch entry and head
+(the plan's fused dbias), it also writes dbias from the dS tiles it computes anyway:
+each dbias element belongs to one program (summed over query rows in registers for a
+per-key bias), so it is written once, with no extra matrix work. Every output element
+is written by exactly one program, with a fixed loop order: bitwise deterministic.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_attn.kernels.core import Problem, run_tile_loops
+from pallas_attn.kernels.triton.context import TileContext, launch, name_refs
+
+
+def _store_dbias_outside(r: dict, bb, nb, cols, tiles: tuple[tuple[Any, Any], ...],
+                         block_q: int) -> None:
+    """Zeros into the dbias tiles of key tile `cols` that the program skipped (outside
+    the causal/window band or the sequence lengths): their dS is 0."""
+    def tile(t, carry):
+        zeros = jnp.zeros((block_q, cols.size), r["dbias"].dtype)
+        r["dbias"][bb, nb, pl.ds(t * block_q, block_q), cols] = zeros
+        return carry
+
+    for lo, hi in tiles:
+        lax.fori_loop(lo, hi, tile, 0)
+
+
+def dkdv_kernel(*refs, problem: Problem, names: tuple[str, ...], fused_dbias: bool):
+    """dK, dV of one key tile; with fused_dbias also its dbias columns (the bias has its
+    own entry for every (b, n) then, so each dbias element is written once, here)."""
+    r = name_refs(names, refs)
+    route = problem.plan.dkdv
+    block_q, block_k = route.block_q, route.block_k
+    j, b, kh = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    k0 = j * block_k
+    cols = pl.ds(k0, block_k)
+    k = r["k"][b, cols, kh, :]
+    v = r["v"][b, cols, kh, :]
+    bias_shape = problem.spec.bias_shape
+    rows_broadcast = fused_dbias and bias_shape[2] == 1
+
+    def head_body(h, carry):
+        n = kh * problem.group + h
+        ctx = TileContext(problem, r, b, n)
+        bb = b if fused_dbias and bias_shape[0] > 1 else 0
+        nb = n if fused_dbias and bias_shape[1] > 1 else 0
+
+        def body(t, carry, masked):
+            dk, dv, *column_sum = carry  # column_sum: only for a per-key fused dbias
+            q0 = t * block_q
+            q = r["q"][b, pl.ds(q0, block_q), n, :]
+            do = r["do"][b, pl.ds(q0, block_q), n, :]
+            residuals = ctx.row_residuals(q0, block_q)
+            dropped, ds = ctx.score_gradient(q, k, v, do, residuals, q0, k0, masked)
+            dv = dv + plgpu.dot(dropped.astype(do.dtype), do, trans_a=True,
+                                precision=problem.precision)
+            dk = dk + plgpu.dot(ds.astype(q.dtype), q, trans_a=True,
+                                precision=problem.precision)
+            if fused_dbias:
+                ds = ds * problem.dropout_scale if problem.spec.has_dropout else ds
+                if rows_broadcast:  # a per-key bias: dbias sums dS over the rows
+                    column_sum = [column_sum[0] + jnp.sum(ds, axis=0, keepdims=True)]
+                else:
+                    r["dbias"][bb, nb, pl.ds(q0, block_q), cols] = ds.astype(r["dbias"].dtype)
+            return (dk, dv, *column_sum)
+
+        first, stop, full_first, full_stop = ctx.query_tiles(k0, k0 + block_k, block_q)
+        if rows_broadcast:
+            carry = (*carry, jnp.zeros((1, block_k), jnp.float32))
+        dk, dv, *column_sum = run_tile_loops(first, stop, full_first, full_stop, body, carry)
+        if rows_broadcast:
+            r["dbias"][bb, nb, pl.ds(0, 1), cols] = column_sum[0].astype(r["dbias"].dtype)
+        elif fused_dbias:
+            _store_dbias_outside(r, bb, nb, cols,
+                                 ((0, first), (stop, problem.q_pad // block_q)), block_q)
+        return dk, dv
+
+    init = (jnp.zeros((block_k, k.shape[-1]), jnp.float32),
+            jnp.zeros((block_k, v.shape[-1]), jnp.float32))
+    dk, dv = lax.fori_loop(0, problem.group, head_body, init)
+    keep_scale = problem.dropout_scale  # score_gradient leaves it out
+    r["dk"][b, cols, kh, :] = (dk * (problem.spec.scale * keep_scale)).astype(r["dk"].dtype)
+    r["dv"][b, cols, kh, :] = (dv * keep_scale).astype(r["dv"].dtype)
+
+
+def dkdv(problem: Problem, names: tuple[str, ...], inputs: list,
+         bias: jax.Array | None = None) -> tuple[jax.Array, jax.Array, jax.Array | None]:
+    """(dk, dv, dbias or None); bias: given when dbias is fused into this kernel."""
+    route = problem.plan.dkdv
+    k, v = inputs[1], inputs[2]
+    outputs = [jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)]
+    out_names = ["dk", "dv"]
+    if bias is not None:
+        outputs.append(jax.ShapeDtypeStruct(bias.shape, bias.dtype))
+        out_names.append("dbias")
+    grid = (problem.kv_pad // route.block_k, problem.batch, problem.num_kv_heads)
+    results = launch(dkdv_kernel, problem, (*names, *out_names), inputs, outputs, grid,
+                      route.num_warps, route.num_stages, "pallas_attn_dkdv",
+                      fused_dbias=bias is not None)
+    return results[0], results[1], results[2] if bias is not None else None

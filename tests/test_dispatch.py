@@ -1,0 +1,509 @@
+"""The routing table (dispatch.py): the plan per role, tiles, overrides, explain.
+
+The table is pinned here: which backend runs each role for representative problems
+on each device, the Mosaic kernels' fixed tiles and consumer counts, where dbias is
+fused, and that every chosen tile set fits the device's shared memory.
+"""
+
+import ast
+import dataclasses
+import importlib
+import pathlib
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import pallas_attn
+from pallas_attn import dispatch
+from pallas_attn.device import DeviceInfo
+from pallas_attn.kernels import padded_head_dim
+from pallas_attn.kernels.mosaic import config as mosaic
+from pallas_attn.kernels.triton import config as triton
+from pallas_attn.plan import BlockSizes, Route
+from pallas_attn.spec import AttentionSpec
+
+pytestmark = pytest.mark.timeout(120)
+
+# Opt-in shared memory per block: sm86/sm89 (99 KB), sm80 (163 KB), sm90 (227 KB).
+DEVICES = {
+    "sm86": DeviceInfo((8, 6), 84, 101376),
+    "sm89": DeviceInfo((8, 9), 128, 101376),
+    "sm80": DeviceInfo((8, 0), 108, 166912),
+    "sm90": DeviceInfo((9, 0), 132, 232448),
+}
+H100 = DEVICES["sm90"]
+HEAD_DIMS = (32, 40, 64, 80, 96, 128, 160, 192, 256)
+DTYPES = ("float32", "bfloat16", "float16")
+FEATURES = (dict(), dict(bias_shape=(1, 16, 4096, 4096)), dict(mask_shape=(4, 1, 4096, 4096)),
+            dict(bias_shape=(1, 16, 4096, 4096), bias_dtype="float32",
+                 mask_shape=(4, 1, 4096, 4096)))
+TRITON_ONLY = BlockSizes(forward_backend="triton", dkv_backend="triton", dq_backend="triton",
+                         dbias_backend="triton")
+
+
+@pytest.fixture(autouse=True)
+def _empty_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("PALLAS_ATTN_CACHE_DIR", str(tmp_path / "cache"))
+
+
+def call(head_dim: int = 128, dtype: str = "bfloat16", *, value_head_dim: int | None = None,
+         q_len: int = 4096, kv_len: int = 4096, batch: int = 4, heads: int = 16,
+         kv_heads: int = 16, bias_dtype: str | None = None, present: tuple = (),
+         **spec_fields) -> dispatch.Call:
+    """A Call without arrays: spec fields (bias_shape, mask_shape, is_causal, ...)."""
+    spec = AttentionSpec(scale=head_dim ** -0.5, **spec_fields)
+    names = set(present) | {name for name, on in (
+        ("bias", spec.has_bias), ("mask", spec.has_mask), ("alibi_slopes", spec.has_alibi),
+        ("dropout_seed", spec.has_dropout)) if on}
+    if spec.has_bias and bias_dtype is None:
+        bias_dtype = dtype
+    order = ("bias", "mask", "alibi_slopes", "q_segment_ids", "kv_segment_ids",
+             "query_seq_lengths", "key_value_seq_lengths", "dropout_seed")
+    return dispatch.Call(spec, batch, q_len, kv_len, heads, kv_heads, head_dim,
+                         value_head_dim or head_dim, dtype, bias_dtype,
+                         tuple(n for n in order if n in names))
+
+
+def backends(plan: pallas_attn.Plan) -> tuple:
+    dbias = None if plan.dbias is None else (
+        f"{plan.dbias.backend}-fused" if plan.dbias.fused else plan.dbias.backend)
+    return plan.forward.backend, plan.dq.backend, plan.dkdv.backend, dbias
+
+
+# ------------------------------------------------------------------ the pinned table
+# (call, device, (forward, dQ, dK/dV, dbias)): the measured-faster rules of dispatch.py.
+TABLE = {
+    "d128": (call(), "sm90", ("mosaic", "mosaic", "mosaic", None)),
+    "d128_causal": (call(is_causal=True), "sm90", ("mosaic", "mosaic", "mosaic", None)),
+    "d80_Hv128": (call(80, value_head_dim=128), "sm90", ("mosaic", "mosaic", "mosaic", None)),
+    "d96_Hv72_window": (call(96, value_head_dim=72, local_window=(256, 256)), "sm90",
+                        ("mosaic", "mosaic", "mosaic", None)),
+    "d128_float16_soft_cap_alibi": (call(dtype="float16", logits_soft_cap=30.0,
+                                         has_alibi=True), "sm90",
+                                    ("mosaic", "mosaic", "mosaic", None)),
+    # Triton's forward and dQ measured faster at d64; Mosaic's dK/dV did not.
+    "d64": (call(64), "sm90", ("triton", "triton", "mosaic", None)),
+    "d128_Hv64": (call(128, value_head_dim=64), "sm90", ("triton", "triton", "mosaic", None)),
+    "d256": (call(256), "sm90", ("triton", "triton", "triton", None)),
+    "d32": (call(32), "sm90", ("triton", "triton", "triton", None)),
+    "float32": (call(dtype="float32"), "sm90", ("triton", "triton", "triton", None)),
+    "short": (call(q_len=100), "sm90", ("triton", "triton", "triton", None)),
+    "sm80": (call(), "sm80", ("triton", "triton", "triton", None)),
+    "sm89": (call(), "sm89", ("triton", "triton", "triton", None)),
+    # A bias per head (shared by the batch entries or not) in the inputs' dtype: its
+    # gradient is written by the Mosaic dK/dV kernel.
+    "bias_shared": (call(bias_shape=(1, 16, 4096, 4096)), "sm90",
+                    ("mosaic", "mosaic", "mosaic", "mosaic-fused")),
+    "bias_per_batch": (call(bias_shape=(4, 16, 4096, 4096)), "sm90",
+                       ("mosaic", "mosaic", "mosaic", "mosaic-fused")),
+    "bias_shared_by_heads": (call(bias_shape=(1, 1, 4096, 4096)), "sm90",
+                             ("mosaic", "mosaic", "mosaic", "mosaic")),
+    "bias_d64_shared_by_heads": (call(64, bias_shape=(4, 1, 4096, 4096)), "sm90",
+                                 ("triton", "triton", "mosaic", "mosaic")),
+    # A float32 bias leaves no room next to two 128-key slots (forward) or the dK/dV
+    # kernel's slots; the separate Mosaic dbias kernel fits with one slot.
+    "bias_float32": (call(bias_shape=(1, 16, 4096, 4096), bias_dtype="float32"), "sm90",
+                     ("triton", "mosaic", "triton", "mosaic")),
+    "bias_per_key": (call(bias_shape=(4, 16, 1, 4096)), "sm90",
+                     ("triton", "triton", "triton", "triton-fused")),
+    "bias_per_query": (call(bias_shape=(1, 1, 4096, 1)), "sm90",
+                       ("triton", "triton", "triton", "triton")),
+    "mask": (call(mask_shape=(4, 1, 4096, 4096)), "sm90", ("triton", "triton", "triton", None)),
+    "segments": (call(has_segments=True, present=("q_segment_ids", "kv_segment_ids")), "sm90",
+                 ("triton", "triton", "triton", None)),
+    "lengths": (call(has_kv_lengths=True, present=("key_value_seq_lengths",)), "sm90",
+                ("triton", "triton", "triton", None)),
+    "dropout": (call(dropout_rate=0.1), "sm90", ("triton", "triton", "triton", None)),
+    "bias_sm80_per_batch": (call(bias_shape=(4, 16, 4096, 4096)), "sm80",
+                            ("triton", "triton", "triton", "triton-fused")),
+    # Fewer dK/dV programs (2 key tiles x 4 x 4) than SMs: the separate dbias kernel.
+    "bias_sm80_small_grid": (call(bias_shape=(4, 16, 256, 256), q_len=256, kv_len=256,
+                                  kv_heads=4), "sm80",
+                             ("triton", "triton", "triton", "triton")),
+}
+
+
+@pytest.mark.parametrize("name", TABLE)
+def test_the_routing_table(name):
+    c, device, expected = TABLE[name]
+    plan = dispatch.plan(c, device=DEVICES[device])
+    assert backends(plan) == expected
+    for role in ("forward", "dq", "dkdv"):
+        route = plan.route(role)
+        if route.backend == "mosaic":
+            assert not route.declined
+        else:
+            assert [b for b, _ in route.declined] == ["mosaic"], role
+
+
+def test_mosaic_routes_have_their_fixed_tiles_and_consumers():
+    plan = dispatch.plan(call(), device=H100)
+    assert plan.forward == Route("mosaic", 128, 128, 0, 2, 2)
+    assert plan.dkdv == Route("mosaic", 64, 128, 0, 2, 2)
+    assert plan.dq == Route("mosaic", 128, 64, 0, 2, 3)
+    biased = dispatch.plan(call(bias_shape=(1, 1, 4096, 4096)), device=H100)
+    assert biased.dq.consumers == 2  # a bias: two consumers taking turns
+    assert biased.dbias == Route("mosaic", 128, 64, 0, 2, 2,
+                                 declined=biased.dbias.declined)
+    assert dispatch.plan(call(local_window=(64, 64)), device=H100).dq.consumers == 2
+    f32 = dispatch.plan(call(bias_shape=(1, 1, 4096, 4096), bias_dtype="float32"), device=H100)
+    assert (f32.dbias.backend, f32.dbias.num_stages) == ("mosaic", 1)
+    assert plan.programs == 132 and plan.programs_for(40) == 40 and plan.programs_for(0) == 1
+
+
+def test_the_interpreter_runs_triton_unless_block_sizes_name_mosaic():
+    plan = dispatch.plan(call(), interpret=True)
+    assert backends(plan) == ("triton",) * 3 + (None,) and plan.programs == 2
+    assert "interpreter" in plan.forward.declined[0][1]
+    forced = dispatch.plan(call(), interpret=True, block_sizes=BlockSizes(
+        forward_backend="mosaic", dq_backend="mosaic"))
+    assert backends(forced) == ("mosaic", "mosaic", "triton", None)
+
+
+def test_reasons_name_what_refuses():
+    reasons = {name: dict(dispatch.plan(c, device=DEVICES[d]).forward.declined).get("mosaic")
+               for name, (c, d, _) in TABLE.items()}
+    assert "sm90" in reasons["sm80"] and "this one is sm80" in reasons["sm80"]
+    assert "measured faster" in reasons["d64"]
+    assert "head dims must pad to" in reasons["d256"]
+    assert "bfloat16 or float16" in reasons["float32"]
+    assert "mask" in reasons["mask"] and "no dropout" in reasons["dropout"]
+    assert "fewer query rows (100)" in reasons["short"]
+    assert "232448" in reasons["bias_float32"]  # its buffers do not fit
+
+
+@pytest.mark.parametrize("name", ["d64", "bias_per_key", "bias_shared_by_heads"])
+def test_the_triton_routes_are_the_ladders_first_fitting_rung(name):
+    c, device, _ = TABLE[name]
+    plan = dispatch.plan(c, device=DEVICES[device], block_sizes=TRITON_ONLY)
+    heavy = c.spec.has_bias or c.spec.has_dropout or c.spec.logits_soft_cap is not None
+    for role in ("forward", "dq", "dkdv", *(("dbias",) if plan.dbias and not plan.dbias.fused
+                                             else ())):
+        route = plan.route(role)
+        assert route.backend == "triton"
+        assert (route.block_q, route.block_k, route.num_warps, route.num_stages) == triton.ladder(
+            role, c.head_dim, c.value_head_dim, c.spec.is_causal, heavy)[0]
+
+
+# ------------------------------------------------------------------ shared memory
+def _need(plan: pallas_attn.Plan, c: dispatch.Call, role: str) -> int:
+    route = plan.route(role)
+    hp, hvp = padded_head_dim(c.head_dim), padded_head_dim(c.value_head_dim)
+    if route.backend == "triton":
+        return triton.shared_memory(role, (route.block_q, route.block_k, route.num_warps,
+                                           route.num_stages), c.head_dim, c.value_head_dim,
+                                    c.dtype, bias_dtype=c.bias_dtype, has_mask=c.spec.has_mask)
+    if role == "forward":
+        return mosaic.forward_scratch(hp, hvp, route.block_k, route.num_stages, c.dtype,
+                                      c.bias_dtype).bytes
+    if role == "dkdv":
+        return mosaic.dkv_scratch(hp, hvp, route.num_stages, c.dtype, c.bias_dtype,
+                                  zeros=c.spec.has_bias).bytes
+    if role == "dq":
+        return mosaic.dq_scratch(hp, hvp, route.block_k, route.num_stages, route.consumers,
+                                 c.dtype, c.bias_dtype, dbias=c.spec.has_bias).bytes
+    return mosaic.dbias_scratch(hp, hvp, route.block_k, route.num_stages, c.dtype,
+                                c.bias_dtype).bytes
+
+
+@pytest.mark.parametrize("device", DEVICES, ids=str)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_chosen_tiles_fit_every_device(device, dtype):
+    info = DEVICES[device]
+    for head_dim in HEAD_DIMS:
+        for features in FEATURES:
+            c = call(head_dim, dtype, **features)
+            plan = dispatch.plan(c, device=info)
+            for role in ("forward", "dq", "dkdv", "dbias"):
+                if plan.route(role) is None or plan.route(role).fused:
+                    continue
+                assert _need(plan, c, role) <= info.max_shared_memory_per_block, (
+                    head_dim, features, role)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_more_shared_memory_never_gives_smaller_triton_tiles(dtype):
+    order = ["sm86", "sm80", "sm90"]
+    for head_dim in HEAD_DIMS:
+        for features in FEATURES:
+            plans = [dispatch.plan(call(head_dim, dtype, **features), device=DEVICES[d],
+                                   block_sizes=TRITON_ONLY) for d in order]
+            areas = [[r.block_q * r.block_k for r in (p.forward, p.dq, p.dkdv)]
+                     for p in plans]
+            for small, large in zip(areas, areas[1:], strict=False):
+                assert all(s <= l_ for s, l_ in zip(small, large, strict=True)), (
+                    head_dim, features, areas)
+
+
+def test_the_dbias_estimate_matches_the_measured_requests():
+    """Shared memory Triton requested on an H100 (d128, bf16), from RESOURCE_EXHAUSTED
+    messages: the estimate may be at most 512 bytes over, never under."""
+    measured = {(128, 64, 8, 3): 294912, (128, 64, 4, 3): 295424, (128, 32, 8, 3): 245760,
+                (128, 32, 4, 3): 246272, (128, 128, 8, 2): 262144, (128, 128, 4, 2): 262656}
+    for tiles, request in measured.items():
+        estimate = triton.shared_memory("dbias", tiles, 128, 128, "bfloat16",
+                                        bias_dtype="bfloat16")
+        assert request <= estimate <= request + 512, (tiles, estimate, request)
+
+
+def test_mosaic_scratch_sizes():
+    """The Mosaic kernels' shared memory, from the buffers they allocate: three dQ
+    consumers' Q, dO and dS and the K/V ring at d128 are 188416 bytes before the row
+    residuals and barriers; a float32 bias tile per forward consumer overflows 128-key
+    tiles with two slots, not 64-key ones."""
+    budget = H100.max_shared_memory_per_block
+    three = mosaic.dq_scratch(128, 128, 64, 2, 3, "bfloat16").bytes
+    assert 188416 < three <= budget
+    assert mosaic.dq_scratch(128, 128, 64, 4, 3, "bfloat16").bytes > budget
+    assert mosaic.dq_consumers(128, 128, 64, 4, "bfloat16", bias_dtype=None, has_window=False,
+                               budget=budget) == 2
+    assert mosaic.dq_consumers(128, 128, 64, 3, "bfloat16", bias_dtype=None, has_window=False,
+                               budget=budget) == 3
+    plain = mosaic.forward_scratch(128, 128, 128, 2, "float16").bytes
+    for bias_dtype in ("float16", "float32"):
+        with_bias = mosaic.forward_scratch(128, 128, 128, 2, "float16", bias_dtype).bytes
+        assert with_bias == plain + 128 * 128 * jnp.dtype(bias_dtype).itemsize + 16
+    assert mosaic.forward_scratch(128, 128, 128, 2, "float16", "float32").bytes == 262248
+    assert mosaic.forward_scratch(128, 128, 64, 2, "float16", "float32").bytes <= budget
+    assert mosaic.forward_scratch(128, 128, 128, 3, "bfloat16").bytes > budget
+
+
+# ------------------------------------------------------------------ overrides
+@pytest.mark.parametrize("field,value", [("block_q", 24), ("block_k", 8), ("block_q_dq", 0),
+                                         ("num_warps", 3), ("num_stages", 0),
+                                         ("num_stages_dq", 9), ("num_warps_dkv", 32),
+                                         ("block_k_dbias", 48), ("num_warps_dbias", 3),
+                                         ("num_stages_dbias", 0), ("block_q", True),
+                                         ("dq_backend", "cuda"), ("fuse_dbias", 1)])
+def test_block_sizes_validation_names_the_field(field, value):
+    with pytest.raises(ValueError, match=f"BlockSizes.{field}"):
+        BlockSizes(**{field: value})
+
+
+def test_block_sizes_are_hashable_frozen_overrides():
+    b = BlockSizes()
+    assert hash(b) == hash(BlockSizes()) and b.tiles("dq") == (None,) * 4
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        b.block_q = 64
+
+
+def test_overridden_fields_are_kept_and_the_rest_chosen():
+    overrides = BlockSizes(block_q=32, num_stages_dq=1, dkv_backend="triton")
+    plan = dispatch.plan(call(), device=H100, block_sizes=overrides)
+    rung = triton.ladder("forward", 128)[0]
+    assert plan.forward.backend == "triton"  # Mosaic runs block_q 128 only
+    assert (plan.forward.block_q, plan.forward.block_k) == (32, rung[1])
+    assert "block_sizes gives block_q=32" in plan.forward.declined[0][1]
+    assert plan.dq.backend == "triton" and plan.dq.num_stages == 1
+    assert plan.dkdv.backend == "triton" and not plan.dkdv.declined
+
+
+def test_tiles_are_clamped_to_short_sequences():
+    plan = dispatch.plan(call(64, q_len=5, kv_len=20), device=H100,
+                         block_sizes=BlockSizes(block_q=128, block_k=128))
+    assert max(r.block_q for r in (plan.forward, plan.dq, plan.dkdv)) == 16
+    assert max(r.block_k for r in (plan.forward, plan.dq, plan.dkdv)) <= 32
+
+
+def test_oversized_overrides_are_rejected_before_compiling():
+    with pytest.raises(ValueError, match=r"forward kernel.*232448"):
+        dispatch.plan(call(256), device=H100,
+                      block_sizes=BlockSizes(block_q=256, block_k=256, num_stages=8))
+    # The interpreter has no shared-memory limit.
+    dispatch.plan(call(256), interpret=True,
+                  block_sizes=BlockSizes(block_q=256, block_k=256, num_stages=8))
+    with pytest.raises(ValueError, match=r"forward_backend='mosaic'.*over the device's 232448"):
+        dispatch.plan(call(), device=H100,
+                      block_sizes=BlockSizes(forward_backend="mosaic", num_stages=3))
+
+
+@pytest.mark.parametrize("bias_shape,batch,kv_heads,kv_len,expected", [
+    ((4, 16, 4096, 4096), 4, 16, 4096, True),   # 32 key tiles x 4 x 16: 2048 programs
+    ((4, 16, 4096, 4096), 4, 8, 4096, True),    # GQA: each program owns 2 heads' tiles
+    ((4, 16, 1, 4096), 4, 16, 4096, True),      # per-key bias: a sum over rows, in registers
+    ((1, 16, 4096, 4096), 1, 16, 4096, True),   # batch 1: nothing to sum
+    ((1, 16, 4096, 4096), 4, 16, 4096, False),  # sums over the batch: the dbias kernel
+    ((4, 1, 4096, 4096), 4, 16, 4096, False),   # sums over heads
+    ((1, 16, 4096, 1), 1, 16, 4096, False),     # sums along keys
+    ((4, 16, 256, 256), 4, 4, 256, False),      # 2 key tiles x 4 x 4: 32 programs
+])
+def test_triton_fused_dbias(bias_shape, batch, kv_heads, kv_len, expected):
+    base = dict(bias_shape=bias_shape, batch=batch, kv_heads=kv_heads, kv_len=kv_len,
+                q_len=kv_len)
+    plan = dispatch.plan(call(**base), device=H100,
+                         block_sizes=dataclasses.replace(TRITON_ONLY, block_k_dkv=128))
+    assert plan.dbias.fused is expected
+    fusable = triton.fusable_dbias(bias_shape, batch=batch, num_heads=16)
+    for choice in (False, True) if fusable else (False,):  # an explicit choice is kept
+        forced = dispatch.plan(call(**base), device=H100, block_sizes=dataclasses.replace(
+            TRITON_ONLY, fuse_dbias=choice))
+        assert forced.dbias.fused is choice
+    if not fusable:
+        with pytest.raises(ValueError, match="fuse_dbias=True needs a bias with its own"):
+            dispatch.plan(call(**base), device=H100,
+                          block_sizes=dataclasses.replace(TRITON_ONLY, fuse_dbias=True))
+
+
+@pytest.mark.parametrize("role,field", [("forward", "forward_backend"),
+                                        ("dq", "dq_backend"), ("dkdv", "dkv_backend"),
+                                        ("dbias", "dbias_backend")])
+def test_mosaic_needs_hopper_even_where_the_role_does_not_run(role, field):
+    with pytest.raises(ValueError, match=f"{field}='mosaic' does not cover this call: needs "
+                                         "an sm90"):
+        dispatch.plan(call(), device=DEVICES["sm80"],
+                      block_sizes=BlockSizes(**{field: "mosaic"}))
+
+
+# ------------------------------------------------------------------ the tile cache
+def test_cached_tiles_are_used_for_the_triton_routes():
+    from pallas_attn.tuning import cache
+
+    tuned = BlockSizes(64, 32, 32, 64, 64, 32, 8, 2, 4, 1, 4, 2)
+    key = cache.entry_key("bfloat16", 128, 128, 4096, 4096, {"is_causal": True})
+    cache.store(H100, key, tuned)
+    plan = dispatch.plan(call(q_len=4000, is_causal=True), device=H100, block_sizes=TRITON_ONLY)
+    assert (plan.forward.block_q, plan.forward.block_k, plan.forward.num_warps,
+            plan.forward.num_stages) == (64, 32, 8, 2)  # 4000 falls in the 4096 bucket
+    assert (plan.dkdv.block_q, plan.dkdv.block_k) == (32, 64)
+    other = dispatch.plan(call(), device=H100, block_sizes=TRITON_ONLY)
+    assert other.forward.block_q != 64  # a different feature set does not use the entry
+    # On Hopper the Mosaic kernels still take their roles.
+    assert backends(dispatch.plan(call(is_causal=True), device=H100))[:3] == ("mosaic",) * 3
+
+
+# ------------------------------------------------------------------ explain
+def _arrays(T=256, H=128, dtype=jnp.bfloat16):
+    q = jnp.zeros((2, T, 4, H), dtype)
+    return q, q, q
+
+
+def test_explain_takes_arrays_or_shapes_and_a_device():
+    q, k, v = _arrays()
+    shapes = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v)]
+    slopes = jax.ShapeDtypeStruct((4,), jnp.float32)
+    a = pallas_attn.explain(q, k, v, is_causal=True, alibi_slopes=jnp.ones(4), device=H100)
+    b = pallas_attn.explain(*shapes, is_causal=True, alibi_slopes=slopes, device=H100)
+    assert a == b and a.implementation == "pallas"
+    lines = str(a).splitlines()
+    assert lines[0] == "problem: B=2 T=256 S=256 N=4 H=128 bfloat16, causal, alibi_slopes"
+    assert lines[1].startswith("implementation: pallas")
+    assert [line.split()[:2] for line in lines[2:]] == [
+        ["forward", "mosaic"], ["dQ", "mosaic"], ["dK/dV", "mosaic"]]
+
+
+def test_explain_names_every_role_and_the_reasons():
+    q, k, v = _arrays(H=64)
+    bias = jnp.zeros((1, 1, 256, 256), jnp.bfloat16)
+    text = str(pallas_attn.explain(q, k, v, bias, device=DEVICES["sm80"]))
+    roles = [line.split()[0] for line in text.splitlines()[2:] if not line.startswith(" ")]
+    assert roles == ["forward", "dQ", "dK/dV", "dbias"]
+    assert "not mosaic: needs an sm90 (Hopper) GPU, this one is sm80" in text
+    assert "not fused:" in text
+
+
+def test_explain_on_this_machine_plans_the_reference():
+    q, k, v = _arrays()
+    plan = pallas_attn.explain(q, k, v)
+    assert backends(plan) == ("xla",) * 3 + (None,)
+    assert "no NVIDIA GPU" in str(plan)
+    long = jax.ShapeDtypeStruct((1, 4096, 1, 64), jnp.float32)
+    assert pallas_attn.explain(long, long, long).implementation == "xla_chunked"
+    assert pallas_attn.explain(q, k, v, interpret=True).forward.backend == "triton"
+
+
+def test_explain_validates_like_the_op():
+    q, k, v = _arrays()
+    with pytest.raises(TypeError, match="device must be a pallas_attn.DeviceInfo"):
+        pallas_attn.explain(q, k, v, device="sm90")
+    with pytest.raises(ValueError, match="implementation must be None or one of"):
+        pallas_attn.explain(q, k, v, implementation="cuda")
+    with pytest.raises(ValueError, match="query heads"):
+        pallas_attn.explain(q, k[:, :, :3], v[:, :, :3])
+    with pytest.raises(TypeError, match="block_sizes must be a pallas_attn.BlockSizes"):
+        pallas_attn.explain(q, k, v, block_sizes={"block_q": 64})
+
+
+def test_the_cli_explains_a_problem():
+    out = subprocess.run(
+        [sys.executable, "-m", "pallas_attn", "explain", "--head-dim", "64", "--causal",
+         "--capability", "9.0", "--bias", "1,1"],
+        capture_output=True, text=True, check=True, timeout=100).stdout
+    lines = out.splitlines()
+    assert any(line.startswith("dK/dV   mosaic") for line in lines), out
+    assert any(line.startswith("forward triton") for line in lines), out
+    assert any(line.startswith("dbias   mosaic") for line in lines), out
+
+
+def test_the_readme_support_matrix_is_the_routing_table():
+    readme = (pathlib.Path(__file__).parent.parent / "README.md").read_text()
+    start, end = "<!-- support-matrix -->\n", "<!-- /support-matrix -->"
+    assert start in readme and end in readme
+    table = readme.split(start)[1].split(end)[0].strip()
+    assert table == dispatch.support_matrix(), (
+        "README.md's support matrix is stale: paste pallas_attn.dispatch.support_matrix()")
+
+
+# ------------------------------------------------------------------ the layout
+def _package_modules() -> dict[str, pathlib.Path]:
+    root = pathlib.Path(pallas_attn.__file__).parent
+    modules = {}
+    for path in root.rglob("*.py"):
+        parts = path.relative_to(root.parent).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        modules[name] = path
+    return modules
+
+
+def _imports(name: str, path: pathlib.Path, modules: dict) -> set[str]:
+    """The package modules a module imports (at any depth of its code)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            base = node.module
+            if node.level:
+                base = ".".join(name.split(".")[:-node.level] + [node.module])
+            found.add(base)
+            found |= {f"{base}.{a.name}" for a in node.names}
+    return {m for m in found if m in modules and m != name}
+
+
+def test_the_package_has_no_import_cycles():
+    modules = _package_modules()
+    graph = {name: _imports(name, path, modules) for name, path in modules.items()}
+    state = {}
+
+    def visit(node, stack):
+        state[node] = "open"
+        for nxt in graph[node]:
+            if nxt == "pallas_attn" or nxt in stack[:1]:
+                continue  # the package root only re-exports
+            if state.get(nxt) == "open":
+                raise AssertionError(f"import cycle: {' -> '.join([*stack, nxt])}")
+            if nxt not in state:
+                visit(nxt, [*stack, nxt])
+        state[node] = "done"
+
+    for name in sorted(graph):
+        if name != "pallas_attn" and name not in state:
+            visit(name, [name])
+
+
+def test_every_module_imports_on_its_own():
+    """Each module in a fresh interpreter (flax's adapter needs flax, which the tests
+    have)."""
+    names = sorted(_package_modules())
+    procs = {name: subprocess.Popen([sys.executable, "-c", f"import {name}"],
+                                    stderr=subprocess.PIPE, text=True) for name in names}
+    failed = {}
+    for name, proc in procs.items():
+        _, err = proc.communicate(timeout=100)
+        if proc.returncode:
+            failed[name] = err.strip().splitlines()[-1:]
+    assert not failed, failed
+    for name in names:
+        importlib.import_module(name)
