@@ -34,7 +34,6 @@ from kernel_helpers import (  # no_mosaic_races: an autouse fixture
 
 import pallas_attn
 from pallas_attn.kernels.core import Problem, logit_scores
-from pallas_attn.kernels.mosaic import config as mosaic_config
 from pallas_attn.kernels.mosaic import dq as mosaic_dq
 from pallas_attn.kernels.triton import dbias as triton_dbias
 from pallas_attn.kernels.triton import dq as triton_dq
@@ -147,13 +146,6 @@ MOSAIC_DQ_DKV = dataclasses.replace(MOSAIC_DQ, block_q_dkv=64, block_k_dkv=128,
                                     dkv_backend="mosaic")
 
 
-def _two_dq_consumers(monkeypatch) -> None:
-    # NOTE: the Pallas interpreter hangs on some bottom-right causal problems with T > S
-    # with three dQ consumers (and on T=300, S=100 with two; BENCHMARKS.md, session 19),
-    # while the GPU computes them with three. Tests of those problems keep two.
-    monkeypatch.setattr(mosaic_config, "dq_consumers", lambda *a, **k: 2)
-
-
 @pytest.mark.parametrize("shapes,bias_shape,kwargs,blocks", [
     (dict(B=2, T=150, S=140, N=2, K=1, H=64), (1, 2), dict(is_causal=True,
                                                            logits_soft_cap=8.0), MOSAIC_DQ),
@@ -167,8 +159,6 @@ def _two_dq_consumers(monkeypatch) -> None:
 def test_gradients_with_the_mosaic_dq_against_reference_and_float64(shapes, bias_shape,
                                                                     kwargs, blocks,
                                                                     monkeypatch):
-    if kwargs.get("causal_alignment") == "bottom_right":
-        _two_dq_consumers(monkeypatch)
     calls = []
     chained = mosaic_dq.dq_and_dbias
     monkeypatch.setattr(mosaic_dq, "dq_and_dbias",
@@ -239,7 +229,6 @@ def test_alibi_float_positions_match_the_integer_fallback(blocks, monkeypatch):
     2**24) and as integers (the fallback above) are the same exact distances: the
     forward and every gradient come out bitwise equal, in the Triton kernels and in
     the Mosaic forward, dK/dV and dQ (with an offset: bottom-right causal, T > S)."""
-    _two_dq_consumers(monkeypatch)
     inputs = make_inputs(61, B=1, T=150, S=100, N=2, H=64, dtype=jnp.bfloat16)
     kwargs = dict(block_sizes=blocks, arrays={"alibi_slopes": jnp.array([0.3, 0.07])},
                   is_causal=True, causal_alignment="bottom_right", split="eager")

@@ -1,0 +1,14 @@
+"""Settings every test module needs before JAX starts its CPU client."""
+
+import os
+
+# NOTE: the Mosaic GPU interpreter (JAX 0.11.2) runs each simulated warpgroup as an
+# XLA:CPU program of its own, a barrier wait as a blocking host callback. XLA:CPU runs
+# parts of a program on its intra-op thread pool (one thread per CPU unless PJRT_NPROC
+# says otherwise) and carries on with the program on the thread that finished them, so a
+# warpgroup's barrier wait can block a pool thread. Once the waits hold every pool
+# thread, a warpgroup whose work is queued on the pool never runs again and the kernel
+# deadlocks, every warpgroup waiting on a barrier (tools/repro_interpreter_pool_deadlock.py).
+# On a 2-CPU machine that hung the dQ kernel's four warpgroups on bottom-right causal
+# T > S problems. A pool well above any kernel's warpgroups (at most 4) avoids it.
+os.environ.setdefault("PJRT_NPROC", str(max(16, os.cpu_count() or 1)))
