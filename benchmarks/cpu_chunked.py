@@ -44,7 +44,7 @@ def run_case(impl: str, length: int, mode: str, causal: bool, batch: int, heads:
     import jax.numpy as jnp
 
     import pallas_attn
-    from pallas_attn import chunked
+    from pallas_attn.semantics import chunked
     from pallas_attn.spec import normalize
 
     shape = (batch, length, heads, head_dim)
