@@ -75,6 +75,8 @@ def make_inputs(shape: Shape, seed: int = 0) -> dict[str, Any]:
         if name in ("bias", "bias_per_batch"):  # [1, N, T, S] or [B, N, T, S]
             rows = B if name == "bias_per_batch" else 1
             args["kwargs"]["bias"] = jax.random.normal(keys[4], (rows, N, T, S), dtype)
+        elif name == "bias_shared_by_heads":  # [B, 1, T, S]
+            args["kwargs"]["bias"] = jax.random.normal(keys[4], (B, 1, T, S), dtype)
         elif name == "window":
             args["kwargs"]["local_window_size"] = (value, 0 if shape.causal else value)
         elif name == "alibi":
@@ -301,6 +303,12 @@ def check_shapes(on_device: bool) -> list[Shape]:
         Shape(2, 1024, 1024, 4, 4, 128, False, (("softcap", 50.0),), dtype="bfloat16"),
         # ALiBi alone in the Mosaic kernels (log2-unit scores), ragged, GQA, float16.
         Shape(2, 1000, 1100, 8, 2, 64, True, (("alibi", None),), dtype="float16"),
+        # A bias shared by the heads: read by the Mosaic forward, dQ and dK/dV kernels,
+        # its gradient from the Mosaic dbias kernel.
+        Shape(2, 1024, 1024, 4, 4, 128, True, (("bias_shared_by_heads", None),),
+              dtype="bfloat16"),
+        Shape(2, 1000, 1100, 4, 2, 64, False, (("bias_shared_by_heads", None),
+                                                ("softcap", 20.0)), dtype="float16"),
     ]
     return shapes
 

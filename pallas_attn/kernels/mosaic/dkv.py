@@ -176,9 +176,10 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, bias_ref, slopes_ref, dk_ref
                                         loaded)
                 if has_bias:
                     bb = b if bias_ref.shape[0] > 1 else 0
+                    nb = n if bias_ref.shape[1] > 1 else 0  # a bias shared by the heads
                     for c in range(CONSUMERS):
                         keys = pl.ds(k0 + c * KEYS_PER_CONSUMER, KEYS_PER_CONSUMER)
-                        plgpu.copy_gmem_to_smem(bias_ref.at[bb, n, rows, keys],
+                        plgpu.copy_gmem_to_smem(bias_ref.at[bb, nb, rows, keys],
                                                 bias_smem.at[slot, c], loaded)
 
             return step + steps, loaded_units + jnp.where(steps > 0, 1, 0)

@@ -1,0 +1,149 @@
+"""One feature suite, written once, run against every implementation and kernel backend.
+
+Backends:
+  xla          the reference (implementation="xla")
+  xla_chunked  the blockwise jnp path
+  triton       the Pallas kernels with every role on Triton's (the Pallas interpreter)
+  mosaic       every role on the Hopper (Mosaic GPU) kernels, in JAX's Mosaic GPU
+               interpreter (NaN-poisoned buffers, race detector on). Where the routing
+               table refuses a role, the case is skipped with the table's reason: the
+               skips are the backend's gaps.
+
+Every case: random inputs and random cotangents for the output and the logsumexp,
+compared with an independent float64 NumPy computation (FlashAttention's rule: at most
+twice the error of the same-dtype reference plus a floor) and with the reference in the
+same dtype; rows that see no key must give output 0, logsumexp -inf and dq 0.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from kernel_helpers import (  # no_mosaic_races: an autouse fixture
+    DTYPES,
+    SMALL_BLOCKS,
+    assert_empty_rows,
+    assert_fa_rule,
+    assert_results_close,
+    empty_rows,
+    make_inputs,
+    no_mosaic_races,  # noqa: F401
+    oracle,
+    random_bias,
+    run,
+)
+
+import pallas_attn
+
+pytestmark = pytest.mark.timeout(300)
+
+BACKENDS = ("xla", "xla_chunked", "triton", "mosaic")
+TRITON = SMALL_BLOCKS
+MOSAIC = pallas_attn.BlockSizes(forward_backend="mosaic", dkv_backend="mosaic",
+                                dq_backend="mosaic", dbias_backend="mosaic")
+
+# name: (dtype, shapes for make_inputs, bias shape as (Bb, Nb, Tb?, Sb?) or None, kwargs);
+# array keyword arguments are built from their shapes by _arrays.
+CASES = {
+    "plain_ragged": ("bfloat16", dict(B=2, T=130, S=150, N=2), None, {}),
+    "causal_gqa": ("bfloat16", dict(B=1, T=140, S=140, N=4, K=2), None,
+                   dict(is_causal=True)),
+    "bottom_right_T>S_empty_rows": ("bfloat16", dict(B=1, T=150, S=100, N=2), None,
+                                    dict(is_causal=True, causal_alignment="bottom_right")),
+    "window_Hv128": ("bfloat16", dict(B=1, T=200, S=220, N=2, Hv=128), None,
+                     dict(local_window_size=(40, 10))),
+    "soft_cap_alibi": ("float16", dict(B=2, T=130, S=130, N=2), None,
+                       dict(logits_soft_cap=5.0, alibi=True, is_causal=True)),
+    "bias_shared_by_batch": ("bfloat16", dict(B=2, T=130, S=140, N=2), (1, 2), {}),
+    "bias_shared_by_heads": ("bfloat16", dict(B=2, T=130, S=140, N=2, H=128), (2, 1),
+                             dict(is_causal=True)),
+    "bias_per_key": ("bfloat16", dict(B=2, T=130, S=140, N=2), (2, 2, 1), {}),
+    "mask": ("bfloat16", dict(B=2, T=130, S=140, N=2), None, dict(mask=True)),
+    "segments": ("bfloat16", dict(B=2, T=130, S=130, N=2), None, dict(segments=True)),
+    "lengths": ("bfloat16", dict(B=2, T=130, S=140, N=2), None, dict(lengths=True)),
+    "dropout": ("bfloat16", dict(B=2, T=130, S=140, N=2), None, dict(dropout_rate=0.2)),
+    "float32_mqa": ("float32", dict(B=2, T=70, S=90, N=4, K=1, H=40), None,
+                    dict(is_causal=True)),
+}
+
+
+def _arrays(seed: int, shapes: dict, kwargs: dict) -> tuple[dict, dict]:
+    """(static keyword arguments, array keyword arguments) of a case."""
+    static, arrays = dict(kwargs), {}
+    B, T, S, N = shapes["B"], shapes["T"], shapes["S"], shapes["N"]
+    rng = np.random.default_rng(seed)
+    if static.pop("alibi", False):
+        arrays["alibi_slopes"] = jnp.asarray(rng.uniform(0.02, 0.5, N), jnp.float32)
+    if static.pop("mask", False):
+        arrays["mask"] = jnp.asarray(rng.random((B, 1, T, S)) < 0.8)
+    if static.pop("segments", False):
+        arrays["q_segment_ids"] = jnp.asarray(np.sort(rng.integers(0, 3, (B, T))), jnp.int32)
+    if static.pop("lengths", False):
+        arrays["query_seq_lengths"] = jnp.asarray([T - 7, T // 2], jnp.int32)[:B]
+        arrays["key_value_seq_lengths"] = jnp.asarray([S, S // 3], jnp.int32)[:B]
+    if static.get("dropout_rate"):
+        arrays["dropout_rng"] = jax.random.key(seed)
+    return static, arrays
+
+
+def _block_sizes(backend: str):
+    return {"triton": TRITON, "mosaic": MOSAIC}.get(backend)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("case", CASES)
+def test_feature(case, backend):
+    dtype_name, shapes, bias_shape, kwargs = CASES[case]
+    dtype = DTYPES[dtype_name]
+    shapes = dict(dict(H=64), **shapes)
+    seed = sum(map(ord, case))
+    inputs = make_inputs(seed, dtype=dtype, **shapes)
+    static, arrays = _arrays(seed, shapes, kwargs)
+    bias = None
+    if bias_shape is not None:
+        dims = (*bias_shape, *(shapes["T"], shapes["S"])[len(bias_shape) - 2:])
+        bias = random_bias(seed + 1, dims, dtype)
+    block_sizes = _block_sizes(backend)
+    if backend == "mosaic":
+        try:
+            pallas_attn.explain(inputs["q"], inputs["k"], inputs["v"], bias, interpret=True,
+                                block_sizes=block_sizes, **arrays, **static)
+        except ValueError as e:
+            pytest.skip(f"the routing table: {e}")
+    impl = "pallas" if block_sizes is not None else backend
+    extra = {} if block_sizes is None else dict(block_sizes=block_sizes, split="eager")
+    got = run(impl, inputs, bias=bias, arrays=arrays, **extra, **static)
+    reference = run("xla", inputs, bias=bias, arrays=arrays, **static)
+    keep = None
+    if static.get("dropout_rate"):
+        keep = np.asarray(pallas_attn.dropout_keep_mask(
+            arrays["dropout_rng"], batch=shapes["B"], num_heads=shapes["N"],
+            q_len=shapes["T"], kv_len=shapes["S"], rate=static["dropout_rate"]))
+    exact = oracle(inputs, bias=bias, arrays=arrays, keep=keep, **static)
+    if bias is not None:
+        assert got["dbias"].shape == bias.shape
+    assert_fa_rule(got, reference, exact, dtype, label=f"{backend}: ")
+    assert_results_close(got, reference, dtype, label=f"{backend} vs reference: ")
+    assert_empty_rows(got, empty_rows(exact))
+    if case == "bottom_right_T>S_empty_rows":
+        assert empty_rows(exact).sum() > 0
+
+
+def test_every_backend_runs_somewhere():
+    """The suite is no list of skips: the Mosaic backend covers most cases."""
+    covered = []
+    for case, (dtype_name, shapes, bias_shape, kwargs) in CASES.items():
+        shapes = dict(dict(H=64), **shapes)
+        inputs = make_inputs(0, dtype=DTYPES[dtype_name], **shapes)
+        static, arrays = _arrays(0, shapes, kwargs)
+        bias = None if bias_shape is None else jnp.zeros(
+            (*bias_shape, *(shapes["T"], shapes["S"])[len(bias_shape) - 2:]), jnp.bfloat16)
+        try:
+            pallas_attn.explain(inputs["q"], inputs["k"], inputs["v"], bias, interpret=True,
+                                block_sizes=MOSAIC, **arrays, **static)
+            covered.append(case)
+        except ValueError:
+            pass
+    assert len(covered) >= 7, covered
