@@ -45,7 +45,8 @@ fi
 
 job=${1:-test}; shift || true
 case "$job" in
-  test)  exec .venv/bin/python -m pytest -q "$@" ;;
+  # One worker per CPU: the interpreted kernels' compiles are single-threaded.
+  test)  exec .venv/bin/python -m pytest -q -n auto "$@" ;;
   bench) exec .venv/bin/python -m pallas_attn bench "$@" ;;
   lint)  exec .venv/bin/ruff check pallas_attn tests examples benchmarks ;;
   *) echo "usage: bash scripts/run.sh {test|bench|lint} [args]" >&2; exit 2 ;;

@@ -59,6 +59,17 @@ DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float
 
 
 
+def alternate_dtypes(cases: list, dtypes: tuple = ("bfloat16", "float16")) -> list:
+    """One pytest.param per case (id, *values), the dtypes (or dtype tuples) taking turns:
+    every case runs once and every dtype is covered, at half the cost of crossing them."""
+    params = []
+    for i, (name, *values) in enumerate(cases):
+        dtype = dtypes[i % len(dtypes)]
+        dtype = dtype if isinstance(dtype, tuple) else (dtype,)
+        params.append(pytest.param(*dtype, *values, id=f"{name}-{'-'.join(dtype)}"))
+    return params
+
+
 def dtype_name(x: Any) -> str:
     return jnp.dtype(x).name
 

@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 from kernel_helpers import (  # no_mosaic_races: an autouse fixture
     DTYPES,
+    alternate_dtypes,
     assert_needs_hopper,
     check_kernel_gradients,
     kernel_backward,
@@ -69,10 +70,9 @@ def _kernel_outputs(dtype: str, bias_dtype: str, shapes: dict, bias_shape: tuple
     return np.asarray(mosaic, np.float32), np.asarray(triton, np.float32), (x.T, x.S)
 
 
-@pytest.mark.parametrize("dtype,bias_dtype", [("bfloat16", "bfloat16"),
-                                              ("float16", "float32")])
-@pytest.mark.parametrize("shapes,bias_shape,kwargs,blocks", [c[1:] for c in CASES],
-                         ids=[c[0] for c in CASES])
+@pytest.mark.parametrize("dtype,bias_dtype,shapes,bias_shape,kwargs,blocks",
+                         alternate_dtypes(CASES, (("bfloat16", "bfloat16"),
+                                                  ("float16", "float32"))))
 def test_mosaic_dbias_matches_the_triton_dbias_kernel(dtype, bias_dtype, shapes, bias_shape,
                                                       kwargs, blocks):
     mosaic, triton, (T, S) = _kernel_outputs(dtype, bias_dtype, shapes, bias_shape, kwargs,
@@ -93,12 +93,12 @@ def test_mosaic_dbias_matches_the_triton_dbias_kernel(dtype, bias_dtype, shapes,
         assert np.all(mosaic[..., : T - S, :] == 0.0)
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-@pytest.mark.parametrize("shapes,bias_shape,kwargs", [
-    (dict(B=2, T=150, S=140, N=2, K=1, H=64), (1, 2), dict(is_causal=True)),
-    (dict(B=2, T=130, S=200, N=2, H=48), (2, 1), dict(logits_soft_cap=8.0,
-                                                      local_window_size=(60, 20))),
-], ids=["batch_shared_causal_mqa", "head_shared_window_soft_cap_H48"])
+@pytest.mark.parametrize("dtype,shapes,bias_shape,kwargs", alternate_dtypes([
+    ("batch_shared_causal_mqa", dict(B=2, T=150, S=140, N=2, K=1, H=64), (1, 2),
+     dict(is_causal=True)),
+    ("head_shared_window_soft_cap_H48", dict(B=2, T=130, S=200, N=2, H=48), (2, 1),
+     dict(logits_soft_cap=8.0, local_window_size=(60, 20))),
+]))
 def test_gradients_with_the_mosaic_dbias_against_reference_and_float64(dtype, shapes,
                                                                        bias_shape, kwargs):
     check_kernel_gradients(DTYPES[dtype], shapes, bias_shape, kwargs, MOSAIC_DBIAS)

@@ -24,6 +24,7 @@ import numpy as np
 import pytest
 from kernel_helpers import (  # no_mosaic_races: an autouse fixture
     DTYPES,
+    alternate_dtypes,
     assert_close,
     assert_needs_hopper,
     check_kernel_gradients,
@@ -85,9 +86,7 @@ def _kernel_outputs(dtype: str, shapes: dict, bias_shape: tuple | None, kwargs: 
     return as_dict(mosaic), as_dict(triton), (x.T, x.S)
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-@pytest.mark.parametrize("shapes,bias_shape,kwargs,blocks", [c[1:] for c in CASES],
-                         ids=[c[0] for c in CASES])
+@pytest.mark.parametrize("dtype,shapes,bias_shape,kwargs,blocks", alternate_dtypes(CASES))
 def test_mosaic_dkv_matches_the_triton_kernels(dtype, shapes, bias_shape, kwargs, blocks):
     mosaic, triton, (T, S) = _kernel_outputs(dtype, shapes, bias_shape, kwargs, blocks)
     assert mosaic.keys() == triton.keys()

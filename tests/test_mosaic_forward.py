@@ -23,6 +23,7 @@ import numpy as np
 import pytest
 from kernel_helpers import (  # no_mosaic_races: an autouse fixture
     DTYPES,
+    alternate_dtypes,
     assert_empty_rows,
     assert_fa_rule,
     assert_needs_hopper,
@@ -108,9 +109,7 @@ def _with_bias(kwargs: dict, dtype: str) -> dict:
     return dict(kwargs, bias=jnp.asarray(bias, DTYPES[bias_dtype or dtype]))
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-@pytest.mark.parametrize("shapes,kwargs,blocks", [c[1:] for c in CASES],
-                         ids=[c[0] for c in CASES])
+@pytest.mark.parametrize("dtype,shapes,kwargs,blocks", alternate_dtypes(CASES))
 def test_mosaic_forward_against_reference_and_float64(dtype, shapes, kwargs, blocks):
     inputs = make_inputs(sum(shapes.values()), dtype=DTYPES[dtype], **shapes)
     kwargs = _with_bias(kwargs, dtype)
