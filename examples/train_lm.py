@@ -161,8 +161,9 @@ class TransformerLM(nnx.Module):
         for block in self.blocks:
             if isinstance(block.attn, pallas_attn.flax.MultiHeadAttention):
                 block.attn.init_cache(batch_size, self.max_len)
-            else:
-                block.attn.init_cache((batch_size, self.max_len, block.attn.in_features))
+            else:  # Flax's layer: its cache in the computation dtype, as its keys are
+                block.attn.init_cache((batch_size, self.max_len, block.attn.in_features),
+                                      dtype=block.attn.dtype or jnp.float32)
 
 
 # ----------------------------------------------------------------------- training

@@ -19,7 +19,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m pallas_attn", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
-    bench = sub.add_parser("bench", help="speed table vs jax.nn (GPU); interpreter check (CPU)")
+    bench = sub.add_parser("bench", help="speed table vs jax.nn (GPU); interpreter check (CPU)",
+                           description="Times pallas_attn next to jax.nn's cuDNN and XLA "
+                           "attention in one process (TFLOP/s of the forward and of "
+                           "forward+backward). On a machine without an NVIDIA GPU it runs "
+                           "the kernels in the interpreter against the reference instead.")
     bench.add_argument("--quick", action="store_true", help="head dim 128 only")
     bench.add_argument("--set", choices=["standard", "features", "all"], default="standard",
                        help="standard shapes (head dims 64/128/256), feature costs, or both")
@@ -28,10 +32,16 @@ def main(argv: list[str] | None = None) -> int:
                        help="only these implementations: pallas_attn, cudnn, xla")
     bench.add_argument("--json", help="write the rows to this file")
     bench.add_argument("--plot", help="write a TFLOP/s bar chart (PNG) to this file")
-    check = sub.add_parser("check", help="kernel numerics vs the reference")
+    check = sub.add_parser("check", help="kernel numerics vs the reference",
+                           description="Outputs, logsumexp and every gradient of the kernels "
+                           "against the reference on float32-upcast inputs, at realistic "
+                           "sizes on a GPU (small ones in the interpreter on a CPU).")
     check.add_argument("--match", help="only shapes whose label matches this regex (re.search)")
     check.add_argument("--json", help="write the results to this file")
-    tune = sub.add_parser("tune", help="time tile candidates on the GPU and cache the best")
+    tune = sub.add_parser("tune", help="time tile candidates on the GPU and cache the best",
+                          description="Times each Triton kernel's tile candidates alone on "
+                          "the GPU and stores the fastest in the tile cache "
+                          "($PALLAS_ATTN_CACHE_DIR, default ~/.cache/pallas_attn).")
     tune.add_argument("--head-dim", type=int, nargs="+", default=[64, 128, 256])
     tune.add_argument("--seq-len", type=int, default=4096)
     tune.add_argument("--batch", type=int, default=4)
@@ -42,7 +52,12 @@ def main(argv: list[str] | None = None) -> int:
     tune.add_argument("--bias", action="store_true", help="with a [1, N, T, S] bias (+ dbias)")
     tune.add_argument("--json", help="write every timing to this file")
     explain = sub.add_parser("explain", help="the plan for one problem (which kernel runs "
-                             "each role, and why)")
+                             "each role, and why)",
+                             description="Prints which implementation runs the problem and, "
+                             "for the kernels, the backend and tiles of each role (forward, "
+                             "dQ, dK/dV, dbias) with the reason each faster one was not "
+                             "taken. Needs no GPU: it plans for this machine's or the one "
+                             "--capability names.")
     explain.add_argument("--batch", type=int, default=4)
     explain.add_argument("--q-len", type=int, default=4096)
     explain.add_argument("--kv-len", type=int, default=None, help="default: --q-len")
@@ -80,6 +95,13 @@ def main(argv: list[str] | None = None) -> int:
         shapes = _bench_shapes(args, parser, bench_lib)
         only = _bench_implementations(args, parser, bench_lib)
     gpu = bench_lib.on_gpu()
+    if args.command == "bench" and not gpu:
+        given = [flag for flag, on in (("--plot", args.plot), ("--quick", args.quick),
+                                       ("--impl", args.impl), ("--match", args.match),
+                                       ("--set", args.set != "standard")) if on]
+        if given:
+            parser.error(f"{' '.join(given)} time shapes on an NVIDIA GPU; this machine has "
+                         f"none (bench alone runs the interpreter check here)")
     if args.command == "check" or (args.command == "bench" and not gpu):
         if not gpu:
             print("No GPU: checking the Pallas kernels in the Pallas interpreter (CPU) against "
@@ -89,6 +111,9 @@ def main(argv: list[str] | None = None) -> int:
         shapes = bench_lib.check_shapes(gpu)
         if args.command == "check":
             shapes = _matching(shapes, args.match, parser, "check's shapes")
+        print("Each value: the relative error against the reference run on float32-upcast "
+              "inputs, with the same-dtype reference's own error as (ref); a shape passes "
+              "when every value is at most 2 x ref + a floor.")
         results = bench_lib.check(shapes, interpret=not gpu)
         ok = all(r["ok"] for r in results)
         print(f"{sum(r['ok'] for r in results)} passed, {sum(not r['ok'] for r in results)} failed")

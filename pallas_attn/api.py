@@ -17,6 +17,7 @@ from pallas_attn.plan import BlockSizes, Plan
 from pallas_attn.semantics import reference
 from pallas_attn.spec import (
     IMPLEMENTATIONS,
+    KERNEL_DTYPES,
     MAX_KERNEL_HEAD_DIM,
     AttentionSpec,
     Operands,
@@ -96,6 +97,8 @@ def dot_product_attention(
         alibi_slopes=alibi_slopes, logits_soft_cap=logits_soft_cap,
         q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
         dropout_rate=dropout_rate, dropout_rng=dropout_rng, broadcast_dropout=broadcast_dropout)
+    if 0 in (*ops.query.shape[:2], ops.key.shape[1]):  # every implementation alike
+        return reference.finish(*reference.empty(ops), batched, return_residual)
     plan = _plan(spec, ops, implementation, block_sizes, interpret, None)
     if plan.implementation == "xla":
         out, lse = reference.attention(spec, ops)
@@ -112,6 +115,10 @@ def dot_product_attention(
 
 def _check_options(implementation: Any, block_sizes: Any, interpret: Any, device: Any) -> None:
     check_bool("interpret", interpret)
+    if implementation == "cudnn":
+        raise ValueError("implementation='cudnn' names jax.nn's cuDNN path; pallas_attn's GPU "
+                         "kernels are implementation='pallas' (and None, the default, picks "
+                         "them on an NVIDIA GPU)")
     if implementation is not None and implementation not in IMPLEMENTATIONS:
         raise ValueError(f"implementation must be None or one of {IMPLEMENTATIONS}, "
                          f"got {implementation!r}")
@@ -136,6 +143,9 @@ def _plan(spec: AttentionSpec, ops: Operands, implementation: str | None,
         raise ValueError(
             f"block_sizes and interpret apply to implementation='pallas', got {implementation!r}")
     if implementation == "pallas":
+        if call.dtype not in KERNEL_DTYPES:
+            raise ValueError(f"the Pallas kernels take {', '.join(KERNEL_DTYPES)} inputs, got "
+                             f"{call.dtype}; use implementation='xla' or 'xla_chunked'")
         head_dims = (call.head_dim, call.value_head_dim)
         if max(head_dims) > MAX_KERNEL_HEAD_DIM:
             raise ValueError(

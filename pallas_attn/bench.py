@@ -268,9 +268,9 @@ def feature_shapes() -> list[Shape]:
 def check_shapes(on_device: bool) -> list[Shape]:
     if not on_device:
         return [Shape(2, 40, 56, 4, 2, 32, False, dtype="float32"),
-                Shape(1, 33, 33, 2, 2, 64, True, dtype="float32"),
+                Shape(1, 33, 33, 2, 2, 64, True, dtype="bfloat16"),
                 Shape(1, 48, 40, 2, 1, 40, False, (("bias", None), ("softcap", 5.0)),
-                      dtype="float32")]
+                      dtype="float16")]
     shapes = [
         Shape(2, 1024, 1024, 4, 4, 64, False, dtype="bfloat16"),
         Shape(2, 1024, 1024, 4, 4, 128, True, dtype="bfloat16"),

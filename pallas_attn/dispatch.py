@@ -27,7 +27,7 @@ from pallas_attn.kernels import padded_head_dim
 from pallas_attn.kernels.mosaic import config as mosaic
 from pallas_attn.kernels.triton import config as triton
 from pallas_attn.plan import BACKEND_FIELDS, ROLE_LABELS, TILE_FIELDS, BlockSizes, Plan, Route
-from pallas_attn.spec import OPTIONAL_INPUTS, AttentionSpec, Operands
+from pallas_attn.spec import KERNEL_DTYPES, OPTIONAL_INPUTS, AttentionSpec, Operands
 from pallas_attn.tuning import cache
 
 # The CPU default switches from the reference to the blockwise path once the
@@ -84,8 +84,10 @@ def choose_implementation(implementation: str | None, call: Call, interpret: boo
         return implementation, ""
     if interpret:
         return "pallas", "interpret=True runs the Pallas kernels in the interpreter"
-    if on_nvidia_gpu():
+    if on_nvidia_gpu() and call.dtype in KERNEL_DTYPES:
         return "pallas", "an NVIDIA GPU"
+    if on_nvidia_gpu():
+        return "xla", f"{call.dtype} inputs: the kernels take {', '.join(KERNEL_DTYPES)}"
     if call.q_len * call.kv_len >= PREFER_CHUNKED_ELEMENTS:
         return "xla_chunked", "no NVIDIA GPU, and T * S >= 2**22 (the reference's T x S " \
             "matrices would reach 16 MiB per batch entry and head)"

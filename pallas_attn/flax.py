@@ -62,9 +62,14 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from flax import linen, nnx
-from flax.nnx.nn import dtypes as nnx_dtypes
-from flax.nnx.nn.linear import default_kernel_init
+
+try:
+    from flax import linen, nnx
+    from flax.nnx.nn import dtypes as nnx_dtypes
+    from flax.nnx.nn.linear import default_kernel_init
+except ModuleNotFoundError as e:  # flax is an optional dependency
+    raise ImportError(f"pallas_attn.flax needs flax ({e}): pip install flax, or "
+                      f"'pallas_attn[flax]'") from e
 
 from pallas_attn.api import dot_product_attention
 from pallas_attn.device import on_nvidia_gpu

@@ -27,6 +27,7 @@ from pallas_attn.semantics.dropout import seed_from_key
 IMPLEMENTATIONS = ("pallas", "xla", "xla_chunked")
 ALIGNMENTS = ("top_left", "bottom_right")
 MAX_KERNEL_HEAD_DIM = 256
+KERNEL_DTYPES = ("bfloat16", "float16", "float32")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,19 +112,50 @@ def _dtype(x: Any) -> np.dtype:
     return jnp.result_type(x)
 
 
+def _concrete_scalar(value: Any) -> bool:
+    """A 0-d NumPy or JAX array with a value known now (not traced under jit)."""
+    return (isinstance(value, np.ndarray | jax.Array) and np.shape(value) == ()
+            and not isinstance(value, jax.core.Tracer))
+
+
+def _traced(name: str, value: Any, kind: str) -> None:
+    if isinstance(value, jax.core.Tracer):
+        raise TypeError(f"{name} must be a static {kind} (it shapes the kernels), got a traced "
+                        f"value: compute it outside jax.jit or pass a Python {kind}")
+
+
 def check_bool(name: str, value: Any) -> bool:
-    """A Python or NumPy bool, else TypeError naming the argument."""
+    """A Python, NumPy or concrete JAX bool, else TypeError naming the argument."""
+    _traced(name, value, "bool")
+    if _concrete_scalar(value) and np.dtype(value.dtype) == np.bool_:
+        return bool(value)
     if not isinstance(value, bool | np.bool_):
         raise TypeError(f"{name} must be a bool, got {value!r}")
     return bool(value)
+
+
+def static_float(name: str, value: Any) -> float:
+    """A Python, NumPy or concrete JAX real number as a float, else TypeError naming the
+    argument (bools are not numbers here)."""
+    _traced(name, value, "float")
+    if _concrete_scalar(value) and (jnp.issubdtype(value.dtype, jnp.floating)
+                                    or jnp.issubdtype(value.dtype, jnp.integer)):
+        return float(value)
+    if isinstance(value, bool | np.bool_) or not isinstance(value, int | float | np.number):
+        raise TypeError(f"{name} must be a Python float, got {value!r}")
+    if isinstance(value, np.complexfloating):
+        raise TypeError(f"{name} must be a real number, got {value!r}")
+    return float(value)
 
 
 def _as_array(name: str, x: Any) -> jax.Array:
     if isinstance(x, jax.ShapeDtypeStruct):
         raise TypeError(f"{name} must be an array, got a jax.ShapeDtypeStruct (use "
                         "jax.eval_shape to trace shapes)")
-    if isinstance(x, jax.Array | np.ndarray | np.generic):
+    if isinstance(x, jax.Array):
         return x
+    if isinstance(x, np.ndarray | np.generic):
+        return jnp.asarray(x)  # the jnp paths trace it inside loops
     if isinstance(x, bool | int | float | list | tuple):
         try:
             return jnp.asarray(x)
@@ -237,17 +269,15 @@ def normalize(
         )
     if Hk != H:
         raise ValueError(f"key head dim {Hk} must equal query head dim {H}")
-    if min(T, S, N, K, H, v_shape[3]) == 0:
-        raise ValueError(f"empty dimension in query {q_shape}, key {k_shape}, value {v_shape}")
+    if min(N, K, H, v_shape[3]) == 0:
+        raise ValueError(f"query, key and value need at least one head and one feature, got "
+                         f"query {q_shape}, key {k_shape}, value {v_shape}")
     if N % K:
         raise ValueError(
             f"query heads ({N}) must be a multiple of key/value heads ({K})"
         )
 
-    if scale is None:
-        scale = 1.0 / math.sqrt(H)
-    elif not isinstance(scale, int | float | np.floating) or isinstance(scale, bool):
-        raise TypeError(f"scale must be a Python float, got {type(scale).__name__}")
+    scale = 1.0 / math.sqrt(H) if scale is None else static_float("scale", scale)
     if not math.isfinite(scale):
         raise ValueError(f"scale must be finite, got {scale}")
 
@@ -281,13 +311,9 @@ def normalize(
         window = (min(window[0], T + S), min(window[1], T + S))
 
     if logits_soft_cap is not None:
-        if not isinstance(logits_soft_cap, int | float | np.floating) or isinstance(
-            logits_soft_cap, bool
-        ):
-            raise TypeError(f"logits_soft_cap must be a float, got {logits_soft_cap!r}")
+        logits_soft_cap = static_float("logits_soft_cap", logits_soft_cap)
         if not (logits_soft_cap > 0 and math.isfinite(logits_soft_cap)):
             raise ValueError(f"logits_soft_cap must be positive and finite, got {logits_soft_cap}")
-        logits_soft_cap = float(logits_soft_cap)
 
     full = (B, N, T, S)
     bias_shape = mask_shape = None
@@ -344,9 +370,7 @@ def normalize(
         key_value_seq_lengths = _check_lengths("key_value_seq_lengths", key_value_seq_lengths,
                                                B, S)
 
-    if isinstance(dropout_rate, bool) or not isinstance(dropout_rate, int | float | np.floating):
-        raise TypeError(f"dropout_rate must be a Python float, got {dropout_rate!r}")
-    dropout_rate = float(dropout_rate)
+    dropout_rate = static_float("dropout_rate", dropout_rate)
     if not 0.0 <= dropout_rate < 1.0:
         raise ValueError(f"dropout_rate must lie in [0, 1), got {dropout_rate}")
     seed = None

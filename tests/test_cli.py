@@ -13,6 +13,7 @@ def test_bench_on_cpu_runs_a_labelled_interpreter_check(capsys, tmp_path):
     text = capsys.readouterr().out
     assert "No GPU: checking the Pallas kernels in the Pallas interpreter" in text
     assert "3 passed, 0 failed" in text
+    assert "2 x ref" in text and "bfloat16" in text and "float16" in text
     rows = json.loads(out.read_text())["rows"]
     assert len(rows) == 3 and all(r["ok"] for r in rows)
 
@@ -26,7 +27,9 @@ def test_tune_needs_a_gpu(capsys):
                                   ["tune", "--head-dim", "x"], ["bench", "--match", "("],
                                   ["bench", "--set", "features", "--match", "H999"],
                                   ["bench", "--impl", "cudnn", "flash"],
-                                  ["check", "--match", "H999"]])
+                                  ["check", "--match", "H999"], ["bench", "--plot", "x.png"],
+                                  ["bench", "--quick"], ["bench", "--impl", "cudnn"],
+                                  ["bench", "--set", "features"]])
 def test_bad_arguments_exit_with_usage(argv, capsys):
     with pytest.raises(SystemExit) as e:
         main(argv)

@@ -432,3 +432,14 @@ def test_pallas_interpreter_inside_nnx_module():
     out, g = _nnx_out_and_grads(fused, lambda m: m(x, is_causal=True))
     _assert_trees_close(out, out_ref, atol=1e-5, rtol=1e-4)
     _assert_trees_close(g, g_ref, atol=1e-5, rtol=1e-4)
+
+
+def test_the_adapter_without_flax_names_the_missing_package():
+    import subprocess
+    import sys
+
+    code = ("import sys\nsys.modules['flax'] = None\ntry:\n    import pallas_attn.flax\n"
+            "except ImportError as e:\n    print(type(e).__name__, e)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=100, check=True).stdout
+    assert out.startswith("ImportError pallas_attn.flax needs flax"), out

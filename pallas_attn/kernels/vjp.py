@@ -33,7 +33,7 @@ from pallas_attn.kernels.triton import dq as triton_dq
 from pallas_attn.kernels.triton import fwd as triton_fwd
 from pallas_attn.kernels.triton.context import backward_inputs
 from pallas_attn.plan import Plan
-from pallas_attn.primals import is_perturbed, primal_values
+from pallas_attn.primals import first_order_only, is_perturbed, primal_values
 from pallas_attn.spec import OPTIONAL_INPUTS, AttentionSpec, Operands
 
 
@@ -109,7 +109,8 @@ def _fused_fwd(problem: Problem, q, k, v, differentiable, optional):
             "the Pallas kernels treat alibi_slopes as constants and do not differentiate "
             "them; wrap them in jax.lax.stop_gradient or use implementation='xla'")
     bias_grad = is_perturbed(differentiable)
-    q, k, v, differentiable, optional = primal_values((q, k, v, differentiable, optional))
+    q, k, v, differentiable, optional = first_order_only(
+        primal_values((q, k, v, differentiable, optional)), "implementation='pallas'")
     out, row_stats = _forward(problem, q, k, v, _operands(differentiable, optional))
     # The pytree structure of this marker carries the static "bias needs a gradient".
     marker = (jnp.zeros((), jnp.int8),) if bias_grad else ()
@@ -124,7 +125,8 @@ def _zeros_like_tangent(x: jax.Array) -> Any:
 
 
 def _fused_bwd(problem: Problem, residuals, cotangents):
-    q, k, v, differentiable, optional, out, row_stats, marker = residuals
+    q, k, v, differentiable, optional, out, row_stats, marker = first_order_only(
+        residuals, "implementation='pallas'")
     d_out, d_lse = cotangents
     if isinstance(d_out, SymbolicZero):
         d_out = jnp.zeros(out.shape, out.dtype)

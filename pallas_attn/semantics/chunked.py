@@ -54,7 +54,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.custom_derivatives import SymbolicZero
 
-from pallas_attn.primals import is_perturbed, primal_values
+from pallas_attn.primals import first_order_only, is_perturbed, primal_values
 from pallas_attn.semantics import dropout as dropout_lib
 from pallas_attn.semantics import scores
 from pallas_attn.spec import AttentionSpec, Operands
@@ -615,14 +615,16 @@ def _attention(p: _Plan, q, k, v, bias, slopes, constants):
 def _attention_fwd(p: _Plan, q, k, v, bias, slopes, constants):
     # The pytree structure of `needs` carries the static "which optional gradients".
     needs = {name: () for name, x in (("bias", bias), ("slopes", slopes)) if is_perturbed(x)}
-    q, k, v, bias, slopes, constants = primal_values((q, k, v, bias, slopes, constants))
+    q, k, v, bias, slopes, constants = first_order_only(
+        primal_values((q, k, v, bias, slopes, constants)), "implementation='xla_chunked'")
     out, row_stats = _forward(p, q, k, v, bias, slopes, constants)
     residuals = (q, k, v, bias, slopes, constants, out, row_stats, needs)
     return (out, _logsumexp(*row_stats)), residuals
 
 
 def _attention_bwd(p: _Plan, residuals, cotangents):
-    q, k, v, bias, slopes, constants, out, row_stats, needs = residuals
+    q, k, v, bias, slopes, constants, out, row_stats, needs = first_order_only(
+        residuals, "implementation='xla_chunked'")
     d_out, d_lse = cotangents
     if isinstance(d_out, SymbolicZero):
         d_out = jnp.zeros(out.shape, out.dtype)

@@ -81,6 +81,13 @@ def attention(spec: AttentionSpec, ops: Operands) -> tuple[jax.Array, jax.Array]
     return out, lse[..., 0]
 
 
+def empty(ops: Operands) -> tuple[jax.Array, jax.Array]:
+    """The result when B, T or S is 0: no query row sees a key (out 0, lse -inf)."""
+    B, T, N, _ = ops.query.shape
+    out = jnp.zeros((B, T, N, ops.value.shape[-1]), ops.query.dtype)
+    return out, jnp.full((B, N, T), -jnp.inf, jnp.float32)
+
+
 def finish(out: jax.Array, lse: jax.Array, batched: bool, return_residual: bool):
     """Public layout: drop the batch axis added for [T, N, H] inputs; lse to [B, T, N]."""
     lse = jnp.swapaxes(lse, 1, 2)

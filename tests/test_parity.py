@@ -1,0 +1,134 @@
+"""Drop-in parity with jax.nn and errors from the library, not from inside JAX: static
+arguments as NumPy or JAX scalars, empty batches and sequences, NumPy inputs, second
+derivatives, implementation names and dtypes the kernels do not take."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import pallas_attn
+
+pytestmark = pytest.mark.timeout(300)
+
+IMPLS = {
+    "xla": dict(implementation="xla"),
+    "xla_chunked": dict(implementation="xla_chunked"),
+    "pallas": dict(implementation="pallas", interpret=True),
+}
+impls = pytest.mark.parametrize("impl", IMPLS)
+
+
+def _qkv(B=2, T=8, S=12, N=2, H=16, dtype=jnp.float32, seed=0):
+    rng = np.random.default_rng(seed)
+    return tuple(jnp.asarray(rng.standard_normal(shape), dtype)
+                 for shape in ((B, T, N, H), (B, S, N, H), (B, S, N, H)))
+
+
+@impls
+def test_static_arguments_may_be_numpy_or_jax_scalars(impl):
+    """jax.nn's callers write scale=1 / jnp.sqrt(H) and is_causal=np.bool_(True)."""
+    q, k, v = _qkv()
+    want = pallas_attn.dot_product_attention(q, k, v, scale=0.25, is_causal=True,
+                                             logits_soft_cap=5.0, **IMPLS[impl])
+    for scale, causal, cap in ((1 / jnp.sqrt(16.0), jnp.bool_(True), jnp.float32(5.0)),
+                               (np.float32(0.25), np.bool_(True), np.int64(5)),
+                               (jnp.array(0.25), jnp.array(True), np.array(5.0))):
+        got = pallas_attn.dot_product_attention(q, k, v, scale=scale, is_causal=causal,
+                                                logits_soft_cap=cap, **IMPLS[impl])
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", ["scale", "is_causal", "logits_soft_cap", "dropout_rate"])
+def test_a_traced_static_argument_is_named(name):
+    q, k, v = _qkv()
+    value = {"is_causal": True, "dropout_rate": 0.1}.get(name, 0.5)
+    extra = {"dropout_rng": jax.random.key(0)} if name == "dropout_rate" else {}
+
+    def call(x):
+        return pallas_attn.dot_product_attention(q, k, v, **{name: x}, **extra)
+
+    with pytest.raises(TypeError, match=f"{name} must be a static .* got a traced value"):
+        jax.jit(call)(value)
+
+
+@impls
+@pytest.mark.parametrize("shape", [(0, 8, 12), (2, 0, 12), (2, 8, 0), (0, 0, 0)],
+                         ids=["B0", "T0", "S0", "all0"])
+def test_empty_batches_and_sequences(impl, shape):
+    """B = 0 or T = 0: empty results. S = 0: every row sees no key (output 0, lse -inf)
+    and every gradient is zero. The same in every implementation."""
+    B, T, S = shape
+    q, k, v = _qkv(B, T, S)
+    bias = jnp.ones((1, 2, T, S), jnp.float32)
+    out, lse = pallas_attn.dot_product_attention(q, k, v, bias, return_residual=True,
+                                                 is_causal=True, **IMPLS[impl])
+    assert out.shape == q.shape and out.dtype == q.dtype and lse.shape == (B, T, 2)
+    assert np.all(np.asarray(out) == 0) and np.all(np.isneginf(lse))
+
+    def loss(q, k, v, bias):
+        return jnp.sum(pallas_attn.dot_product_attention(q, k, v, bias, **IMPLS[impl]) ** 2)
+
+    grads = jax.grad(loss, argnums=(0, 1, 2, 3))(q, k, v, bias)
+    for g, x in zip(grads, (q, k, v, bias), strict=True):
+        assert g.shape == x.shape and np.all(np.asarray(g) == 0)
+
+
+def test_numpy_inputs_run_every_implementation():
+    q, k, v = (np.asarray(x) for x in _qkv(T=40, S=40))
+    want = pallas_attn.dot_product_attention(q, k, v, implementation="xla")
+    for impl in IMPLS:
+        got = pallas_attn.dot_product_attention(q, k, v, **IMPLS[impl])
+        np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("impl", ["pallas", "xla_chunked"])
+def test_second_derivatives_are_refused_by_name(impl):
+    q, k, v = _qkv()
+
+    def loss(q):
+        return jnp.sum(pallas_attn.dot_product_attention(q, k, v, **IMPLS[impl]))
+
+    assert jax.grad(loss)(q).shape == q.shape
+    with pytest.raises(NotImplementedError,
+                       match=f"implementation='{impl}' has no second derivative.*'xla'"):
+        jax.grad(lambda q: jnp.sum(jax.grad(loss)(q)))(q)
+    hessian_diag = jax.grad(lambda q: jnp.sum(jax.grad(functools.partial(
+        lambda q: jnp.sum(pallas_attn.dot_product_attention(q, k, v, implementation="xla")))
+    )(q)))(q)
+    assert np.isfinite(hessian_diag).all()  # the reference has them
+
+
+def test_cudnn_names_the_kernels_instead():
+    q, k, v = _qkv()
+    with pytest.raises(ValueError, match="implementation='cudnn' names jax.nn's cuDNN path.*"
+                                         "implementation='pallas'"):
+        pallas_attn.dot_product_attention(q, k, v, implementation="cudnn")
+
+
+def test_float64_inputs_in_the_kernels_name_the_dtype():
+    with jax.enable_x64(True):
+        q, k, v = _qkv(dtype=jnp.float64)
+        with pytest.raises(ValueError, match="kernels take bfloat16, float16, float32 inputs, "
+                                             "got float64; use implementation='xla'"):
+            pallas_attn.dot_product_attention(q, k, v, implementation="pallas", interpret=True)
+        out = pallas_attn.dot_product_attention(q, k, v)  # the CPU default: the reference
+        assert out.dtype == jnp.float64
+
+
+def test_huge_overridden_tiles_are_clamped_to_the_sequences():
+    """BlockSizes(block_q=2**20) in the interpreter: tiles no longer than the sequences
+    (no allocation of 2**20 rows)."""
+    q, k, v = _qkv()
+    blocks = pallas_attn.BlockSizes(block_q=2**20, block_k=2**20, block_q_dq=2**20)
+    plan = pallas_attn.explain(q, k, v, interpret=True, block_sizes=blocks)
+    assert max(r.block_q for r in (plan.forward, plan.dq, plan.dkdv)) == 16
+    got = pallas_attn.dot_product_attention(q, k, v, interpret=True, block_sizes=blocks)
+    want = pallas_attn.dot_product_attention(q, k, v, implementation="xla")
+    np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
+
+
+def test_the_version_is_public():
+    assert isinstance(pallas_attn.__version__, str) and pallas_attn.__version__.count(".") == 2
