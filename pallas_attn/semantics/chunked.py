@@ -487,7 +487,7 @@ def _forward(p: _Plan, q, k, v, bias, slopes, constants):
             init = (jnp.full(shape, -jnp.inf, jnp.float32), jnp.zeros(shape, jnp.float32),
                     jnp.zeros((*shape, v.shape[-1]), jnp.float32))
             m, total, acc = lax.fori_loop(*tiles.key_tiles(i), key_tile, init)
-            seen = total > 0.0
+            seen = total != 0.0  # NaN: seen, so a NaN in a visible input shows
             total = jnp.where(seen, total, 1.0)
             out = (acc / total[..., None]).astype(q.dtype)
             return out, jnp.where(seen, m, jnp.inf), jnp.log(total)

@@ -65,8 +65,10 @@ def attention(spec: AttentionSpec, ops: Operands) -> tuple[jax.Array, jax.Array]
     row_max = jax.lax.stop_gradient(jnp.where(jnp.isfinite(row_max), row_max, 0.0))
     e = jnp.exp(jnp.where(visible, logits - row_max, -jnp.inf))
     total = jnp.sum(e, axis=-1, keepdims=True)
-    p = e / jnp.where(total > 0, total, 1.0)
-    lse = jnp.where(total > 0, row_max + jnp.log(jnp.where(total > 0, total, 1.0)), -jnp.inf)
+    # NOTE: a NaN row sum counts as seen: a NaN in a visible input shows in out and lse.
+    seen = total != 0
+    p = e / jnp.where(seen, total, 1.0)
+    lse = jnp.where(seen, row_max + jnp.log(jnp.where(seen, total, 1.0)), -jnp.inf)
     if spec.has_dropout:
         keep = dropout_lib.keep_mask_from_seed(
             ops.dropout_seed, batch=B, num_heads=N, q_len=T, kv_len=S,
