@@ -178,7 +178,8 @@ def explain(
     """
     _check_options(implementation, block_sizes, interpret, device)
     arrays = {"query": query, "key": key, "value": value, "bias": bias, "mask": mask}
-    arrays.update({name: x for name, x in kwargs.items() if _is_array_like(x)})
+    arrays.update({name: x for name, x in kwargs.items()
+                   if name not in _STATIC and _is_array_like(x)})
     static = {name: x for name, x in kwargs.items() if name not in arrays}
     normalized = {}
 
@@ -189,6 +190,11 @@ def explain(
 
     ops = jax.eval_shape(trace, arrays)
     return _plan(normalized["spec"], ops, implementation, block_sizes, interpret, device)
+
+
+# Keyword arguments that shape the kernels (never traced, even when given as arrays).
+_STATIC = ("scale", "is_causal", "local_window_size", "causal_alignment", "logits_soft_cap",
+           "dropout_rate", "broadcast_dropout")
 
 
 def _is_array_like(x: Any) -> bool:

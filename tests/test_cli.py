@@ -29,7 +29,11 @@ def test_tune_needs_a_gpu(capsys):
                                   ["bench", "--impl", "cudnn", "flash"],
                                   ["check", "--match", "H999"], ["bench", "--plot", "x.png"],
                                   ["bench", "--quick"], ["bench", "--impl", "cudnn"],
-                                  ["bench", "--set", "features"]])
+                                  ["bench", "--set", "features"], ["explain", "--bias", "x"],
+                                  ["explain", "--bias", "1,2,3"],
+                                  ["explain", "--capability", "nine"],
+                                  ["explain", "--window", "a,b"], ["explain", "--dtype", "f99"],
+                                  ["explain", "--heads", "3", "--kv-heads", "2"]])
 def test_bad_arguments_exit_with_usage(argv, capsys):
     with pytest.raises(SystemExit) as e:
         main(argv)

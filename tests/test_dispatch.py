@@ -386,6 +386,10 @@ def test_explain_takes_arrays_or_shapes_and_a_device():
     a = pallas_attn.explain(q, k, v, is_causal=True, alibi_slopes=jnp.ones(4), device=H100)
     b = pallas_attn.explain(*shapes, is_causal=True, alibi_slopes=slopes, device=H100)
     assert a == b and a.implementation == "pallas"
+    # Static arguments as JAX scalars, as jax.nn's callers write them.
+    c = pallas_attn.explain(q, k, v, is_causal=jnp.bool_(True), scale=1 / jnp.sqrt(128.0),
+                            alibi_slopes=slopes, device=H100)
+    assert c == a
     lines = str(a).splitlines()
     assert lines[0] == "problem: B=2 T=256 S=256 N=4 H=128 bfloat16, causal, alibi_slopes"
     assert lines[1].startswith("implementation: pallas")
