@@ -30,9 +30,9 @@ from pallas_attn.plan import BACKEND_FIELDS, ROLE_LABELS, TILE_FIELDS, BlockSize
 from pallas_attn.spec import KERNEL_DTYPES, OPTIONAL_INPUTS, AttentionSpec, Operands
 from pallas_attn.tuning import cache
 
-# The CPU default switches from the reference to the blockwise path once the
-# reference's T x S float32 matrices reach 16 MiB per batch entry and head.
-PREFER_CHUNKED_ELEMENTS = 2**22
+# The CPU default switches from the reference to the blockwise path at T x S = 1024^2,
+# where the blockwise path became the faster (docs/decisions.md, "The CPU default").
+PREFER_CHUNKED_ELEMENTS = 2**20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,8 +89,8 @@ def choose_implementation(implementation: str | None, call: Call, interpret: boo
     if on_nvidia_gpu():
         return "xla", f"{call.dtype} inputs: the kernels take {', '.join(KERNEL_DTYPES)}"
     if call.q_len * call.kv_len >= PREFER_CHUNKED_ELEMENTS:
-        return "xla_chunked", "no NVIDIA GPU, and T * S >= 2**22 (the reference's T x S " \
-            "matrices would reach 16 MiB per batch entry and head)"
+        return "xla_chunked", ("no NVIDIA GPU, and T * S >= 2**20, where the blockwise path "
+                               "is the faster")
     return "xla", "no NVIDIA GPU: the reference"
 
 
