@@ -12,7 +12,7 @@ import jax
 import numpy as np
 
 from pallas_attn import dispatch
-from pallas_attn.device import DeviceInfo
+from pallas_attn.device import DeviceInfo, on_nvidia_gpu
 from pallas_attn.plan import BlockSizes, Plan
 from pallas_attn.semantics import reference
 from pallas_attn.spec import (
@@ -143,6 +143,12 @@ def _plan(spec: AttentionSpec, ops: Operands, implementation: str | None,
         raise ValueError(
             f"block_sizes and interpret apply to implementation='pallas', got {implementation!r}")
     if implementation == "pallas":
+        if not interpret and device is None and not on_nvidia_gpu():
+            raise ValueError(
+                "implementation='pallas' runs the kernels on an NVIDIA GPU and this machine has "
+                "none: pass interpret=True to run them in the Pallas interpreters, or use "
+                "implementation='xla'; to lower for a GPU from here, trace inside "
+                "pallas_attn.device.lowering_for(pallas_attn.DeviceInfo(...))")
         if call.dtype not in KERNEL_DTYPES:
             raise ValueError(f"the Pallas kernels take {', '.join(KERNEL_DTYPES)} inputs, got "
                              f"{call.dtype}; use implementation='xla' or 'xla_chunked'")

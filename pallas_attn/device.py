@@ -7,9 +7,12 @@ consumer warpgroups, the number of persistent programs); kernels never ask.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import ctypes
 import dataclasses
 import functools
+from collections.abc import Iterator
 
 import jax
 
@@ -54,8 +57,9 @@ class DeviceInfo:
 
     @staticmethod
     def current() -> DeviceInfo:
-        """The first local device, read once and cached (H100 defaults off-GPU)."""
-        return _current_device_info()
+        """The GPU being lowered for (`lowering_for`), else the first local device, read
+        once and cached (H100 defaults off-GPU)."""
+        return _LOWERING_FOR.get() or _current_device_info()
 
     @property
     def is_hopper(self) -> bool:
@@ -100,8 +104,28 @@ def _current_device_info() -> DeviceInfo:
                       int(smem or fallback.max_shared_memory_per_block))
 
 
+_LOWERING_FOR: contextvars.ContextVar[DeviceInfo | None] = contextvars.ContextVar(
+    "pallas_attn_lowering_for", default=None)
+
+
+@contextlib.contextmanager
+def lowering_for(device: DeviceInfo) -> Iterator[None]:
+    """Plans calls traced inside for this GPU, on a machine without it: for ahead-of-time
+    lowering, e.g. `jax.jit(f).trace(...).lower(lowering_platforms=("cuda",))`."""
+    if not isinstance(device, DeviceInfo):
+        raise TypeError(f"lowering_for takes a pallas_attn.DeviceInfo, got {device!r}")
+    token = _LOWERING_FOR.set(device)
+    try:
+        yield
+    finally:
+        _LOWERING_FOR.reset(token)
+
+
 def on_nvidia_gpu() -> bool:
-    """Whether the default JAX device is an NVIDIA GPU."""
+    """Whether kernels are planned for an NVIDIA GPU: the default JAX device is one, or
+    a `lowering_for` block names one."""
+    if _LOWERING_FOR.get() is not None:
+        return True
     try:
         device = jax.devices()[0]
     except RuntimeError:

@@ -149,3 +149,18 @@ def test_a_nan_in_a_visible_key_shows_in_the_rows_that_see_it(impl):
     np.testing.assert_array_equal(lse[:, :3], clean_lse[:, :3])
     assert np.isnan(np.asarray(out[:, 3:, 0])).all() and np.isnan(np.asarray(lse[:, 3:, 0])).all()
     assert np.isfinite(np.asarray(out[:, :, 1])).all()  # head 1 reads kv head 1
+
+
+def test_the_kernels_on_a_machine_without_a_gpu_say_what_to_do():
+    q, k, v = _qkv()
+    with pytest.raises(ValueError, match="implementation='pallas' runs the kernels on an NVIDIA "
+                                         "GPU.*interpret=True.*lowering_for"):
+        pallas_attn.dot_product_attention(q, k, v, implementation="pallas")
+    with pytest.raises(TypeError, match="lowering_for takes a pallas_attn.DeviceInfo"):
+        with pallas_attn.device.lowering_for("sm90"):
+            pass
+    # Inside lowering_for the plan is the GPU's: here, the Mosaic kernels of an H100.
+    with pallas_attn.device.lowering_for(pallas_attn.DeviceInfo()):
+        plan = pallas_attn.explain(*_qkv(T=256, S=256, H=128, dtype=jnp.bfloat16),
+                                   implementation="pallas")
+    assert plan.forward.backend == "mosaic" and plan.programs == 132

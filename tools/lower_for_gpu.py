@@ -34,7 +34,8 @@ def lower(B=2, T=256, S=256, N=4, K=4, H=64, Hv=None, dtype=jnp.bfloat16, **kw) 
         return jax.grad(loss, argnums=(0, 1, 2) if bias is None else (0, 1, 2, 3))(q, k, v, bias)
 
     try:
-        jax.jit(f).trace(q, k, v, bias).lower(lowering_platforms=("cuda",))
+        with pallas_attn.device.lowering_for(pallas_attn.DeviceInfo()):
+            jax.jit(f).trace(q, k, v, bias).lower(lowering_platforms=("cuda",))
         print("OK", kw)
         return True
     except Exception:  # noqa: BLE001
