@@ -12,13 +12,11 @@ import jax
 import numpy as np
 
 from pallas_attn import dispatch
-from pallas_attn.device import DeviceInfo, on_nvidia_gpu
+from pallas_attn.device import DeviceInfo
 from pallas_attn.plan import BlockSizes, Plan
 from pallas_attn.semantics import reference
 from pallas_attn.spec import (
     IMPLEMENTATIONS,
-    KERNEL_DTYPES,
-    MAX_KERNEL_HEAD_DIM,
     AttentionSpec,
     Operands,
     check_bool,
@@ -133,32 +131,11 @@ def _check_options(implementation: Any, block_sizes: Any, interpret: Any, device
 def _plan(spec: AttentionSpec, ops: Operands, implementation: str | None,
           block_sizes: BlockSizes | None, interpret: bool, device: DeviceInfo | None) -> Plan:
     """The plan of a normalized call (options checked by _check_options)."""
-    interpret = bool(interpret)
     call = dispatch.Call.of(spec, ops)
-    if implementation is None and device is not None:
-        implementation, why = "pallas", "planning for the device given"
-    else:
-        implementation, why = dispatch.choose_implementation(implementation, call, interpret)
-    if implementation != "pallas" and (block_sizes is not None or interpret):
-        raise ValueError(
-            f"block_sizes and interpret apply to implementation='pallas', got {implementation!r}")
-    if implementation == "pallas":
-        if not interpret and device is None and not on_nvidia_gpu():
-            raise ValueError(
-                "implementation='pallas' runs the kernels on an NVIDIA GPU and this machine has "
-                "none: pass interpret=True to run them in the Pallas interpreters, or use "
-                "implementation='xla'; to lower for a GPU from here, trace inside "
-                "pallas_attn.device.lowering_for(pallas_attn.DeviceInfo(...))")
-        if call.dtype not in KERNEL_DTYPES:
-            raise ValueError(f"the Pallas kernels take {', '.join(KERNEL_DTYPES)} inputs, got "
-                             f"{call.dtype}; use implementation='xla' or 'xla_chunked'")
-        head_dims = (call.head_dim, call.value_head_dim)
-        if max(head_dims) > MAX_KERNEL_HEAD_DIM:
-            raise ValueError(
-                f"the Pallas kernels support head dims up to {MAX_KERNEL_HEAD_DIM}, got "
-                f"query/key {head_dims[0]} and value {head_dims[1]}; use implementation='xla'")
+    implementation, why = dispatch.choose_implementation(implementation, call, bool(interpret),
+                                                         device)
     return dispatch.plan(call, implementation=implementation, device=device,
-                         block_sizes=block_sizes, interpret=interpret, why=why)
+                         block_sizes=block_sizes, interpret=bool(interpret), why=why)
 
 
 def explain(

@@ -27,7 +27,13 @@ from pallas_attn.kernels import padded_head_dim
 from pallas_attn.kernels.mosaic import config as mosaic
 from pallas_attn.kernels.triton import config as triton
 from pallas_attn.plan import BACKEND_FIELDS, ROLE_LABELS, TILE_FIELDS, BlockSizes, Plan, Route
-from pallas_attn.spec import KERNEL_DTYPES, OPTIONAL_INPUTS, AttentionSpec, Operands
+from pallas_attn.spec import (
+    KERNEL_DTYPES,
+    MAX_KERNEL_HEAD_DIM,
+    OPTIONAL_INPUTS,
+    AttentionSpec,
+    Operands,
+)
 from pallas_attn.tuning import cache
 
 # The CPU default switches from the reference to the blockwise path at T x S = 1024^2,
@@ -77,11 +83,14 @@ class Call:
                 + "".join(f", {f}" for f in features))
 
 
-def choose_implementation(implementation: str | None, call: Call, interpret: bool
-                          ) -> tuple[str, str]:
-    """(implementation, why) for a requested one (None: automatic)."""
+def choose_implementation(implementation: str | None, call: Call, interpret: bool,
+                          device: DeviceInfo | None = None) -> tuple[str, str]:
+    """(implementation, why) for a requested one (None: automatic); device: the GPU a
+    caller plans for (then the kernels)."""
     if implementation is not None:
         return implementation, ""
+    if device is not None:
+        return "pallas", "planning for the device given"
     if interpret:
         return "pallas", "interpret=True runs the Pallas kernels in the interpreter"
     if on_nvidia_gpu() and call.dtype in KERNEL_DTYPES:
@@ -101,9 +110,13 @@ def plan(call: Call, *, implementation: str = "pallas", device: DeviceInfo | Non
     H100's description in the interpreter). ValueError when block_sizes asks for
     something the table cannot give, naming the field."""
     if implementation != "pallas":
+        if block_sizes is not None or interpret:
+            raise ValueError(f"block_sizes and interpret apply to implementation='pallas', "
+                             f"got {implementation!r}")
         xla = Route("xla")
         return Plan(implementation, xla, xla, xla, xla if call.spec.has_bias else None, why=why,
                     problem=call.describe())
+    _check_kernels_run(call, interpret, device)
     if device is None:
         device = DeviceInfo() if interpret else DeviceInfo.current()
     overrides = block_sizes or BlockSizes()
@@ -120,6 +133,24 @@ def plan(call: Call, *, implementation: str = "pallas", device: DeviceInfo | Non
     return Plan("pallas", routes["forward"], routes["dq"], routes["dkdv"], dbias,
                 programs=2 if interpret else device.num_multiprocessors, device=device,
                 interpret=interpret, why=why, problem=call.describe())
+
+
+def _check_kernels_run(call: Call, interpret: bool, device: DeviceInfo | None) -> None:
+    """ValueError, saying what to use instead, for a call the kernels cannot run."""
+    if not interpret and device is None and not on_nvidia_gpu():
+        raise ValueError(
+            "implementation='pallas' runs the kernels on an NVIDIA GPU and this machine has "
+            "none: pass interpret=True to run them in the Pallas interpreters, or use "
+            "implementation='xla'; to lower for a GPU from here, trace inside "
+            "pallas_attn.device.lowering_for(pallas_attn.DeviceInfo(...))")
+    if call.dtype not in KERNEL_DTYPES:
+        raise ValueError(f"the Pallas kernels take {', '.join(KERNEL_DTYPES)} inputs, got "
+                         f"{call.dtype}; use implementation='xla' or 'xla_chunked'")
+    if max(call.head_dim, call.value_head_dim) > MAX_KERNEL_HEAD_DIM:
+        raise ValueError(
+            f"the Pallas kernels support head dims up to {MAX_KERNEL_HEAD_DIM}, got "
+            f"query/key {call.head_dim} and value {call.value_head_dim}; use "
+            f"implementation='xla'")
 
 
 # ------------------------------------------------------------------ Triton tiles
@@ -199,13 +230,13 @@ def _mosaic_route(role: str, call: Call, device: DeviceInfo, overrides: BlockSiz
     if why := mosaic.unsupported(call.dtype, spec, call.present, call.head_dim,
                                  call.value_head_dim):
         return why
-    dims = {padded_head_dim(call.head_dim), padded_head_dim(call.value_head_dim)}
+    hp, hvp = padded_head_dim(call.head_dim), padded_head_dim(call.value_head_dim)
+    dims = {hp, hvp}
     if automatic and call.q_len < mosaic.ITEM_ROWS:
         return f"fewer query rows ({call.q_len}) than one work item ({mosaic.ITEM_ROWS})"
     if automatic and role in ("forward", "dq") and dims != {128}:
         return (f"head dims padding to {sorted(dims)}: the Triton {ROLE_LABELS[role]} kernel "
                 f"measured faster there (docs/decisions.md)")
-    hp, hvp = padded_head_dim(call.head_dim), padded_head_dim(call.value_head_dim)
     block_q, block_k, _, stages = overrides.tiles(role)
     if role == "forward":
         wrong = (block_q not in (None, mosaic.ITEM_ROWS)
@@ -219,9 +250,8 @@ def _mosaic_route(role: str, call: Call, device: DeviceInfo, overrides: BlockSiz
         need = mosaic.forward_scratch(hp, hvp, route.block_k, route.num_stages, call.dtype,
                                       call.bias_dtype).bytes
     elif role == "dkdv":
-        wrong = (block_q, block_k) not in ((None, None), mosaic.DKV_TILES,
-                                           (None, mosaic.DKV_TILES[1]),
-                                           (mosaic.DKV_TILES[0], None))
+        wrong = (block_q not in (None, mosaic.DKV_TILES[0])
+                 or block_k not in (None, mosaic.DKV_TILES[1]))
         rule = f"(block_q_dkv, block_k_dkv) = {mosaic.DKV_TILES}"
         route = Route("mosaic", *mosaic.DKV_TILES, 0, stages or mosaic.DKV_STAGES,
                       mosaic.CONSUMERS)
