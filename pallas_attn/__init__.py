@@ -3,6 +3,7 @@
 from pallas_attn.api import dot_product_attention, explain
 from pallas_attn.device import DeviceInfo
 from pallas_attn.plan import BlockSizes, Plan, Route
+from pallas_attn.ring import ring_attention, unzigzag, zigzag
 from pallas_attn.semantics.dropout import dropout_keep_mask
 from pallas_attn.spec import AttentionSpec
 
@@ -18,4 +19,7 @@ __all__ = [
     "dot_product_attention",
     "dropout_keep_mask",
     "explain",
+    "ring_attention",
+    "unzigzag",
+    "zigzag",
 ]

@@ -78,7 +78,7 @@ class Call:
             (f"soft cap {spec.logits_soft_cap}", spec.logits_soft_cap is not None),
             (f"dropout {spec.dropout_rate}", spec.has_dropout)) if on]
         features += [f"bias {list(spec.bias_shape)} {self.bias_dtype}"] if spec.has_bias else []
-        features += [name for name in self.present if name not in ("bias", "dropout_seed")]
+        features += [name for name in self.present if name not in ("bias", "dropout_keys")]
         return (f"B={self.batch} T={self.q_len} S={self.kv_len} {heads} {dims} {self.dtype}"
                 + "".join(f", {f}" for f in features))
 
@@ -386,7 +386,7 @@ def _matrix_call(head_dim: int = 128, dtype: str = "bfloat16", present: tuple = 
     names |= {"bias"} if spec.has_bias else set()
     names |= {"mask"} if spec.has_mask else set()
     names |= {"alibi_slopes"} if has_alibi else set()
-    names |= {"dropout_seed"} if spec.has_dropout else set()
+    names |= {"dropout_keys"} if spec.has_dropout else set()
     if spec.has_bias and bias_dtype is None:
         bias_dtype = dtype
     if "q_segment_ids" in names:

@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_attn.semantics.dropout import seed_from_key
+from pallas_attn.semantics.dropout import program_keys, seed_from_key
 
 IMPLEMENTATIONS = ("pallas", "xla", "xla_chunked")
 ALIGNMENTS = ("top_left", "bottom_right")
@@ -84,7 +84,11 @@ class Operands(NamedTuple):
     query [B, T, N, H], key [B, S, K, H], value [B, S, K, Hv];
     bias [Bb, Nb, Tb, Sb] and mask [Bm, Nm, Tm, Sm], each dim 1 or full;
     alibi_slopes [B, N] float32; q_segment_ids [B, T] / kv_segment_ids [B, S] int32;
-    query_seq_lengths / key_value_seq_lengths [B] int32; dropout_seed uint32[2].
+    query_seq_lengths / key_value_seq_lengths [B] int32; dropout_keys uint32 [B, N]
+    (or [1, 1] with broadcast_dropout), semantics/dropout.program_keys; origin int32 [2]:
+    the positions of query 0 and key 0 (ring attention's blocks; absent means 0, 0).
+    Every position-dependent rule (causal, window, ALiBi, lengths, dropout) uses
+    positions counted from the origin.
     """
 
     query: jax.Array
@@ -97,7 +101,8 @@ class Operands(NamedTuple):
     kv_segment_ids: jax.Array | None = None
     query_seq_lengths: jax.Array | None = None
     key_value_seq_lengths: jax.Array | None = None
-    dropout_seed: jax.Array | None = None
+    dropout_keys: jax.Array | None = None
+    origin: jax.Array | None = None
 
 
 # The optional operands, in the order the kernels receive them.
@@ -235,8 +240,13 @@ def normalize(
     dropout_rate: float = 0.0,
     dropout_rng: Any = None,
     broadcast_dropout: bool = False,
+    sequence_ways: int = 1,
 ) -> tuple[AttentionSpec, Operands, bool]:
-    """Validates the public arguments; returns (spec, operands, had_batch_axis)."""
+    """Validates the public arguments; returns (spec, operands, had_batch_axis).
+
+    sequence_ways: how many devices split the sequences (ring attention): lengths
+    count global positions, up to that many times the local lengths.
+    """
     query = _as_array("query", query)
     key = _as_array("key", key)
     value = _as_array("value", value)
@@ -308,7 +318,8 @@ def normalize(
             raise ValueError(f"local_window_size must be non-negative, got {local_window_size!r}")
         # Any window wider than T + S sees the same keys; clamping keeps the int32
         # position arithmetic of the band from overflowing.
-        window = (min(window[0], T + S), min(window[1], T + S))
+        bound = (T + S) * sequence_ways
+        window = (min(window[0], bound), min(window[1], bound))
 
     if logits_soft_cap is not None:
         logits_soft_cap = static_float("logits_soft_cap", logits_soft_cap)
@@ -365,19 +376,20 @@ def normalize(
         q_segment_ids, kv_segment_ids = segs
 
     if query_seq_lengths is not None:
-        query_seq_lengths = _check_lengths("query_seq_lengths", query_seq_lengths, B, T)
+        query_seq_lengths = _check_lengths("query_seq_lengths", query_seq_lengths, B,
+                                           T * sequence_ways)
     if key_value_seq_lengths is not None:
         key_value_seq_lengths = _check_lengths("key_value_seq_lengths", key_value_seq_lengths,
-                                               B, S)
+                                               B, S * sequence_ways)
 
     dropout_rate = static_float("dropout_rate", dropout_rate)
     if not 0.0 <= dropout_rate < 1.0:
         raise ValueError(f"dropout_rate must lie in [0, 1), got {dropout_rate}")
-    seed = None
+    drop_keys = None
     if dropout_rate > 0.0:
         if dropout_rng is None:
             raise ValueError(f"dropout_rate={dropout_rate} needs a dropout_rng (a jax PRNG key)")
-        seed = seed_from_key(dropout_rng)
+        drop_keys = program_keys(seed_from_key(dropout_rng), B, N, bool(broadcast_dropout))
 
     spec = AttentionSpec(
         scale=float(scale),
@@ -395,5 +407,5 @@ def normalize(
         has_kv_lengths=key_value_seq_lengths is not None,
     )
     operands = Operands(query, key, value, bias, mask, alibi_slopes, q_segment_ids,
-                        kv_segment_ids, query_seq_lengths, key_value_seq_lengths, seed)
+                        kv_segment_ids, query_seq_lengths, key_value_seq_lengths, drop_keys)
     return spec, operands, batched

@@ -12,3 +12,9 @@ import os
 # On a 2-CPU machine that hung the dQ kernel's four warpgroups on bottom-right causal
 # T > S problems. A pool well above any kernel's warpgroups (at most 4) avoids it.
 os.environ.setdefault("PJRT_NPROC", str(max(16, os.cpu_count() or 1)))
+
+# Eight CPU devices for the multi-device tests (sharding under jit, ring attention);
+# single-device tests run on the first as before.
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                               + " --xla_force_host_platform_device_count=8").strip()

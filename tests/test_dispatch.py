@@ -56,11 +56,11 @@ def call(head_dim: int = 128, dtype: str = "bfloat16", *, value_head_dim: int | 
     spec = AttentionSpec(scale=head_dim ** -0.5, **spec_fields)
     names = set(present) | {name for name, on in (
         ("bias", spec.has_bias), ("mask", spec.has_mask), ("alibi_slopes", spec.has_alibi),
-        ("dropout_seed", spec.has_dropout)) if on}
+        ("dropout_keys", spec.has_dropout)) if on}
     if spec.has_bias and bias_dtype is None:
         bias_dtype = dtype
     order = ("bias", "mask", "alibi_slopes", "q_segment_ids", "kv_segment_ids",
-             "query_seq_lengths", "key_value_seq_lengths", "dropout_seed")
+             "query_seq_lengths", "key_value_seq_lengths", "dropout_keys")
     return dispatch.Call(spec, batch, q_len, kv_len, heads, kv_heads, head_dim,
                          value_head_dim or head_dim, dtype, bias_dtype,
                          tuple(n for n in order if n in names))

@@ -1,6 +1,10 @@
 """The Pallas kernels: a backend-neutral core, the Triton and Mosaic GPU backends,
 and the custom_vjp that runs a plan's kernels."""
 
+from typing import Any
+
+import jax
+
 
 def next_power_of_2(x: int) -> int:
     return 1 << max(0, (int(x) - 1).bit_length())
@@ -9,3 +13,14 @@ def next_power_of_2(x: int) -> int:
 def padded_head_dim(head_dim: int) -> int:
     """Head dims are padded to a power of two (at least 16) for the kernels."""
     return max(16, next_power_of_2(head_dim))
+
+
+def varying_like(out_type: Any, operands: Any) -> Any:
+    """out_type's ShapeDtypeStructs varying over the manual mesh axes their operands
+    vary over: inside jax.shard_map a pallas_call's results must say so."""
+    mats = [jax.typeof(x).mat for x in jax.tree.leaves(operands)]
+    if not mats:
+        return out_type
+    widest = max(mats, key=lambda mat: len(mat.varying))
+    return jax.tree.map(
+        lambda o: jax.ShapeDtypeStruct(o.shape, o.dtype, manual_axis_type=widest), out_type)

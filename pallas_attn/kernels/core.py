@@ -134,6 +134,8 @@ class Problem:
         is an exact float32 (below 2**24). ALiBi then takes positions as floats,
         converted once per row and per column instead of once per score: int-to-float
         conversions run at a quarter of the float rate, on the unit exp2 needs too."""
+        if self.has("origin"):  # the offset is only known at run time
+            return False
         return max(self.q_pad, self.kv_pad) + abs(self.offset) < 2**24
 
     @property
@@ -212,7 +214,7 @@ def run_tile_loops(first: Any, stop: Any, full_first: Any, full_stop: Any,
 def logit_scores(problem: Problem, s: jax.Array, rows: Any, cols: Any, *,
                  bias: jax.Array | None = None, slope: Any = None,
                  tanh: Callable[[jax.Array], jax.Array] = jnp.tanh,
-                 row_shift: jax.Array | None = None
+                 row_shift: jax.Array | None = None, offset: Any = None
                  ) -> tuple[jax.Array, jax.Array | None]:
     """(scores in the problem's units, t = tanh(logits / cap) or None) of a tile from
     the raw products s = q.k (float32), before any visibility rule.
@@ -223,15 +225,17 @@ def logit_scores(problem: Problem, s: jax.Array, rows: Any, cols: Any, *,
     row_shift: a tile-shaped per-row term subtracted from the scores right after the
     scale's multiply (one fused multiply-add), only in log2 units without a bias or
     cap (`log2_row_shift`): the backward's row reference, before the ALiBi term.
+    offset: the alignment of rows and cols (TileRanges.offset), problem.offset if None.
     """
     spec, cap = problem.spec, problem.spec.logits_soft_cap
+    offset = problem.offset if offset is None else offset
     if row_shift is not None and not log2_row_shift(problem, bias):
         raise AssertionError("logit_scores: row_shift needs log2 units without a bias or cap")
     cap_tanh = None
     # Natural units where a bias may be near finfo.min, or where ALiBi must be added
     # before the cap; otherwise log2 factors fold into the multiplies.
     if bias is not None or (cap is not None and slope is not None):
-        s = scores.add_logit_terms(s * spec.scale, rows, cols, problem.offset, bias=bias,
+        s = scores.add_logit_terms(s * spec.scale, rows, cols, offset, bias=bias,
                                    alibi_slope=slope)  # natural units
         if cap is not None:
             cap_tanh = scores.soft_cap_tanh(s, cap, tanh)
@@ -241,7 +245,7 @@ def logit_scores(problem: Problem, s: jax.Array, rows: Any, cols: Any, *,
         s = s * (spec.scale * LOG2E)
         if row_shift is not None:
             s = s - row_shift
-        s = scores.add_logit_terms(s, rows, cols, problem.offset,
+        s = scores.add_logit_terms(s, rows, cols, offset,
                                    alibi_slope=None if slope is None else slope * LOG2E)
     if cap_tanh is not None:
         s = cap_tanh * (cap * LOG2E)  # log2 units: capped scores are bounded
@@ -288,13 +292,20 @@ class TileRanges:
     band and the sequence lengths cross (masked) or leave whole (unmasked).
 
     q_length / kv_length: the call's sequence lengths of batch entry b (traced
-    scalars) or None."""
+    scalars) or None; origin: the positions of query 0 and key 0 (traced) or None.
+    Tiles count positions from 0: the origin moves into the offset and the lengths."""
 
     def __init__(self, problem: Problem, b: Any, n: Any, *, q_length: Any = None,
-                 kv_length: Any = None):
+                 kv_length: Any = None, origin: tuple[Any, Any] | None = None):
         self.p = problem
         self.b = b
         self.n = n
+        self.origin = origin
+        self.offset = problem.offset
+        if origin is not None:
+            self.offset = problem.offset + (origin[0] - origin[1])
+            q_length = None if q_length is None else q_length - origin[0]
+            kv_length = None if kv_length is None else kv_length - origin[1]
         self.q_length = q_length
         self.kv_length = kv_length
 
@@ -307,7 +318,7 @@ class TileRanges:
 
     def key_tiles(self, q0: Any, q_stop: Any, block_k: int) -> tuple[Any, Any, Any, Any]:
         """(first, stop, full_first, full_stop) key tiles for queries [q0, q_stop)."""
-        spec, off = self.p.spec, self.p.offset
+        spec, off = self.p.spec, self.offset
         kv_stop = self.kv_stop()
         lo, hi = scores.key_range(q0, q_stop, spec, off, kv_stop)
         first, stop = tile_span(lo, hi, block_k)
@@ -323,7 +334,7 @@ class TileRanges:
 
     def query_tiles(self, k0: Any, k_stop: Any, block_q: int) -> tuple[Any, Any, Any, Any]:
         """(first, stop, full_first, full_stop) query tiles for keys [k0, k_stop)."""
-        spec, off = self.p.spec, self.p.offset
+        spec, off = self.p.spec, self.offset
         q_stop = self.p.q_len
         if self.q_length is not None:
             q_stop = jnp.minimum(q_stop, self.q_length)

@@ -13,6 +13,7 @@ module only executes it.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any
 
@@ -21,7 +22,7 @@ import jax.numpy as jnp
 from jax.custom_derivatives import SymbolicZero
 
 from pallas_attn.kernels import padded_head_dim
-from pallas_attn.kernels.core import Problem
+from pallas_attn.kernels.core import LOG2E, Problem
 from pallas_attn.kernels.mosaic import dbias as mosaic_dbias
 from pallas_attn.kernels.mosaic import dkv as mosaic_dkv
 from pallas_attn.kernels.mosaic import dq as mosaic_dq
@@ -34,6 +35,7 @@ from pallas_attn.kernels.triton import fwd as triton_fwd
 from pallas_attn.kernels.triton.context import backward_inputs
 from pallas_attn.plan import Plan
 from pallas_attn.primals import first_order_only, is_perturbed, primal_values
+from pallas_attn.sharding import per_shard
 from pallas_attn.spec import OPTIONAL_INPUTS, AttentionSpec, Operands
 
 
@@ -88,13 +90,85 @@ def attention(spec: AttentionSpec, ops: Operands, plan: Plan) -> tuple[jax.Array
     return out[:, :T, :, :Hv], lse
 
 
+def gradients(spec: AttentionSpec, ops: Operands, plan: Plan, out: jax.Array, lse: jax.Array,
+              d_out: jax.Array, d_lse: jax.Array | None = None
+              ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(dq, dk, dv) of a call whose keys are one block of a larger softmax (ring
+    attention): out [B, T, N, Hv] and lse [B, N, T] are the whole softmax's, d_out and
+    d_lse their cotangents. No bias; ALiBi slopes are constants."""
+    problem, qp, kp, vp, differentiable, optional = prepare(spec, ops, plan)
+    if differentiable:
+        raise AssertionError("vjp.gradients takes no bias")
+    B, T, N, H = ops.query.shape
+    S, Hv = ops.key.shape[1], ops.value.shape[-1]
+    delta = jnp.einsum("btnh,btnh->bnt", d_out.astype(jnp.float32), out.astype(jnp.float32))
+    if d_lse is not None:
+        delta = delta - jnp.where(lse == -jnp.inf, 0.0, d_lse)
+    # The whole softmax's lse as the row statistics: row maximum lse (in the problem's
+    # units), row sum 1; +inf for rows that see no key anywhere.
+    units = LOG2E if problem.exp2_factor == 1.0 else 1.0
+    row_max = _pad_axis(jnp.where(lse == -jnp.inf, jnp.inf, lse * units), 2, problem.q_pad,
+                        jnp.inf)
+    row_stats = (row_max, jnp.zeros_like(row_max))
+    do = _pad_axis(_pad_axis(d_out.astype(ops.query.dtype), 1, problem.q_pad), 3, vp.shape[-1])
+    dq, dk, dv, _ = _backward((problem, False), qp, kp, vp, optional, row_stats, do,
+                              _pad_axis(delta, 2, problem.q_pad))
+    return dq[:, :T, :, :H], dk[:, :S, :, :H], dv[:, :S, :, :Hv]
+
+
 def _operands(differentiable: dict, optional: dict) -> dict:
     return {**optional, **differentiable}
 
 
-def _forward(problem: Problem, q, k, v, operands: dict):
+# Dimension names of the kernels' operands and results (sharding.py).
+_OPERAND_DIMS = {"bias": "b n t s", "mask": "b n t s", "alibi_slopes": "b n",
+                 "q_segment_ids": "b t", "kv_segment_ids": "b s", "query_seq_lengths": "b",
+                 "key_value_seq_lengths": "b", "dropout_keys": "b n", "origin": "_"}
+
+
+def _operand_labels(problem: Problem) -> dict[str, str]:
+    spec = problem.spec
+    shapes = {"bias": spec.bias_shape, "mask": spec.mask_shape,
+              "dropout_keys": (1, 1) if spec.broadcast_dropout else None}
+
+    def label(name: str) -> str:
+        dims = _OPERAND_DIMS[name].split()
+        shape = shapes.get(name)
+        return " ".join(d if shape is None or shape[i] > 1 else "_" for i, d in enumerate(dims))
+
+    return {name: label(name) for name in OPTIONAL_INPUTS if problem.has(name)}
+
+
+def _localize(problem: Problem, q, k, operands: dict) -> Problem:
+    """The Problem of one shard: its batch entries and heads (and broadcast shapes)."""
+    spec = problem.spec
+    if spec.has_bias:
+        spec = dataclasses.replace(spec, bias_shape=tuple(operands["bias"].shape))
+    if spec.has_mask:
+        spec = dataclasses.replace(spec, mask_shape=tuple(operands["mask"].shape))
+    return dataclasses.replace(problem, spec=spec, batch=q.shape[0], num_heads=q.shape[2],
+                               num_kv_heads=k.shape[2])
+
+
+def _run_forward(problem: Problem, q, k, v, operands: dict):
     backend = mosaic_fwd if problem.plan.forward.backend == "mosaic" else triton_fwd
     return backend.forward(problem, q, k, v, operands)
+
+
+def _interprets_mosaic(problem: Problem) -> bool:
+    """The Mosaic GPU interpreter simulates barriers with ordered host callbacks, which
+    a custom partitioning cannot lower: interpreted Mosaic kernels run unpartitioned."""
+    plan = problem.plan
+    routes = (plan.forward, plan.dq, plan.dkdv, plan.dbias)
+    return problem.interpret and any(r is not None and r.backend == "mosaic" for r in routes)
+
+
+_forward = per_shard(
+    _run_forward,
+    lambda problem: (("b t n h", "b s k h", "b s k v", _operand_labels(problem)),
+                     ("b t n v", ("b n t", "b n t"))),
+    lambda problem, arrays: _localize(problem, arrays[0], arrays[1], arrays[3]),
+    _interprets_mosaic)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -138,17 +212,18 @@ def _fused_bwd(problem: Problem, residuals, cotangents):
     operands = _operands(differentiable, optional)
     d_out = d_out.astype(q.dtype)
     bias_grad = bool(marker)
-    dq, dk, dv, dbias = _backward(problem, q, k, v, operands, row_stats, d_out, delta,
-                                  bias_grad)
+    dq, dk, dv, dbias = _backward((problem, bias_grad), q, k, v, operands, row_stats, d_out,
+                                  delta)
     d_differentiable = {"bias": dbias} if dbias is not None else jax.tree.map(
         jnp.zeros_like, differentiable)
     d_optional = jax.tree.map(_zeros_like_tangent, optional)
     return dq, dk, dv, d_differentiable, d_optional
 
 
-def _backward(problem: Problem, q, k, v, operands: dict, row_stats, do, delta,
-              bias_grad: bool):
-    """(dq, dk, dv, dbias or None) for padded inputs, each role on the plan's backend."""
+def _run_backward(static: tuple[Problem, bool], q, k, v, operands: dict, row_stats, do, delta):
+    """(dq, dk, dv, dbias or None) for padded inputs, each role on the plan's backend;
+    static: (problem, whether the bias needs a gradient)."""
+    problem, bias_grad = static
     plan = problem.plan
     bias = operands.get("bias")
     fused = bias_grad and plan.dbias.fused
@@ -180,5 +255,17 @@ def _backward(problem: Problem, q, k, v, operands: dict, row_stats, do, delta,
         dbias = triton_dbias.dbias(problem, names, inputs, bias)
     return dq, dk, dv, dbias
 
+
+def _backward_labels(static: tuple[Problem, bool]):
+    problem, bias_grad = static
+    operands = _operand_labels(problem)
+    args = ("b t n h", "b s k h", "b s k v", operands, ("b n t", "b n t"), "b t n v", "b n t")
+    return args, ("b t n h", "b s k h", "b s k v", operands["bias"] if bias_grad else None)
+
+
+_backward = per_shard(
+    _run_backward, _backward_labels,
+    lambda static, arrays: (_localize(static[0], arrays[0], arrays[1], arrays[3]), static[1]),
+    lambda static: _interprets_mosaic(static[0]))
 
 _fused.defvjp(_fused_fwd, _fused_bwd, symbolic_zeros=True)

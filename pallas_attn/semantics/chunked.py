@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -70,7 +71,7 @@ _HIGHEST = lax.Precision.HIGHEST
 
 # Non-differentiable operands, in the order the custom_vjp receives them.
 _CONSTANTS = ("mask", "q_segment_ids", "kv_segment_ids", "query_seq_lengths",
-              "key_value_seq_lengths", "dropout_seed")
+              "key_value_seq_lengths", "dropout_keys", "origin")
 
 
 def choose_tiles(q_len: int, kv_len: int, group: int = 1) -> tuple[int, int]:
@@ -179,6 +180,33 @@ def attention(spec: AttentionSpec, ops: Operands, *, block_q: int | None = None,
     heads) overrides `choose_chunk` (chunk[0] > 1 needs chunk[1] = K). Results do not
     depend on them beyond float rounding.
     """
+    plan = _plan(spec, ops, block_q, block_k, chunk)
+    return _attention(plan, ops.query, ops.key, ops.value, ops.bias, ops.alibi_slopes,
+                      _constants(ops))
+
+
+def gradients(spec: AttentionSpec, ops: Operands, out: jax.Array, lse: jax.Array,
+              d_out: jax.Array, d_lse: jax.Array | None = None
+              ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(dq, dk, dv) of a call whose keys are one block of a larger softmax (ring
+    attention): out [B, T, N, Hv] and lse [B, N, T] are the whole softmax's, d_out and
+    d_lse their cotangents. No bias; ALiBi slopes are constants."""
+    if ops.bias is not None:
+        raise AssertionError("chunked.gradients takes no bias")
+    plan = _plan(spec, ops, None, None, None)
+    row_stats = (jnp.where(lse == -jnp.inf, jnp.inf, lse), jnp.zeros_like(lse))
+    dq, dk, dv, _, _ = _backward(plan, ops.query, ops.key, ops.value, None, ops.alibi_slopes,
+                                 _constants(ops), out, row_stats, d_out, d_lse,
+                                 bias_grad=False, slope_grad=False)
+    return dq, dk, dv
+
+
+def _constants(ops: Operands) -> dict[str, jax.Array]:
+    return {name: getattr(ops, name) for name in _CONSTANTS if getattr(ops, name) is not None}
+
+
+def _plan(spec: AttentionSpec, ops: Operands, block_q: int | None, block_k: int | None,
+          chunk: tuple[int, int] | None) -> _Plan:
     B, T, N, _ = ops.query.shape
     S, K = ops.key.shape[1], ops.key.shape[2]
     auto_q, auto_k = choose_tiles(T, S, N // K)
@@ -198,13 +226,9 @@ def attention(spec: AttentionSpec, ops: Operands, *, block_q: int | None = None,
             or (chunk_batch > 1 and chunk_heads != K)):
         raise ValueError(f"chunk must be (batch entries, kv heads) dividing (B, K) = "
                          f"({B}, {K}), with all K heads when batch entries > 1; got {chunk}")
-    plan = _Plan(spec=spec, batch=B, q_len=T, kv_len=S, num_heads=N, num_kv_heads=K,
+    return _Plan(spec=spec, batch=B, q_len=T, kv_len=S, num_heads=N, num_kv_heads=K,
                  block_q=block_q, block_k=block_k, chunk_batch=chunk_batch,
                  chunk_heads=chunk_heads)
-    constants = {name: getattr(ops, name) for name in _CONSTANTS
-                 if getattr(ops, name) is not None}
-    return _attention(plan, ops.query, ops.key, ops.value, ops.bias, ops.alibi_slopes,
-                      constants)
 
 
 # -- layout: [chunk, tile, ...] views of q, k, v, out, lse ------------------------------
@@ -331,20 +355,22 @@ class _Tiles:
             self.q_segments = self._batch_rows(_pad_axis(constants["q_segment_ids"], 1, p.q_pad))
             self.kv_segments = self._batch_rows(
                 _pad_axis(constants["kv_segment_ids"], 1, p.kv_pad))
+        # Tiles count positions from 0: an origin moves into the offset and the lengths.
+        self.origin = constants.get("origin")
+        q0, k0 = (0, 0) if self.origin is None else (self.origin[0], self.origin[1])
+        self.offset = p.offset if self.origin is None else p.offset + (q0 - k0)
         self.q_lengths = self.kv_lengths = None
         if "query_seq_lengths" in constants:
-            self.q_lengths = self._batch_rows(constants["query_seq_lengths"])
+            self.q_lengths = self._batch_rows(constants["query_seq_lengths"]) - q0
         if "key_value_seq_lengths" in constants:
-            self.kv_lengths = self._batch_rows(constants["key_value_seq_lengths"])
+            self.kv_lengths = self._batch_rows(constants["key_value_seq_lengths"]) - k0
         self.drop_keys = None
         if p.spec.has_dropout:
-            seed = constants["dropout_seed"]
+            keys = constants["dropout_keys"]
             if p.spec.broadcast_dropout:
-                self.drop_keys = dropout_lib.program_key(seed, 0)
-            else:  # batch_head = b * N + n, as the reference numbers its programs
-                b = self.batch0 + lax.broadcasted_iota(jnp.int32, (mb, kb * G), 0)
-                n = self.head0 + lax.broadcasted_iota(jnp.int32, (mb, kb * G), 1)
-                keys = dropout_lib.program_key(seed, b * p.num_heads + n)
+                self.drop_keys = keys[0, 0]
+            else:
+                keys = lax.dynamic_slice(keys, (self.batch0, self.head0), (mb, kb * G))
                 self.drop_keys = keys.reshape(mb, kb, G)
 
     def _batch_rows(self, x: jax.Array) -> jax.Array:
@@ -359,7 +385,7 @@ class _Tiles:
         if self.kv_lengths is not None:
             kv_stop = jnp.minimum(kv_stop, jnp.max(self.kv_lengths))
         q0 = i * p.block_q
-        lo, hi = scores.key_range(q0, q0 + p.block_q, p.spec, p.offset, kv_stop)
+        lo, hi = scores.key_range(q0, q0 + p.block_q, p.spec, self.offset, kv_stop)
         return self._span(lo, hi, p.block_k, p.num_k_tiles)
 
     def query_tiles(self, j: Any) -> tuple[Any, Any]:
@@ -369,7 +395,7 @@ class _Tiles:
         if self.q_lengths is not None:
             q_stop = jnp.minimum(q_stop, jnp.max(self.q_lengths))
         k0 = j * p.block_k
-        lo, hi = scores.query_range(k0, k0 + p.block_k, p.spec, p.offset, q_stop)
+        lo, hi = scores.query_range(k0, k0 + p.block_k, p.spec, self.offset, q_stop)
         if self.kv_lengths is not None:  # keys all past every length: nothing to do
             hi = jnp.where(k0 < jnp.max(self.kv_lengths), hi, 0)
         return self._span(lo, hi, p.block_q, p.num_q_tiles)
@@ -417,7 +443,7 @@ class _Tiles:
         s = jnp.einsum("bkgqh,bkht->bkgqt", q, k_t, precision=_HIGHEST) * spec.scale
         rows, cols = self.positions(i, j)
         bias = None if self.bias is None else self._broadcast_tile(self.bias, i, j)
-        logits = scores.modify_logits(s, rows, cols, spec, p.offset, bias=bias,
+        logits = scores.modify_logits(s, rows, cols, spec, self.offset, bias=bias,
                                       alibi_slope=self.slope)
         mask = None if self.mask is None else self._broadcast_tile(self.mask, i, j)
         q_seg = kv_seg = None
@@ -426,7 +452,7 @@ class _Tiles:
             kv_seg = lax.dynamic_slice_in_dim(self.kv_segments, j * p.block_k, p.block_k, 1)
             q_seg, kv_seg = q_seg[:, None, None, :, None], kv_seg[:, None, None, None, :]
         visible = scores.visibility(
-            rows, cols, spec, p.offset,
+            rows, cols, spec, self.offset,
             q_bound=p.q_len if p.q_pad != p.q_len else None,
             kv_bound=p.kv_len if p.kv_pad != p.kv_len else None,
             mask=mask, q_segments=q_seg, kv_segments=kv_seg,
@@ -441,6 +467,8 @@ class _Tiles:
         p = self.plan
         rows = i * p.block_q + lax.iota(jnp.int32, p.block_q)
         cols = j * p.block_k + lax.iota(jnp.int32, p.block_k)
+        if self.origin is not None:  # the mask of global positions
+            rows, cols = rows + self.origin[0], cols + self.origin[1]
         rate = p.spec.dropout_rate
         if p.spec.broadcast_dropout:
             return dropout_lib.keep(dropout_lib.row_keys(self.drop_keys, rows), cols, rate)
@@ -452,8 +480,17 @@ class _Tiles:
 # -- forward ------------------------------------------------------------------------
 
 
+def _varying(*arrays: Any) -> Callable[[jax.Array], jax.Array]:
+    """Makes a loop's initial carry vary over the manual mesh axes its inputs vary over:
+    inside jax.shard_map a carry must have its body's type."""
+    axes = tuple(sorted(set().union(*(jax.typeof(x).mat.varying for x in arrays
+                                      if x is not None))))
+    return (lambda x: lax.pcast(x, axes, to="varying")) if axes else (lambda x: x)
+
+
 def _forward(p: _Plan, q, k, v, bias, slopes, constants):
     spec = p.spec
+    varying = _varying(q, k, v, bias, slopes, *constants.values())
     q_all, v_all = _split_rows(p, q), _split_keys(p, v)
     k_all = jnp.swapaxes(_split_keys(p, k), -1, -2)  # [chunks, nk, mb, kb, H, bk]
     inv_keep = 1.0 / (1.0 - spec.dropout_rate)
@@ -484,8 +521,9 @@ def _forward(p: _Plan, q, k, v, bias, slopes, constants):
                 return m_new, total, alpha[..., None] * acc + pv
 
             shape = (*p.tile_shape(), p.block_q)
-            init = (jnp.full(shape, -jnp.inf, jnp.float32), jnp.zeros(shape, jnp.float32),
-                    jnp.zeros((*shape, v.shape[-1]), jnp.float32))
+            init = varying((jnp.full(shape, -jnp.inf, jnp.float32),
+                            jnp.zeros(shape, jnp.float32),
+                            jnp.zeros((*shape, v.shape[-1]), jnp.float32)))
             m, total, acc = lax.fori_loop(*tiles.key_tiles(i), key_tile, init)
             seen = total != 0.0  # NaN: seen, so a NaN in a visible input shows
             total = jnp.where(seen, total, 1.0)
@@ -519,6 +557,7 @@ def _reduce_to(ds: jax.Array, sizes: tuple[int, ...]) -> jax.Array:
 def _backward(p: _Plan, q, k, v, bias, slopes, constants, out, row_stats, d_out, d_lse,
               bias_grad: bool, slope_grad: bool):
     spec = p.spec
+    varying = _varying(q, k, v, bias, slopes, out, d_out, *constants.values())
     q_all, k_all, v_all = _split_rows(p, q), _split_keys(p, k), _split_keys(p, v)
     do_all = _split_rows(p, d_out)
     # Preprocess: delta = rowsum(dO * O) - dlse. A row that sees nothing has row max
@@ -572,22 +611,23 @@ def _backward(p: _Plan, q, k, v, bias, slopes, constants, out, row_stats, d_out,
                     dbias = _add_tile(dbias, _reduce_to(ds, sizes), starts)
                 if slope_grad:
                     rows, cols = tiles.positions(i, j)
-                    distance = scores.alibi_bias(1.0, rows, cols, p.offset)  # -|i + off - j|
+                    distance = scores.alibi_bias(1.0, rows, cols, tiles.offset)  # -|i+off-j|
                     dslope = dslope + jnp.sum(ds * distance, axis=(-2, -1))
                 return dk, dv, dq, dbias, dslope
 
-            init = (jnp.zeros((mb, kb, p.block_k, H), jnp.float32),
-                    jnp.zeros((mb, kb, p.block_k, Hv), jnp.float32), dq, dbias, dslope)
+            init = (*varying((jnp.zeros((mb, kb, p.block_k, H), jnp.float32),
+                              jnp.zeros((mb, kb, p.block_k, Hv), jnp.float32))),
+                    dq, dbias, dslope)
             dk, dv, dq, dbias, dslope = lax.fori_loop(*tiles.query_tiles(j), query_tile, init)
             return (dq, dbias, dslope), (dk * spec.scale, dv)
 
-        dq = jnp.zeros((p.num_q_tiles, mb, kb, G, p.block_q, H), jnp.float32)
-        dslope = jnp.zeros((mb, kb, G) if slope_grad else (), jnp.float32)
+        dq = varying(jnp.zeros((p.num_q_tiles, mb, kb, G, p.block_q, H), jnp.float32))
+        dslope = varying(jnp.zeros((mb, kb, G) if slope_grad else (), jnp.float32))
         (dq, dbias, dslope), (dk, dv) = lax.scan(
             key_tile, (dq, dbias, dslope), jnp.arange(p.num_k_tiles, dtype=jnp.int32))
         return dbias, (dq * spec.scale, dk, dv, dslope)
 
-    dbias = jnp.zeros(bias.shape if bias_grad else (), jnp.float32)
+    dbias = varying(jnp.zeros(bias.shape if bias_grad else (), jnp.float32))
     dbias, (dq, dk, dv, dslope) = lax.scan(chunk, dbias,
                                            jnp.arange(p.num_chunks, dtype=jnp.int32))
     dq = _merge_rows(p, dq).astype(q.dtype)

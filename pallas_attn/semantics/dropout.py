@@ -59,6 +59,18 @@ def program_key(seed: jax.Array, batch_head: Any) -> jax.Array:
     return _fmix32(_u32(seed[0]) ^ h)
 
 
+def program_keys(seed: jax.Array, batch: int, num_heads: int, broadcast: bool) -> jax.Array:
+    """uint32 [B, N] keys of every (batch, head), or [1, 1] when one mask is shared.
+
+    The kernels read their key from this array instead of hashing the seed: sharded
+    over batch or heads, each shard then holds the keys of its global indices.
+    """
+    if broadcast:
+        return program_key(seed, 0).reshape(1, 1)
+    batch_head = jnp.arange(batch * num_heads, dtype=jnp.int32).reshape(batch, num_heads)
+    return program_key(seed, batch_head)
+
+
 def row_keys(key: jax.Array, rows: jax.Array) -> jax.Array:
     """Per query row uint32 keys, rows an int32 vector of query positions."""
     return _fmix32(key ^ (_u32(rows) * jnp.uint32(_ROW_MULTIPLIER)))
@@ -89,20 +101,14 @@ def keep(row_key: jax.Array, cols: jax.Array, rate: float) -> jax.Array:
     return h >= jnp.uint32(keep_threshold(rate) << (32 - _KEEP_BITS))
 
 
-def keep_mask_from_seed(
-    seed: jax.Array, *, batch: int, num_heads: int, q_len: int, kv_len: int, rate: float,
-    broadcast_batch_heads: bool = False,
-) -> jax.Array:
-    """The [B, N, T, S] keep mask for a seed (tests and debugging only)."""
-    rows = jnp.arange(q_len, dtype=jnp.int32)
-    cols = jnp.arange(kv_len, dtype=jnp.int32)
-
-    def one(batch_head):
-        bh = 0 if broadcast_batch_heads else batch_head
-        return keep(row_keys(program_key(seed, bh), rows), cols, rate)
-
-    flat = jax.vmap(one)(jnp.arange(batch * num_heads, dtype=jnp.int32))
-    return flat.reshape(batch, num_heads, q_len, kv_len)
+def keep_mask(keys: jax.Array, *, q_len: int, kv_len: int, rate: float,
+              q_origin: Any = 0, kv_origin: Any = 0) -> jax.Array:
+    """The [Bk, Nk, T, S] keep mask of program keys [Bk, Nk] (`program_keys`), for query
+    and key positions starting at q_origin and kv_origin (reference and tests only)."""
+    rows = q_origin + jnp.arange(q_len, dtype=jnp.int32)
+    cols = kv_origin + jnp.arange(kv_len, dtype=jnp.int32)
+    flat = jax.vmap(lambda key: keep(row_keys(key, rows), cols, rate))(keys.reshape(-1))
+    return flat.reshape(*keys.shape, q_len, kv_len)
 
 
 def dropout_keep_mask(
@@ -121,6 +127,6 @@ def dropout_keep_mask(
                         ("kv_len", kv_len)):
         if not isinstance(value, int) or value <= 0:
             raise ValueError(f"{name} must be a positive int, got {value!r}")
-    return keep_mask_from_seed(seed_from_key(rng), batch=batch, num_heads=num_heads,
-                               q_len=q_len, kv_len=kv_len, rate=rate,
-                               broadcast_batch_heads=broadcast_batch_heads)
+    keys = program_keys(seed_from_key(rng), batch, num_heads, broadcast_batch_heads)
+    mask = keep_mask(keys, q_len=q_len, kv_len=kv_len, rate=rate)
+    return jnp.broadcast_to(mask, (batch, num_heads, q_len, kv_len))

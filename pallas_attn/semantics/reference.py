@@ -36,8 +36,9 @@ def logits_and_visibility(spec: AttentionSpec, ops: Operands) -> tuple[jax.Array
                    precision=jax.lax.Precision.HIGHEST).reshape(B, N, T, S)
     s = s * spec.scale
     offset = spec.offset(T, S)
-    rows = jnp.arange(T, dtype=jnp.int32)[:, None]
-    cols = jnp.arange(S, dtype=jnp.int32)[None, :]
+    q0, k0 = (0, 0) if ops.origin is None else (ops.origin[0], ops.origin[1])
+    rows = q0 + jnp.arange(T, dtype=jnp.int32)[:, None]
+    cols = k0 + jnp.arange(S, dtype=jnp.int32)[None, :]
     slope = None if ops.alibi_slopes is None else ops.alibi_slopes[:, :, None, None]
     logits = scores.modify_logits(s, rows, cols, spec, offset, bias=ops.bias, alibi_slope=slope)
     visible = scores.visibility(
@@ -73,9 +74,10 @@ def attention(spec: AttentionSpec, ops: Operands) -> tuple[jax.Array, jax.Array]
     p = e / jnp.where(seen, total, 1.0)
     lse = jnp.where(seen, row_max + jnp.log(jnp.where(seen, total, 1.0)), -jnp.inf)
     if spec.has_dropout:
-        keep = dropout_lib.keep_mask_from_seed(
-            ops.dropout_seed, batch=B, num_heads=N, q_len=T, kv_len=S,
-            rate=spec.dropout_rate, broadcast_batch_heads=spec.broadcast_dropout)
+        origin = (0, 0) if ops.origin is None else (ops.origin[0], ops.origin[1])
+        keep = dropout_lib.keep_mask(ops.dropout_keys, q_len=T, kv_len=S,
+                                     rate=spec.dropout_rate, q_origin=origin[0],
+                                     kv_origin=origin[1])
         p = jnp.where(keep, p * (1.0 / (1.0 - spec.dropout_rate)), 0.0)
     v = ops.value
     K, Hv = v.shape[2], v.shape[3]

@@ -25,7 +25,8 @@ from pallas_attn.spec import AttentionSpec
 def alibi_bias(slope: Any, rows: Any, cols: Any, offset: int) -> jax.Array:
     """The ALiBi term -slope * |i + offset - j| (float32); rows and cols may be
     integers or float32 holding integers (exact below 2**24)."""
-    distance = jnp.abs((rows + offset if offset else rows) - cols).astype(jnp.float32)
+    shifted = rows if isinstance(offset, int) and offset == 0 else rows + offset
+    distance = jnp.abs(shifted - cols).astype(jnp.float32)
     return -slope * distance
 
 

@@ -32,6 +32,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_attn.kernels import varying_like
 from pallas_attn.kernels.core import (
     Problem,
     TileRanges,
@@ -432,7 +433,12 @@ def launch(entry, out_type: Any, programs: int, interpret: bool,
     """
     params = (plgpu.InterpretGPUParams(uninitialized_memory="nan", detect_races=True)
               if interpret else None)
-    return plgpu.kernel(
-        entry, out_type=out_type, grid=(programs,), grid_names=("program",),
-        num_threads=consumers + 1, thread_name="wg",
-        compiler_params=plgpu.CompilerParams(approx_math=True), interpret=params)
+
+    def run(*operands):
+        return plgpu.kernel(
+            entry, out_type=varying_like(out_type, operands), grid=(programs,),
+            grid_names=("program",), num_threads=consumers + 1, thread_name="wg",
+            compiler_params=plgpu.CompilerParams(approx_math=True),
+            interpret=params)(*operands)
+
+    return run

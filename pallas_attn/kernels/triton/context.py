@@ -19,6 +19,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_attn.kernels import varying_like
 from pallas_attn.kernels.core import Problem, TileRanges, logit_scores
 from pallas_attn.semantics import dropout as dropout_lib
 from pallas_attn.semantics import scores
@@ -75,15 +76,15 @@ class TileContext(TileRanges):
             q_length=(refs["query_seq_lengths"][b]
                       if problem.has("query_seq_lengths") else None),
             kv_length=(refs["key_value_seq_lengths"][b]
-                       if problem.has("key_value_seq_lengths") else None))
+                       if problem.has("key_value_seq_lengths") else None),
+            origin=((refs["origin"][0], refs["origin"][1]) if problem.has("origin") else None))
         self.refs = refs
         spec = problem.spec
         self.slope = refs["alibi_slopes"][b, n] if "alibi_slopes" in refs else None
         self.drop_key = None
         if spec.has_dropout:
-            seed = (refs["dropout_seed"][0], refs["dropout_seed"][1])
-            batch_head = 0 if spec.broadcast_dropout else b * problem.num_heads + n
-            self.drop_key = dropout_lib.program_key(seed, batch_head)
+            shared = spec.broadcast_dropout
+            self.drop_key = refs["dropout_keys"][0 if shared else b, 0 if shared else n]
 
     @property
     def tanh(self) -> Any:
@@ -122,7 +123,7 @@ class TileContext(TileRanges):
         if self.slope is not None and p.exact_float_positions:
             alibi_rows, alibi_cols = rows.astype(jnp.float32), cols.astype(jnp.float32)
         s, cap_tanh = logit_scores(p, s, alibi_rows, alibi_cols, bias=bias, slope=self.slope,
-                                   tanh=self.tanh)
+                                   tanh=self.tanh, offset=self.offset)
         mask = (self._load_broadcast("mask", spec.mask_shape, q0, k0, block_q, block_k)
                 if p.has("mask") else None)
         q_seg = kv_seg = None
@@ -132,7 +133,7 @@ class TileContext(TileRanges):
         band_spec = spec if masked else dataclasses.replace(spec, is_causal=False,
                                                             local_window=None)
         visible = scores.visibility(
-            rows, cols, band_spec, p.offset, mask=mask, q_segments=q_seg, kv_segments=kv_seg,
+            rows, cols, band_spec, self.offset, mask=mask, q_segments=q_seg, kv_segments=kv_seg,
             kv_length=self.kv_length if masked else None,
             kv_bound=p.kv_len if masked and p.kv_pad != p.kv_len else None)
         if visible is not None:
@@ -141,6 +142,8 @@ class TileContext(TileRanges):
 
     def keep(self, q0: Any, k0: Any, block_q: int, block_k: int) -> jax.Array:
         """Dropout keep decisions for the tile (same hash as the reference)."""
+        if self.origin is not None:  # the mask of global positions
+            q0, k0 = q0 + self.origin[0], k0 + self.origin[1]
         rows = q0 + lax.iota(jnp.int32, block_q)
         cols = k0 + lax.iota(jnp.int32, block_k)
         return dropout_lib.keep(dropout_lib.row_keys(self.drop_key, rows), cols,
@@ -188,7 +191,7 @@ def launch(kernel: Callable[..., None], problem: Problem, names: tuple[str, ...]
         grid=grid,
         in_specs=whole_array_specs(inputs),
         out_specs=whole_array_specs(outputs),
-        out_shape=outputs,
+        out_shape=varying_like(outputs, inputs),
         compiler_params=plgpu.CompilerParams(num_warps=warps, num_stages=stages),
         interpret=problem.interpret,
         name=name,

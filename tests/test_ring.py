@@ -1,0 +1,207 @@
+"""Ring attention (context parallelism) against dot_product_attention on the
+gathered arrays: outputs, logsumexp and gradients, both layouts, every feature it
+takes, four CPU devices (tests/conftest.py), the kernels in the Pallas interpreter.
+"""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AxisType
+from jax.sharding import PartitionSpec as P
+
+import pallas_attn
+
+pytestmark = pytest.mark.timeout(300)
+
+DEVICES = 4
+
+
+def _mesh(devices=DEVICES):
+    return jax.make_mesh((devices,), ("sp",), axis_types=(AxisType.Auto,))
+
+
+def _inputs(B=2, T=64, N=4, K=2, H=16, Hv=16, seed=0):
+    ks = jax.random.split(jax.random.key(seed), 4)
+    q = jax.random.normal(ks[0], (B, T, N, H), jnp.float32)
+    k = jax.random.normal(ks[1], (B, T, K, H), jnp.float32)
+    v = jax.random.normal(ks[2], (B, T, K, Hv), jnp.float32)
+    ct = jax.random.normal(ks[3], (B, T, N, Hv), jnp.float32)
+    return q, k, v, ct
+
+
+FEATURES = {
+    "causal": lambda B, T: dict(is_causal=True),
+    "plain_softcap": lambda B, T: dict(logits_soft_cap=3.0, scale=0.5),
+    "window_alibi": lambda B, T: dict(local_window_size=(13, 4), alibi_slopes=jnp.array(
+        [0.3, 0.1, 0.05, 0.2])),
+    "causal_everything": lambda B, T: dict(
+        is_causal=True, local_window_size=(40, 0), logits_soft_cap=20.0,
+        alibi_slopes=jnp.linspace(0.02, 0.2, 4), dropout_rate=0.2,
+        dropout_rng=jax.random.key(1), query_seq_lengths=jnp.array([T, T * 5 // 8][:B]),
+        key_value_seq_lengths=jnp.array([T * 3 // 4 + 2, T][:B]),
+        q_segment_ids=(jnp.arange(T)[None, :] // (T // 3) + jnp.arange(B)[:, None]) % 2),
+}
+
+
+def _ring_step(layout, implementation, options, devices=DEVICES):
+    """value_and_grad of a loss of ring attention's output and logsumexp, with every
+    sequence-split array in `layout` order and sharded over 'sp'."""
+    mesh = _mesh(devices)
+    segments = options.pop("q_segment_ids", None)
+    seq = P(None, "sp")
+
+    def loss(q, k, v, ct, segments):
+        def inner(q, k, v, ct, segments):
+            extra = {} if segments is None else {"q_segment_ids": segments}
+            out, lse = pallas_attn.ring_attention(
+                q, k, v, axis_name="sp", sequence_layout=layout,
+                implementation=implementation, interpret=implementation == "pallas",
+                return_residual=True, **extra, **options)
+            finite = jnp.where(jnp.isinf(lse), 0.0, lse)
+            local = jnp.sum(out * ct) + jnp.sum(finite * jnp.cos(finite))
+            return jax.lax.psum(local, "sp"), (out, lse)
+
+        # NOTE: the Pallas interpreter mixes varying and unvarying values inside a
+        # kernel (JAX 0.11.2), so its runs leave shard_map's varying-axes check off.
+        return jax.shard_map(inner, mesh=mesh, in_specs=(seq,) * 4 + (seq,),
+                             out_specs=(P(), (seq, seq)),
+                             check_vma=implementation != "pallas")(q, k, v, ct, segments)
+
+    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)), segments
+
+
+def _reference_step(options, segments):
+    def loss(q, k, v, ct):
+        extra = {} if segments is None else {"q_segment_ids": segments}
+        out, lse = pallas_attn.dot_product_attention(
+            q, k, v, implementation="xla", return_residual=True, **extra, **options)
+        finite = jnp.where(jnp.isinf(lse), 0.0, lse)
+        return jnp.sum(out * ct) + jnp.sum(finite * jnp.cos(finite)), (out, lse)
+
+    return jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)
+
+
+def _check(layout, implementation, feature, devices=DEVICES, atol=3e-5, **shape):
+    q, k, v, ct = _inputs(**shape)
+    B, T = q.shape[:2]
+    options = FEATURES[feature](B, T)
+    ring, segments = _ring_step(layout, implementation, dict(options), devices)
+    reference_options = dict(options)
+    reference = _reference_step(reference_options, reference_options.pop("q_segment_ids", None))
+    (_, (out_ref, lse_ref)), grads_ref = reference(q, k, v, ct)
+    if layout == "zigzag":
+        into = lambda x: None if x is None else pallas_attn.zigzag(x, devices, 1)  # noqa: E731
+        back = lambda x: pallas_attn.unzigzag(x, devices, 1)  # noqa: E731
+    else:
+        into = back = lambda x: x  # noqa: E731
+    args = (into(q), into(k), into(v), into(ct), into(segments))
+    (_, (out, lse)), grads = ring(*args)
+    np.testing.assert_allclose(back(out), out_ref, atol=atol, rtol=atol)
+    np.testing.assert_array_equal(np.isinf(back(lse)), np.isinf(lse_ref))
+    np.testing.assert_allclose(np.where(np.isinf(lse_ref), 0, back(lse)),
+                               np.where(np.isinf(lse_ref), 0, lse_ref), atol=atol, rtol=atol)
+    for got, want in zip(grads, grads_ref, strict=True):
+        np.testing.assert_allclose(back(got), want, atol=atol, rtol=atol)
+    return ring, args
+
+
+@pytest.mark.parametrize("layout", ("contiguous", "zigzag"))
+@pytest.mark.parametrize("feature", sorted(FEATURES))
+def test_ring_equals_the_op_xla_chunked(layout, feature):
+    _check(layout, "xla_chunked", feature)
+
+
+@pytest.mark.parametrize("layout", ("contiguous", "zigzag"))
+@pytest.mark.parametrize("feature", ("causal", "causal_everything"))
+def test_ring_equals_the_op_kernels(layout, feature):
+    _check(layout, "pallas", feature, devices=2, T=32)
+
+
+def test_ring_hlo_sends_blocks_around_and_gathers_nothing():
+    ring, args = _check("zigzag", "xla_chunked", "causal")
+    hlo = ring.lower(*args).compile().as_text()
+    ops = set(re.findall(r"(all-gather|all-to-all|collective-permute|reduce-scatter)", hlo))
+    assert ops == {"collective-permute"}
+
+
+def test_mqa_and_separate_value_head_dim():
+    _check("zigzag", "xla_chunked", "causal", N=4, K=1, Hv=8)
+
+
+def test_ring_of_one_device_is_the_op():
+    _check("contiguous", "xla_chunked", "causal_everything", devices=1)
+
+
+def test_causally_hidden_blocks_are_never_read():
+    """NaN keys and values on the last device: every earlier query (which sees none of
+    them causally) stays exact, because their blocks are skipped, not masked."""
+    mesh = _mesh()
+    q, k, v, _ = _inputs()
+    T = q.shape[1]
+    tail = slice(T - T // DEVICES, T)
+    k_bad = k.at[:, tail].set(jnp.nan)
+    v_bad = v.at[:, tail].set(jnp.nan)
+    seq = P(None, "sp")
+    run = jax.jit(jax.shard_map(
+        lambda q, k, v: pallas_attn.ring_attention(q, k, v, axis_name="sp", is_causal=True,
+                                                   implementation="xla_chunked"),
+        mesh=mesh, in_specs=(seq,) * 3, out_specs=seq))
+    out = run(q, k_bad, v_bad)
+    want = pallas_attn.dot_product_attention(q, k, v, is_causal=True, implementation="xla")
+    head = slice(0, T - T // DEVICES)
+    np.testing.assert_allclose(out[:, head], want[:, head], atol=3e-5, rtol=3e-5)
+    assert np.isnan(np.asarray(out[:, tail])).all()
+
+
+def test_zigzag_round_trip_and_placement():
+    x = jnp.arange(2 * 16 * 3).reshape(2, 16, 3)
+    z = pallas_attn.zigzag(x, 4, 1)
+    np.testing.assert_array_equal(pallas_attn.unzigzag(z, 4, 1), x)
+    # Device 0 holds chunks 0 and 7 (of 8 chunks of 2 positions).
+    np.testing.assert_array_equal(z[0, :4, 0], x[0, [0, 1, 14, 15], 0])
+    with pytest.raises(ValueError, match="2 \\* num_devices"):
+        pallas_attn.zigzag(x, 3, 1)
+
+
+def test_ring_errors_name_the_argument():
+    mesh = _mesh(2)
+    q, k, v, _ = _inputs(T=16)
+    seq = P(None, "sp")
+
+    def call(**kwargs):
+        def inner(q, k, v):
+            return pallas_attn.ring_attention(q, k, v, **kwargs)
+        return jax.shard_map(inner, mesh=mesh, in_specs=(seq,) * 3, out_specs=seq)(q, k, v)
+
+    with pytest.raises(ValueError, match="sequence_layout"):
+        call(axis_name="sp", sequence_layout="striped")
+    with pytest.raises(ValueError, match="implementation"):
+        call(axis_name="sp", implementation="xla")
+    with pytest.raises(ValueError, match="no such axis"):
+        call(axis_name="cp")
+    with pytest.raises(ValueError, match="one length"):
+        jax.shard_map(lambda q, k, v: pallas_attn.ring_attention(q, k[:, :4], v[:, :4],
+                                                                 axis_name="sp"),
+                      mesh=mesh, in_specs=(seq,) * 3, out_specs=seq)(q, k, v)
+    with pytest.raises(ValueError, match="key_value_seq_lengths must lie in"):
+        call(axis_name="sp", key_value_seq_lengths=jnp.array([40, 3]))
+
+
+def test_ring_refuses_to_differentiate_alibi_slopes():
+    mesh = _mesh(2)
+    q, k, v, _ = _inputs(T=16)
+    seq = P(None, "sp")
+
+    def loss(slopes):
+        return jnp.sum(jax.shard_map(
+            lambda q, k, v: pallas_attn.ring_attention(
+                q, k, v, axis_name="sp", alibi_slopes=slopes, implementation="xla_chunked"),
+            mesh=mesh, in_specs=(seq,) * 3, out_specs=seq)(q, k, v))
+
+    with pytest.raises(NotImplementedError, match="alibi_slopes"):
+        jax.grad(loss)(jnp.ones(4))

@@ -1,0 +1,194 @@
+"""Sharding under jax.jit: batch- and head-sharded inputs run shard by shard.
+
+Eight CPU devices (tests/conftest.py), a (data=4, model=2) mesh, the kernels in the
+Pallas interpreter. Each case compares a jitted value-and-grad step on sharded
+inputs with the same step on one device, and reads the compiled HLO: no collective
+may touch the attention's operands, outputs or gradients (the scalar loss's
+all-reduce aside), except the sums a shared bias or kv head needs.
+"""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import pallas_attn
+
+pytestmark = pytest.mark.timeout(300)
+
+IMPLEMENTATIONS = ("xla", "xla_chunked", "pallas")
+_COLLECTIVE = re.compile(
+    r"= (.*?) (all-gather|all-reduce|all-to-all|collective-permute|reduce-scatter)"
+    r"(?:-start)?\(")
+
+
+def _mesh(shape=(4, 2), names=("data", "model")):
+    return jax.make_mesh(shape, names, axis_types=(AxisType.Auto,) * len(shape))
+
+
+def _collectives(hlo: str) -> list[tuple[str, str]]:
+    """(shape, collective) of every array a collective moves, scalars (the loss) aside;
+    XLA may combine several into one tuple-shaped collective."""
+    found = []
+    for match in _COLLECTIVE.finditer(hlo):
+        for shape in re.findall(r"[a-z0-9]+\[[0-9,]+\]", match.group(1)):
+            found.append((shape, match.group(2)))
+    return found
+
+
+def _inputs(B=4, T=32, N=4, K=2, H=16, seed=0):
+    ks = jax.random.split(jax.random.key(seed), 4)
+    q = jax.random.normal(ks[0], (B, T, N, H), jnp.float32)
+    k = jax.random.normal(ks[1], (B, T, K, H), jnp.float32)
+    v = jax.random.normal(ks[2], (B, T, K, H), jnp.float32)
+    ct = jax.random.normal(ks[3], (B, T, N, H), jnp.float32)
+    return q, k, v, ct
+
+
+def _step(implementation: str, **kwargs):
+    def loss(q, k, v, ct, extra):
+        out, lse = pallas_attn.dot_product_attention(
+            q, k, v, implementation=implementation, interpret=implementation == "pallas",
+            return_residual=True, **extra, **kwargs)
+        lse = jnp.where(jnp.isinf(lse), 0.0, lse)
+        return jnp.sum(out * ct) + jnp.sum(lse * jnp.cos(lse)), (out, lse)
+
+    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))
+
+
+def _compare(step, args, sharded_args, atol=2e-5):
+    expected = step(*args)
+    compiled = step.lower(*sharded_args).compile()
+    got = compiled(*sharded_args)
+    for e, g in zip(jax.tree.leaves(expected), jax.tree.leaves(got), strict=True):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(e), atol=atol, rtol=atol)
+    return compiled.as_text(), got
+
+
+def _put(mesh, x, *spec):
+    return jax.device_put(x, NamedSharding(mesh, P(*spec)))
+
+
+FEATURES = {
+    "plain": lambda B, T: {},
+    "causal_window_softcap": lambda B, T: dict(is_causal=True, local_window_size=(9, 0),
+                                               logits_soft_cap=5.0),
+    "lengths_segments": lambda B, T: dict(
+        query_seq_lengths=jnp.array([T, 20, 7, 0][:B], jnp.int32),
+        key_value_seq_lengths=jnp.array([T, 30, 3, 12][:B], jnp.int32),
+        q_segment_ids=(jnp.arange(T)[None, :] // 10 + jnp.arange(B)[:, None]) % 3),
+    "dropout_alibi": lambda B, T: dict(
+        dropout_rate=0.25, dropout_rng=jax.random.key(7),
+        alibi_slopes=jax.lax.stop_gradient(jnp.linspace(0.1, 0.8, 4))),
+    "broadcast_dropout_mask": lambda B, T: dict(
+        dropout_rate=0.5, dropout_rng=jax.random.key(3), broadcast_dropout=True,
+        mask=jax.random.bernoulli(jax.random.key(5), 0.7, (B, 1, T, T))),
+}
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.mark.parametrize("feature", sorted(FEATURES))
+def test_batch_and_head_sharding_runs_per_shard(implementation, feature):
+    mesh = _mesh()
+    q, k, v, ct = _inputs()
+    B, T = q.shape[:2]
+    options = FEATURES[feature](B, T)
+    # Per-batch arrays are sharded like the batch (the step must not gather them).
+    extra = {name: options.pop(name) for name in
+             ("query_seq_lengths", "key_value_seq_lengths", "q_segment_ids", "mask")
+             if name in options}
+    step = _step(implementation, **options)
+    layout = {"q": ("data", None, "model", None), "k": ("data", None, "model", None)}
+    sharded = (_put(mesh, q, *layout["q"]), _put(mesh, k, *layout["k"]),
+               _put(mesh, v, *layout["k"]), _put(mesh, ct, *layout["q"]),
+               {name: _put(mesh, x, "data") for name, x in extra.items()})
+    hlo, got = _compare(step, (q, k, v, ct, extra), sharded)
+    assert _collectives(hlo) == []
+    (_, (out, _)), (dq, dk, _) = got
+    assert tuple(out.sharding.spec[:3]) == ("data", None, "model")
+    assert tuple(dq.sharding.spec[:3]) == ("data", None, "model")
+    assert tuple(dk.sharding.spec[:3]) == ("data", None, "model")
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_bias_shared_by_the_batch_sums_its_gradient(implementation):
+    """A bias [1, N, T, S] under batch sharding: each device's dbias is a partial sum,
+    so the one collective is the all-reduce of dbias."""
+    mesh = _mesh()
+    q, k, v, ct = _inputs()
+    N, T = q.shape[2], q.shape[1]
+    bias = jax.random.normal(jax.random.key(9), (1, N, T, T), jnp.float32)
+
+    def loss(q, k, v, ct, bias):
+        out = pallas_attn.dot_product_attention(
+            q, k, v, bias, implementation=implementation,
+            interpret=implementation == "pallas", is_causal=True)
+        return jnp.sum(out * ct)
+
+    step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 4)))
+    spec = ("data", None, "model", None)
+    sharded = (_put(mesh, q, *spec), _put(mesh, k, *spec), _put(mesh, v, *spec),
+               _put(mesh, ct, *spec), _put(mesh, bias, None, "model"))
+    hlo, _ = _compare(step, (q, k, v, ct, bias), sharded)
+    collectives = _collectives(hlo)
+    if implementation == "pallas":  # XLA may reduce the einsum paths' dbias its own way
+        assert collectives and all(op == "all-reduce" for _, op in collectives)
+        assert all(f"[1,{N // 2},{T},{T}]" in shape for shape, _ in collectives)
+
+
+def test_mqa_heads_sharded_replicates_the_kv_head():
+    """One kv head, query heads split over 'model': each device reads the whole kv
+    head and dK/dV are summed over the devices."""
+    mesh = _mesh()
+    q, k, v, ct = _inputs(K=1)
+    step = _step("pallas", is_causal=True)
+    spec = ("data", None, "model", None)
+    sharded = (_put(mesh, q, *spec), _put(mesh, k, "data"), _put(mesh, v, "data"),
+               _put(mesh, ct, *spec), {})
+    hlo, _ = _compare(step, (q, k, v, ct, {}), sharded)
+    assert {op for _, op in _collectives(hlo)} == {"all-reduce"}
+
+
+def test_kv_groups_straddling_devices_keep_the_heads_whole():
+    """Two kv heads over four head shards would split kv groups: the heads are
+    gathered instead, and the result is still exact."""
+    mesh = _mesh((2, 4))
+    q, k, v, ct = _inputs(B=2, N=8, K=2)
+    step = _step("pallas")
+    spec = ("data", None, "model", None)
+    sharded = (_put(mesh, q, *spec), _put(mesh, k, "data"), _put(mesh, v, "data"),
+               _put(mesh, ct, *spec), {})
+    _compare(step, (q, k, v, ct, {}), sharded)
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_sequence_sharded_inputs_are_gathered_and_exact(implementation):
+    mesh = _mesh()
+    q, k, v, ct = _inputs()
+    step = _step(implementation, is_causal=True)
+    spec = (None, "data", "model", None)
+    sharded = (_put(mesh, q, *spec), _put(mesh, k, *spec), _put(mesh, v, *spec),
+               _put(mesh, ct, *spec), {})
+    _compare(step, (q, k, v, ct, {}), sharded)
+
+
+def test_vmap_of_sharded_inputs():
+    """Under vmap the kernels run unpartitioned (they batch themselves): exact."""
+    mesh = _mesh()
+    q, k, v, ct = _inputs()
+
+    def loss(q, k, v):
+        out = jax.vmap(lambda q, k, v: pallas_attn.dot_product_attention(
+            q, k, v, implementation="pallas", interpret=True, is_causal=True))(q, k, v)
+        return jnp.sum(out * ct)
+
+    step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
+    spec = ("data", None, "model", None)
+    sharded = (_put(mesh, q, *spec), _put(mesh, k, *spec), _put(mesh, v, *spec))
+    _compare(step, (q, k, v), sharded)
