@@ -147,3 +147,20 @@ def test_every_backend_runs_somewhere():
         except ValueError:
             pass
     assert len(covered) >= 7, covered
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_nan_in_a_visible_key_shows_in_every_row_that_sees_it(backend):
+    """A diverging run must show its NaN: one NaN in key 3 of batch entry 0 makes every
+    row of that entry NaN (output and logsumexp), never an empty row's 0 and -inf;
+    batch entry 1 is untouched."""
+    inputs = make_inputs(11, dtype=jnp.bfloat16, B=2, T=130, S=140, N=2, H=64)
+    k = inputs["k"].at[0, 3, 0, 5].set(jnp.nan)
+    block_sizes = _block_sizes(backend)
+    impl = "pallas" if block_sizes is not None else backend
+    out, lse = pallas_attn.dot_product_attention(
+        inputs["q"], k, inputs["v"], implementation=impl, block_sizes=block_sizes,
+        interpret=impl == "pallas", return_residual=True)
+    out, lse = np.asarray(out.astype(jnp.float32)), np.asarray(lse)
+    assert np.isnan(out[0, :, 0]).all() and np.isnan(lse[0, :, 0]).all()
+    assert np.isfinite(out[1]).all() and np.isfinite(lse[1]).all()

@@ -128,7 +128,7 @@ def _kernel(q_ref, k_ref, v_ref, bias_ref, slopes_ref, out_ref, row_max_ref, log
             def _store():
                 rows = row0 + plgpu.broadcasted_iota(jnp.int32, (rows_n,), 0,
                                                      layout=plgpu.Layout.WGMMA.reduce(1))
-                valid = (l_sum > 0.0) & (rows < problem.q_len)
+                valid = (l_sum != 0.0) & (rows < problem.q_len)  # NaN shows
                 inv = jnp.where(valid, 1.0 / jnp.where(valid, l_sum, 1.0), 0.0)
                 o_mine[...] = (acc * lax.broadcast_in_dim(inv, acc.shape, [0])).astype(
                     o_mine.dtype)

@@ -75,7 +75,7 @@ def _forward_tile(problem: Problem, r: dict, ctx: TileContext, i) -> None:
     acc, m, l_sum = run_tile_loops(*ctx.key_tiles(q0, q0 + block_q, block_k), body, init)
 
     rows = q0 + jax.lax.iota(jnp.int32, block_q)
-    valid = (l_sum > 0.0) & (rows < problem.q_len)
+    valid = (l_sum != 0.0) & (rows < problem.q_len)  # NaN: seen, so the NaN shows
     if ctx.q_length is not None:
         valid = valid & (rows < ctx.q_length)
     scale = problem.dropout_scale
