@@ -192,3 +192,61 @@ def test_vmap_of_sharded_inputs():
     spec = ("data", None, "model", None)
     sharded = (_put(mesh, q, *spec), _put(mesh, k, *spec), _put(mesh, v, *spec))
     _compare(step, (q, k, v), sharded)
+
+
+def test_flax_layer_with_logical_axis_rules_gathers_nothing():
+    """pallas_attn.flax.MultiHeadAttention, its projections annotated with logical axis
+    names and laid out by flax's logical axis rules (batch over 'data', heads over
+    'model'): a jitted training step equals the unsharded one, and its HLO moves no
+    array between devices but the all-reduces of the output projection (it sums over
+    the sharded heads) and of the data-parallel gradients."""
+    from flax import nnx
+
+    import pallas_attn.flax as paf
+
+    mesh = _mesh()
+    names = {"query": ("embed", "heads", "kv"), "key": ("embed", "kv_heads", "kv"),
+             "value": ("embed", "kv_heads", "kv"), "out": ("heads", "kv", "embed")}
+    rules = (("batch", "data"), ("heads", "model"), ("kv_heads", "model"), ("embed", None),
+             ("kv", None))
+
+    def build():
+        layer = paf.MultiHeadAttention(4, 32, num_kv_heads=2, is_causal=True,
+                                       implementation="pallas", interpret=True,
+                                       rngs=nnx.Rngs(0))
+        for proj, axes in names.items():
+            getattr(layer, proj).kernel.set_metadata(out_sharding=axes)
+            getattr(layer, proj).bias.set_metadata(
+                out_sharding=("embed",) if proj == "out" else axes[1:])
+        return layer
+
+    def step(layer, x, y):
+        def loss(layer):
+            return jnp.mean((layer(x) - y) ** 2)
+        return nnx.value_and_grad(loss)(layer)
+
+    x = jax.random.normal(jax.random.key(1), (4, 32, 32), jnp.float32)
+    y = jax.random.normal(jax.random.key(2), (4, 32, 32), jnp.float32)
+    expected = nnx.jit(step)(build(), x, y)
+
+    layer = build()
+    with nnx.logical_axis_rules(rules):
+        shardings = nnx.get_named_sharding(nnx.state(layer), mesh)
+    nnx.update(layer, jax.device_put(nnx.state(layer), shardings))
+    xs, ys = (_put(mesh, a, "data") for a in (x, y))
+    graph, state = nnx.split(layer)
+
+    @jax.jit
+    def pure(state, x, y):
+        loss, grads = step(nnx.merge(graph, state), x, y)
+        return loss, nnx.state(grads)
+
+    compiled = pure.lower(state, xs, ys).compile()
+    loss, grads = compiled(state, xs, ys)
+    np.testing.assert_allclose(loss, expected[0], rtol=1e-5)
+    for got, want in zip(jax.tree.leaves(grads), jax.tree.leaves(nnx.state(expected[1])),
+                         strict=True):
+        np.testing.assert_allclose(got, want, atol=2e-5, rtol=2e-5)
+    assert {op for _, op in _collectives(compiled.as_text())} <= {"all-reduce"}
+    for got, want in zip(jax.tree.leaves(grads), jax.tree.leaves(shardings), strict=True):
+        assert got.sharding.is_equivalent_to(want, got.ndim)
