@@ -11,7 +11,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from pallas_attn import dispatch
+from pallas_attn import dispatch, sharding
 from pallas_attn.device import DeviceInfo
 from pallas_attn.plan import BlockSizes, Plan
 from pallas_attn.semantics import reference
@@ -88,6 +88,20 @@ def dot_product_attention(
     """
     return_residual = check_bool("return_residual", return_residual)
     _check_options(implementation, block_sizes, interpret, None)
+    arrays = dict(query=query, key=key, value=value, bias=bias, mask=mask,
+                  query_seq_lengths=query_seq_lengths,
+                  key_value_seq_lengths=key_value_seq_lengths, alibi_slopes=alibi_slopes,
+                  q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
+                  dropout_rng=dropout_rng)
+    if (mesh := sharding.explicit_mesh(arrays)) is not None:
+        static = dict(scale=scale, is_causal=is_causal, local_window_size=local_window_size,
+                      implementation=implementation, return_residual=return_residual,
+                      causal_alignment=causal_alignment, logits_soft_cap=logits_soft_cap,
+                      dropout_rate=dropout_rate, broadcast_dropout=broadcast_dropout,
+                      block_sizes=block_sizes, interpret=interpret)
+        return sharding.in_auto_axes(
+            mesh, lambda arrays: dot_product_attention(**arrays, **static), query, arrays,
+            return_residual)
     spec, ops, batched = normalize(
         query, key, value, bias, mask, scale=scale, is_causal=is_causal,
         query_seq_lengths=query_seq_lengths, key_value_seq_lengths=key_value_seq_lengths,

@@ -17,6 +17,10 @@ keeps whole kv groups); a single kv head (MQA) is replicated. A result that lack
 sharded dimension (the gradient of a bias shared by the batch entries, of a kv
 head shared by sharded query heads) is summed over the devices that hold its parts.
 Under vmap the function runs unpartitioned (the vmapped kernels batch themselves).
+
+Arrays whose types carry their sharding (a mesh with Explicit axes, jax.make_mesh's
+default) get the same treatment: `explicit_mesh` finds the mesh, and the op runs
+with those axes made Auto (`in_auto_axes`), where the rule above applies.
 """
 
 from __future__ import annotations
@@ -130,3 +134,28 @@ def _choose_axes(mesh, arg_shapes, arg_labels) -> dict[str, tuple[str, ...] | No
         elif sizes["k"] != 1:  # kv groups would straddle devices: keep the heads whole
             axes["n"] = None
     return axes
+
+
+def explicit_mesh(arrays: Any) -> Any:
+    """The mesh of the first array whose type carries a sharding over Explicit axes."""
+    for x in jax.tree.leaves(arrays):
+        if not isinstance(x, jax.Array):
+            continue
+        sharding = getattr(jax.typeof(x), "sharding", None)
+        mesh = getattr(sharding, "mesh", None)
+        if (mesh is not None and not mesh.empty and mesh.explicit_axes
+                and any(entry is not None for entry in sharding.spec)):
+            return mesh
+    return None
+
+
+def in_auto_axes(mesh: Any, fun: Callable[..., Any], query: jax.Array, arrays: Any,
+                 with_lse: bool) -> Any:
+    """fun(arrays) with the mesh's Explicit axes made Auto, its output (and lse)
+    sharded like the query but for the head dim (and the lse's missing head dim)."""
+    spec = tuple(jax.typeof(query).sharding.spec)
+    spec = spec + (None,) * (query.ndim - len(spec))
+    out = NamedSharding(mesh, PartitionSpec(*spec[:-1], None))
+    lse = NamedSharding(mesh, PartitionSpec(*spec[:-1]))
+    return jax.sharding.auto_axes(fun, axes=mesh.explicit_axes,
+                                  out_sharding=(out, lse) if with_lse else out)(arrays)

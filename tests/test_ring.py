@@ -205,3 +205,17 @@ def test_ring_refuses_to_differentiate_alibi_slopes():
 
     with pytest.raises(NotImplementedError, match="alibi_slopes"):
         jax.grad(loss)(jnp.ones(4))
+
+
+def test_readme_snippet_runs_and_equals_the_op():
+    """The README's multi-device snippet, run as written on the test's devices."""
+    import pathlib
+
+    readme = (pathlib.Path(__file__).parent.parent / "README.md").read_text()
+    block = readme.split("<!-- multi-device-snippet -->")[1].split("<!-- /multi-device-snippet")[0]
+    code = block.split("```python")[1].split("```")[0]
+    scope: dict = {}
+    exec(compile(code, "README.md", "exec"), scope)
+    want = pallas_attn.dot_product_attention(scope["q"], scope["k"], scope["v"], is_causal=True,
+                                             implementation="xla")
+    np.testing.assert_allclose(scope["out"], want, atol=3e-5, rtol=3e-5)

@@ -250,3 +250,23 @@ def test_flax_layer_with_logical_axis_rules_gathers_nothing():
     assert {op for _, op in _collectives(compiled.as_text())} <= {"all-reduce"}
     for got, want in zip(jax.tree.leaves(grads), jax.tree.leaves(shardings), strict=True):
         assert got.sharding.is_equivalent_to(want, got.ndim)
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.mark.parametrize("kv_heads", (2, 1))
+def test_explicit_sharding_in_types_runs_per_shard(implementation, kv_heads):
+    """A mesh with Explicit axes (jax.make_mesh's default): the shardings live in the
+    arrays' types and the rule runs through jax.shard_map; same numbers, no gather."""
+    mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=(AxisType.Explicit,) * 2)
+    q, k, v, ct = _inputs(K=kv_heads)
+    options = FEATURES["dropout_alibi"](*q.shape[:2])
+    options["is_causal"] = True
+    step = _step(implementation, **options)
+    spec = ("data", None, "model", None)
+    kv_spec = spec if kv_heads > 1 else ("data",)
+    sharded = (_put(mesh, q, *spec), _put(mesh, k, *kv_spec), _put(mesh, v, *kv_spec),
+               _put(mesh, ct, *spec), {})
+    hlo, got = _compare(step, (q, k, v, ct, {}), sharded)
+    # MQA: dK/dV are partial sums over the head shards.
+    assert {op for _, op in _collectives(hlo)} <= ({"all-reduce"} if kv_heads == 1 else set())
+    assert tuple(got[1][0].sharding.spec[:3]) == ("data", None, "model")
