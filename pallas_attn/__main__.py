@@ -25,8 +25,11 @@ def main(argv: list[str] | None = None) -> int:
                            "forward+backward). On a machine without an NVIDIA GPU it runs "
                            "the kernels in the interpreter against the reference instead.")
     bench.add_argument("--quick", action="store_true", help="head dim 128 only")
-    bench.add_argument("--set", choices=["standard", "features", "all"], default="standard",
-                       help="standard shapes (head dims 64/128/256), feature costs, or both")
+    bench.add_argument("--set", choices=["standard", "features", "all", "decode"],
+                       default="standard",
+                       help="standard shapes (head dims 64/128/256), feature costs, both, or "
+                            "decode (a few query tokens against a KV cache: forward ms and "
+                            "K/V read bandwidth)")
     bench.add_argument("--match", help="only shapes whose label matches this regex (re.search)")
     bench.add_argument("--impl", nargs="+", metavar="NAME",
                        help="only these implementations: pallas_attn, cudnn, xla")
@@ -120,6 +123,13 @@ def main(argv: list[str] | None = None) -> int:
         if getattr(args, "json", None):
             bench_lib.write_json(args.json, results)
         return 0 if ok else 1
+    if args.set == "decode":
+        rows = bench_lib.decode_benchmark(shapes, only=only)
+        print(bench_lib.describe_device())
+        print(bench_lib.format_decode_table(rows, bench_lib.copy_bandwidth() / 1e12))
+        if args.json:
+            bench_lib.write_json(args.json, rows)
+        return 0
     rows = bench_lib.benchmark(shapes, only=only)
     print(bench_lib.describe_device())
     print(bench_lib.format_table(rows))
@@ -132,6 +142,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def _bench_shapes(args: argparse.Namespace, parser: argparse.ArgumentParser,
                   bench_lib) -> list:
+    if args.set == "decode":
+        return _matching(bench_lib.decode_shapes(), args.match, parser, "--set decode")
     shapes = [] if args.set == "features" else bench_lib.standard_shapes(args.quick)
     if args.set != "standard":
         shapes += bench_lib.feature_shapes()

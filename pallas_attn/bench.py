@@ -88,6 +88,11 @@ def make_inputs(shape: Shape, seed: int = 0) -> dict[str, Any]:
             args["kwargs"]["dropout_rng"] = keys[5]
         elif name == "mask":
             args["kwargs"]["mask"] = jax.random.bernoulli(keys[6], 0.9, (B, 1, T, S))
+        elif name == "lengths":  # every sequence's keys valid up to kv_len - value
+            args["kwargs"]["key_value_seq_lengths"] = jnp.full((B,), S - int(value), jnp.int32)
+        elif name == "causal_bottom_right":
+            args["kwargs"]["is_causal"] = True
+            args["kwargs"]["causal_alignment"] = "bottom_right"
         elif name == "segments":
             ids = jnp.cumsum(jax.random.bernoulli(keys[7], 4.0 / T, (B, T)), axis=1)
             args["kwargs"]["q_segment_ids"] = ids.astype(jnp.int32)
@@ -265,6 +270,70 @@ def feature_shapes() -> list[Shape]:
     ]
 
 
+def decode_shapes() -> list[Shape]:
+    """Decoding: one query token per sequence against a cache of S keys (lengths set),
+    GQA 32/8 and MHA, head dims 64 to 256; and a 4-token speculative step."""
+    lengths = (("lengths", 0),)
+    shapes = [Shape(batch, 1, kv_len, 32, 8, 128, features=lengths)
+              for batch, kv_len in ((1, 4096), (1, 32768), (1, 131072), (8, 4096), (8, 32768),
+                                    (8, 131072), (64, 4096), (64, 32768))]
+    shapes += [Shape(8, 1, 32768, 32, 32, 128, features=lengths),
+               Shape(1, 1, 131072, 32, 32, 128, features=lengths),
+               Shape(8, 1, 32768, 32, 8, 64, features=lengths),
+               Shape(8, 1, 32768, 16, 4, 256, features=lengths),
+               Shape(8, 4, 32768, 32, 8, 128,
+                     features=(*lengths, ("causal_bottom_right", None)))]
+    return shapes
+
+
+def copy_bandwidth() -> float:
+    """Bytes per second of a device-to-device elementwise copy (read + write 2 GiB)."""
+    x = jnp.zeros((1 << 30,), jnp.bfloat16)
+    f = jax.jit(lambda x: x + jnp.bfloat16(1))
+    return 2 * x.nbytes / autotune.time_call(functools.partial(f, x))
+
+
+def decode_benchmark(shapes: Sequence[Shape], *, log: Callable[[str], None] = print,
+                     only: Sequence[str] | None = None) -> list[dict[str, Any]]:
+    """Forward-only rows with the effective K/V read bandwidth: the bytes of the keys
+    and values every sequence's length covers, over the time."""
+    rows = []
+    for shape in shapes:
+        args = make_inputs(shape)
+        q, k, v, kwargs = args["query"], args["key"], args["value"], args["kwargs"]
+        lengths = kwargs.get("key_value_seq_lengths")
+        keys = shape.batch * shape.kv_len if lengths is None else int(jnp.sum(lengths))
+        kv_bytes = keys * shape.kv_heads * 2 * shape.head_dim * jnp.dtype(shape.dtype).itemsize
+        for name, fn in implementations(False).items():
+            if only is not None and name not in only:
+                continue
+            row: dict[str, Any] = {"shape": shape.label, "impl": name}
+            try:
+                arrays = {x: y for x, y in kwargs.items() if isinstance(y, jax.Array)}
+                static = {x: y for x, y in kwargs.items() if x not in arrays}
+                fwd = jax.jit(lambda q, k, v, arrays, fn=fn, static=static: fn(
+                    q, k, v, **arrays, **static))
+                t = autotune.time_call(functools.partial(fwd, q, k, v, arrays))
+                row.update(fwd_ms=t * 1e3, kv_tbps=kv_bytes / t / 1e12)
+            except Exception as e:  # noqa: BLE001 - peers may not support a shape
+                row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
+            rows.append(row)
+            log(json.dumps(row))
+    return rows
+
+
+def format_decode_table(rows: list[dict[str, Any]], copy_tbps: float) -> str:
+    lines = [f"Device-to-device copy: {copy_tbps:.2f} TB/s",
+             "| shape | implementation | fwd ms | K/V TB/s | of copy |", "|---|---|---|---|---|"]
+    for row in rows:
+        if "error" in row:
+            lines.append(f"| {row['shape']} | {row['impl']} | fails: {row['error']} | | |")
+            continue
+        lines.append(f"| {row['shape']} | {row['impl']} | {row['fwd_ms']:.3f} | "
+                     f"{row['kv_tbps']:.2f} | {row['kv_tbps'] / copy_tbps:.0%} |")
+    return "\n".join(lines)
+
+
 def check_shapes(on_device: bool) -> list[Shape]:
     if not on_device:
         return [Shape(2, 40, 56, 4, 2, 32, False, dtype="float32"),
@@ -309,6 +378,12 @@ def check_shapes(on_device: bool) -> list[Shape]:
               dtype="bfloat16"),
         Shape(2, 1000, 1100, 4, 2, 64, False, (("bias_shared_by_heads", None),
                                                 ("softcap", 20.0)), dtype="float16"),
+        # The decode kernel: one token against ragged lengths with the keys split over
+        # programs (GQA, bf16); a 5-token bottom-right causal chunk with a soft cap and
+        # ALiBi (float16, MQA).
+        Shape(3, 1, 20000, 16, 4, 128, False, (("lengths", 1234),), dtype="bfloat16"),
+        Shape(2, 5, 3000, 8, 1, 64, False, (("causal_bottom_right", None), ("softcap", 20.0),
+                                            ("alibi", None)), dtype="float16"),
     ]
     return shapes
 

@@ -23,7 +23,7 @@ from typing import Any
 import jax.numpy as jnp
 
 from pallas_attn.device import DeviceInfo, on_nvidia_gpu
-from pallas_attn.kernels import padded_head_dim
+from pallas_attn.kernels import next_power_of_2, padded_head_dim
 from pallas_attn.kernels.mosaic import config as mosaic
 from pallas_attn.kernels.triton import config as triton
 from pallas_attn.plan import BACKEND_FIELDS, ROLE_LABELS, TILE_FIELDS, BlockSizes, Plan, Route
@@ -39,6 +39,10 @@ from pallas_attn.tuning import cache
 # The CPU default switches from the reference to the blockwise path at T x S = 1024^2,
 # where the blockwise path became the faster (docs/decisions.md, "The CPU default").
 PREFER_CHUNKED_ELEMENTS = 2**20
+# The decode kernel: the most query rows (tokens x query heads of a kv group) its one
+# tile holds, and the programs it aims for per multiprocessor (splitting the keys).
+DECODE_MAX_ROWS = 64
+DECODE_PROGRAMS_PER_SM = 4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,7 +131,16 @@ def plan(call: Call, *, implementation: str = "pallas", device: DeviceInfo | Non
                     f"block_sizes.{field}='mosaic' does not cover this call: {refusal}")
     tiles = _triton_tiles(call, device, overrides, interpret)
     routes = {role: _route(role, call, device, overrides, interpret, tiles[role])
-              for role in ("forward", "dkdv", "dq")}
+              for role in ("dkdv", "dq")}
+    decode = _decode_route(call, device, overrides, interpret)
+    if isinstance(decode, Route):
+        routes["forward"] = decode
+    else:
+        forward = _route("forward", call, device, overrides, interpret, tiles["forward"])
+        if decode:  # a few query rows: say why the decode kernel does not take them
+            forward = dataclasses.replace(forward,
+                                          declined=(("decode", decode), *forward.declined))
+        routes["forward"] = forward
     dbias = (_dbias_route(call, device, overrides, interpret, tiles["dbias"], routes["dkdv"])
              if call.spec.has_bias else None)
     return Plan("pallas", routes["forward"], routes["dq"], routes["dkdv"], dbias,
@@ -305,6 +318,54 @@ def _route(role: str, call: Call, device: DeviceInfo, overrides: BlockSizes, int
             raise ValueError(f"{field}='mosaic' does not cover this call: {mosaic_route}")
         declined = (("mosaic", mosaic_route),)
     return Route("triton", *tiles, declined=declined)
+
+
+# ------------------------------------------------------------------ decode
+def _decode_route(call: Call, device: DeviceInfo, overrides: BlockSizes, interpret: bool
+                  ) -> Route | str:
+    """The split-key decode kernel's forward route; else why it does not run a call of
+    a few query rows ("" for more rows than its tile holds, where it is no candidate)."""
+    forced = overrides.backend("forward")
+    rows = call.q_len * (call.num_heads // call.num_kv_heads)
+    if forced not in (None, "decode"):
+        return f"block_sizes.forward_backend={forced!r}" if rows <= DECODE_MAX_ROWS else ""
+    others = [name for name in call.present if name not in triton.DECODE_OPERANDS]
+    why = ""
+    if others or call.spec.has_dropout:
+        why = ("it reads no operand besides q, k, v, ALiBi slopes and lengths, got "
+               f"{', '.join(others or ['dropout'])}")
+    elif rows > DECODE_MAX_ROWS:
+        why = (f"its tile holds at most {DECODE_MAX_ROWS} query rows (tokens x query heads "
+               f"per kv head), got {rows}")
+    if why and forced == "decode":
+        raise ValueError(f"block_sizes.forward_backend='decode' does not cover this call: {why}")
+    if why:
+        return why if rows <= DECODE_MAX_ROWS else ""
+    block_q, block_k, warps, stages = overrides.tiles("forward")
+    if block_q is not None and forced == "decode":
+        raise ValueError("block_sizes.block_q does not apply to the decode kernel (its tile "
+                         "holds every query row of a kv group)")
+    if block_q is not None:
+        return f"block_sizes.block_q={block_q} sets the forward kernel's query tile"
+    hp = padded_head_dim(max(call.head_dim, call.value_head_dim))
+    block_k = block_k or (64 if hp > 128 else 128)
+    warps = warps or 4
+    budget = device.max_shared_memory_per_block
+    rows_pad = max(16, next_power_of_2(rows))
+    options = (stages,) if stages is not None else (3, 2, 1)
+
+    def need(s):
+        return triton.shared_memory("forward", (rows_pad, block_k, warps, s), call.head_dim,
+                                    call.value_head_dim, call.dtype)
+
+    stages = next((s for s in options if need(s) <= budget), options[-1])
+    if need(stages) > budget and not interpret:
+        raise ValueError(f"the decode kernel with block_k={block_k} and {stages} stages needs "
+                         f"{need(stages)} bytes of shared memory, over the device's {budget}")
+    key_tiles = -(-call.kv_len // block_k)
+    programs = DECODE_PROGRAMS_PER_SM * (2 if interpret else device.num_multiprocessors)
+    splits = max(1, min(key_tiles, -(-programs // (call.batch * call.num_kv_heads))))
+    return Route("decode", rows_pad, block_k, warps, stages, splits=splits)
 
 
 # ------------------------------------------------------------------ dbias

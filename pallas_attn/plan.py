@@ -48,9 +48,11 @@ class BlockSizes:
 
     forward_backend / dkv_backend / dq_backend / dbias_backend: "triton" (every GPU
     from sm80, every feature) or "mosaic" (sm90's warp-specialised kernels, for the
-    problems `pallas_attn.explain` shows them covering). A Mosaic kernel runs fixed
-    tiles (forward: block_q 128, block_k 64 or 128, num_stages >= 2; dK/dV: 64 x 128;
-    dQ: 128 x 64, num_stages_dq >= 2; dbias: 128 x 64 or 128); warps do not apply.
+    problems `pallas_attn.explain` shows them covering); forward_backend also "decode"
+    (the split-key kernel for a few query rows: block_k, num_warps, num_stages apply).
+    A Mosaic kernel runs fixed tiles (forward: block_q 128, block_k 64 or 128,
+    num_stages >= 2; dK/dV: 64 x 128; dQ: 128 x 64, num_stages_dq >= 2; dbias: 128 x 64
+    or 128); warps do not apply.
 
     fuse_dbias: True: the dK/dV kernel writes dbias from the dS tiles it computes
     anyway (Triton: a bias with its own entry per batch entry, head and key; Mosaic:
@@ -96,9 +98,11 @@ class BlockSizes:
                                       or not 1 <= value <= 8):
                 raise ValueError(f"BlockSizes.{stages} must be an int in [1, 8], got {value!r}")
             field = BACKEND_FIELDS[role]
-            if getattr(self, field) not in (None, *KERNEL_BACKENDS):
+            allowed = (*KERNEL_BACKENDS, "decode") if field == "forward_backend" else (
+                KERNEL_BACKENDS)
+            if getattr(self, field) not in (None, *allowed):
                 raise ValueError(f"BlockSizes.{field} must be None or one of "
-                                 f"{KERNEL_BACKENDS}, got {getattr(self, field)!r}")
+                                 f"{allowed}, got {getattr(self, field)!r}")
         if self.fuse_dbias is not None and not isinstance(self.fuse_dbias, bool):
             raise ValueError(
                 f"BlockSizes.fuse_dbias must be True, False or None, got {self.fuse_dbias!r}")
@@ -115,11 +119,13 @@ class BlockSizes:
 class Route:
     """Which backend runs one role, with which tiles, and why not a faster one.
 
-    backend: "mosaic", "triton" or "xla". Tiles: block_q x block_k, num_warps (Triton)
-    and num_stages (Triton's pipelining depth, a Mosaic kernel's ring slots).
-    consumers: a Mosaic kernel's consumer warpgroups (0 for Triton). fused: dbias only,
-    written by the dK/dV kernel (its backend and tiles then). declined: (backend,
-    reason) for each backend preferred over this one that does not run it.
+    backend: "mosaic", "triton", "decode" (the forward only: Triton's split-key kernel
+    for a few query rows, kernels/triton/decode.py) or "xla". Tiles: block_q x block_k,
+    num_warps (Triton) and num_stages (Triton's pipelining depth, a Mosaic kernel's ring
+    slots). consumers: a Mosaic kernel's consumer warpgroups (0 for Triton). splits: the
+    decode kernel's programs per kv head along the keys. fused: dbias only, written by
+    the dK/dV kernel (its backend and tiles then). declined: (backend, reason) for each
+    backend preferred over this one that does not run it.
     """
 
     backend: str
@@ -128,6 +134,7 @@ class Route:
     num_warps: int = 0
     num_stages: int = 0
     consumers: int = 0
+    splits: int = 0
     fused: bool = False
     declined: tuple[tuple[str, str], ...] = ()
 
@@ -139,7 +146,8 @@ class Route:
         text = f"{self.backend} {self.block_q}x{self.block_k}"
         if self.backend == "mosaic":
             return f"{text}, {self.num_stages} slots, {self.consumers} consumer warpgroups"
-        return f"{text}, {self.num_warps} warps, {self.num_stages} stages"
+        text = f"{text}, {self.num_warps} warps, {self.num_stages} stages"
+        return f"{text}, {self.splits} key splits" if self.backend == "decode" else text
 
 
 @dataclasses.dataclass(frozen=True)

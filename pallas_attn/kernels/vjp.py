@@ -29,6 +29,7 @@ from pallas_attn.kernels.mosaic import dq as mosaic_dq
 from pallas_attn.kernels.mosaic import fwd as mosaic_fwd
 from pallas_attn.kernels.mosaic.common import row_residuals
 from pallas_attn.kernels.triton import dbias as triton_dbias
+from pallas_attn.kernels.triton import decode as triton_decode
 from pallas_attn.kernels.triton import dkdv as triton_dkdv
 from pallas_attn.kernels.triton import dq as triton_dq
 from pallas_attn.kernels.triton import fwd as triton_fwd
@@ -151,7 +152,8 @@ def _localize(problem: Problem, q, k, operands: dict) -> Problem:
 
 
 def _run_forward(problem: Problem, q, k, v, operands: dict):
-    backend = mosaic_fwd if problem.plan.forward.backend == "mosaic" else triton_fwd
+    backend = {"mosaic": mosaic_fwd, "decode": triton_decode}.get(
+        problem.plan.forward.backend, triton_fwd)
     return backend.forward(problem, q, k, v, operands)
 
 

@@ -64,6 +64,10 @@ _SMALLEST = ((32, 32, 4, 1), (16, 16, 4, 1))
 
 WARPS = (1, 2, 4, 8, 16)
 
+# The optional operands the decode kernel reads (decode.py); the routing table sends
+# a call with any other (a bias, a mask, segments, dropout, an origin) to the forward.
+DECODE_OPERANDS = ("alibi_slopes", "query_seq_lengths", "key_value_seq_lengths")
+
 
 
 def ladder(role: str, head_dim: int, value_head_dim: int | None = None,

@@ -1,0 +1,123 @@
+"""The decode kernel (kernels/triton/decode.py) in the Pallas interpreter: a few query
+rows (decoding, speculative decoding, chunked prefill) against a longer key cache.
+
+Against the reference: outputs, logsumexp and the gradients of a call whose forward
+ran the decode kernel; every feature it takes, GQA/MQA/MHA, keys split over several
+programs, empty rows, NaN rows. And the routing: which calls it takes, which it
+leaves to the forward kernel, and the errors of a forced choice.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import pallas_attn
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def _inputs(B, T, S, N, K, H=64, Hv=None, dtype=jnp.float32, seed=0):
+    ks = jax.random.split(jax.random.key(seed), 4)
+    q = jax.random.normal(ks[0], (B, T, N, H), jnp.float32).astype(dtype)
+    k = jax.random.normal(ks[1], (B, S, K, H), jnp.float32).astype(dtype)
+    v = jax.random.normal(ks[2], (B, S, K, Hv or H), jnp.float32).astype(dtype)
+    ct = jax.random.normal(ks[3], (B, T, N, Hv or H), jnp.float32)
+    return q, k, v, ct
+
+
+def _both(q, k, v, ct, **kw):
+    """(value, grads) of the pallas call (decode-routed) and of the reference."""
+    def run(impl):
+        def loss(q, k, v):
+            out, lse = pallas_attn.dot_product_attention(
+                q, k, v, implementation=impl, interpret=impl == "pallas",
+                return_residual=True, **kw)
+            finite = jnp.where(jnp.isinf(lse), 0.0, lse)
+            return jnp.sum(out.astype(jnp.float32) * ct) + jnp.sum(finite), (out, lse)
+        return jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(q, k, v)
+    return run("pallas"), run("xla")
+
+
+CASES = {
+    "decode_lengths_gqa": (dict(B=3, T=1, S=300, N=8, K=2),
+                           lambda B: dict(key_value_seq_lengths=jnp.array([300, 77, 1])[:B])),
+    "mqa_two_tokens_causal": (dict(B=2, T=2, S=200, N=4, K=1),
+                              lambda B: dict(is_causal=True, causal_alignment="bottom_right")),
+    "mha_softcap_alibi": (dict(B=1, T=3, S=260, N=2, K=2),
+                          lambda B: dict(is_causal=True, causal_alignment="bottom_right",
+                                         logits_soft_cap=7.0,
+                                         alibi_slopes=jnp.array([0.05, 0.3]))),
+    "chunk_window_qlengths": (dict(B=2, T=7, S=333, N=8, K=8, Hv=32),
+                              lambda B: dict(local_window_size=(60, 0), is_causal=True,
+                                             causal_alignment="bottom_right",
+                                             query_seq_lengths=jnp.array([7, 4]),
+                                             key_value_seq_lengths=jnp.array([333, 140]))),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_decode_matches_the_reference(case):
+    shapes, features = CASES[case]
+    q, k, v, ct = _inputs(**shapes)
+    kw = features(shapes["B"])
+    plan = pallas_attn.explain(q, k, v, interpret=True, **kw)
+    assert plan.forward.backend == "decode"
+    (_, (out, lse)), grads = _both(q, k, v, ct, **kw)[0]
+    (_, (out_ref, lse_ref)), grads_ref = _both(q, k, v, ct, **kw)[1]
+    np.testing.assert_allclose(out, out_ref, atol=2e-5, rtol=2e-5)
+    np.testing.assert_array_equal(np.isinf(lse), np.isinf(lse_ref))
+    np.testing.assert_allclose(np.where(np.isinf(lse), 0, lse),
+                               np.where(np.isinf(lse_ref), 0, lse_ref), atol=2e-5, rtol=2e-5)
+    for got, want in zip(grads, grads_ref, strict=True):
+        np.testing.assert_allclose(got, want, atol=2e-5, rtol=2e-5)
+
+
+def test_keys_split_over_programs_in_bfloat16():
+    """One sequence, one kv head: the keys spread over eight programs, merged by their
+    logsumexp; bf16 within the reference's own rounding."""
+    q, k, v, ct = _inputs(B=1, T=1, S=1000, N=4, K=1, H=128, dtype=jnp.bfloat16)
+    plan = pallas_attn.explain(q, k, v, interpret=True)
+    assert plan.forward.splits == 8
+    out = pallas_attn.dot_product_attention(q, k, v, interpret=True)
+    want = pallas_attn.dot_product_attention(q.astype(jnp.float32), k.astype(jnp.float32),
+                                             v.astype(jnp.float32), implementation="xla")
+    np.testing.assert_allclose(out.astype(jnp.float32), want, atol=1e-2, rtol=1e-2)
+
+
+def test_rows_without_keys_and_nan_rows():
+    """Length 0: output 0, logsumexp -inf; a NaN key the row sees: NaN, not a zero."""
+    q, k, v, _ = _inputs(B=3, T=1, S=150, N=4, K=2)
+    k = k.at[2, 5, 1, 0].set(jnp.nan)
+    out, lse = pallas_attn.dot_product_attention(
+        q, k, v, key_value_seq_lengths=jnp.array([150, 0, 150]), interpret=True,
+        return_residual=True)
+    assert (np.asarray(out[1]) == 0).all() and np.isneginf(np.asarray(lse[1])).all()
+    assert np.isnan(np.asarray(out[2, :, 2:])).all() and np.isnan(np.asarray(lse[2, :, 2:])).all()
+    assert np.isfinite(np.asarray(out[2, :, :2])).all() and np.isfinite(np.asarray(out[0])).all()
+
+
+def test_routing_of_few_query_rows():
+    q, k, v, _ = _inputs(B=2, T=1, S=64, N=8, K=2)
+    bias = jnp.zeros((2, 8, 1, 64))
+    plan = pallas_attn.explain(q, k, v, bias, interpret=True)
+    assert plan.forward.backend == "triton"
+    assert any(backend == "decode" and "bias" in why for backend, why in plan.forward.declined)
+    many = _inputs(B=1, T=32, S=64, N=8, K=2)
+    assert pallas_attn.explain(*many[:3], interpret=True).forward.backend == "triton"
+    forced = pallas_attn.BlockSizes(forward_backend="decode", block_k=32, num_stages=2)
+    plan = pallas_attn.explain(q, k, v, interpret=True, block_sizes=forced)
+    assert (plan.forward.block_k, plan.forward.num_stages) == (32, 2)
+    with pytest.raises(ValueError, match="forward_backend='decode' does not cover"):
+        pallas_attn.explain(q, k, v, bias, interpret=True, block_sizes=forced)
+    with pytest.raises(ValueError, match="block_q does not apply"):
+        pallas_attn.explain(q, k, v, interpret=True, block_sizes=pallas_attn.BlockSizes(
+            forward_backend="decode", block_q=16))
+    tuned = pallas_attn.explain(q, k, v, interpret=True,
+                                block_sizes=pallas_attn.BlockSizes(block_q=16))
+    assert tuned.forward.backend == "triton" and tuned.forward.block_q == 16
+    triton = pallas_attn.BlockSizes(forward_backend="triton")
+    assert pallas_attn.explain(q, k, v, interpret=True,
+                               block_sizes=triton).forward.backend == "triton"
