@@ -2,6 +2,7 @@
 
 from pallas_attn.api import dot_product_attention, explain
 from pallas_attn.device import DeviceInfo
+from pallas_attn.paged import paged_attention, paged_cache_update
 from pallas_attn.plan import BlockSizes, Plan, Route
 from pallas_attn.ring import ring_attention, unzigzag, zigzag
 from pallas_attn.semantics.dropout import dropout_keep_mask
@@ -19,6 +20,8 @@ __all__ = [
     "dot_product_attention",
     "dropout_keep_mask",
     "explain",
+    "paged_attention",
+    "paged_cache_update",
     "ring_attention",
     "unzigzag",
     "zigzag",

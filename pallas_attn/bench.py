@@ -90,6 +90,8 @@ def make_inputs(shape: Shape, seed: int = 0) -> dict[str, Any]:
             args["kwargs"]["mask"] = jax.random.bernoulli(keys[6], 0.9, (B, 1, T, S))
         elif name == "lengths":  # every sequence's keys valid up to kv_len - value
             args["kwargs"]["key_value_seq_lengths"] = jnp.full((B,), S - int(value), jnp.int32)
+        elif name == "paged":  # decode_benchmark reads K/V from pages of this size
+            pass
         elif name == "causal_bottom_right":
             args["kwargs"]["is_causal"] = True
             args["kwargs"]["causal_alignment"] = "bottom_right"
@@ -283,7 +285,26 @@ def decode_shapes() -> list[Shape]:
                Shape(8, 1, 32768, 16, 4, 256, features=lengths),
                Shape(8, 4, 32768, 32, 8, 128,
                      features=(*lengths, ("causal_bottom_right", None)))]
+    shapes += [Shape(8, 1, 32768, 32, 8, 128, features=(*lengths, ("paged", size)))
+               for size in (16, 64, 256)]
+    shapes.append(Shape(1, 1, 131072, 32, 8, 128, features=(*lengths, ("paged", 64))))
     return shapes
+
+
+def _paged(args: dict[str, Any], page_size: int) -> tuple[Callable[..., jax.Array], tuple]:
+    """(fn, operands) of paged_attention on the shape's K/V cut into pages stored in a
+    shuffled order."""
+    k, v = args["key"], args["value"]
+    B, S, K, H = k.shape
+    pages = B * S // page_size
+    order = jax.random.permutation(jax.random.key(9), pages)
+    k_cache = k.reshape(pages, page_size, K, H)[order]
+    v_cache = v.reshape(pages, page_size, K, v.shape[-1])[order]
+    table = jnp.argsort(order).reshape(B, S // page_size).astype(jnp.int32)
+    lengths = args["kwargs"]["key_value_seq_lengths"]
+    fn = jax.jit(lambda q, kc, vc, table, lengths: pallas_attn.paged_attention(
+        q, kc, vc, table, lengths))
+    return fn, (args["query"], k_cache, v_cache, table, lengths)
 
 
 def copy_bandwidth() -> float:
@@ -304,6 +325,15 @@ def decode_benchmark(shapes: Sequence[Shape], *, log: Callable[[str], None] = pr
         lengths = kwargs.get("key_value_seq_lengths")
         keys = shape.batch * shape.kv_len if lengths is None else int(jnp.sum(lengths))
         kv_bytes = keys * shape.kv_heads * 2 * shape.head_dim * jnp.dtype(shape.dtype).itemsize
+        page_size = dict(shape.features).get("paged")
+        if page_size is not None:
+            fn, operands = _paged(args, page_size)
+            t = autotune.time_call(functools.partial(fn, *operands))
+            row = {"shape": shape.label, "impl": "pallas_attn paged", "fwd_ms": t * 1e3,
+                   "kv_tbps": kv_bytes / t / 1e12}
+            rows.append(row)
+            log(json.dumps(row))
+            continue
         for name, fn in implementations(False).items():
             if only is not None and name not in only:
                 continue

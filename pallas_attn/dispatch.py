@@ -40,9 +40,11 @@ from pallas_attn.tuning import cache
 # where the blockwise path became the faster (docs/decisions.md, "The CPU default").
 PREFER_CHUNKED_ELEMENTS = 2**20
 # The decode kernel: the most query rows (tokens x query heads of a kv group) its one
-# tile holds, and the programs it aims for per multiprocessor (splitting the keys).
+# tile holds, the programs it aims for per multiprocessor (splitting the keys), and its
+# tiles (docs/decisions.md, "Decode kernel tiles and splits").
 DECODE_MAX_ROWS = 64
-DECODE_PROGRAMS_PER_SM = 4
+DECODE_PROGRAMS_PER_SM = 2
+DECODE_TILES = (64, 4, 2)  # block_k, warps, stages
 
 
 @dataclasses.dataclass(frozen=True)
@@ -347,12 +349,11 @@ def _decode_route(call: Call, device: DeviceInfo, overrides: BlockSizes, interpr
                          "holds every query row of a kv group)")
     if block_q is not None:
         return f"block_sizes.block_q={block_q} sets the forward kernel's query tile"
-    hp = padded_head_dim(max(call.head_dim, call.value_head_dim))
-    block_k = block_k or (64 if hp > 128 else 128)
-    warps = warps or 4
+    block_k = block_k or DECODE_TILES[0]
+    warps = warps or DECODE_TILES[1]
     budget = device.max_shared_memory_per_block
     rows_pad = max(16, next_power_of_2(rows))
-    options = (stages,) if stages is not None else (3, 2, 1)
+    options = (stages,) if stages is not None else (DECODE_TILES[2], 1)
 
     def need(s):
         return triton.shared_memory("forward", (rows_pad, block_k, warps, s), call.head_dim,

@@ -12,6 +12,11 @@ share of the visible key tiles and writes its unnormalised accumulator, row
 reference and row sum; `combine` merges the splits (a second, small pass in jnp)
 into the forward's own output and row residuals, so the backward kernels run
 unchanged on a decoded call.
+
+Paged caches (pallas_attn.paged_attention, the problem's present names "page_table"):
+K/V are [pages, page_size, K, H], a key tile lies in one page (block_k divides
+page_size) found through the page table, and each sequence's T new tokens sit at
+positions cache_length - T .. cache_length - 1: the kernel's origin.
 """
 
 from __future__ import annotations
@@ -47,11 +52,14 @@ def decode_kernel(*refs, problem: Problem, names: tuple[str, ...]):
     block_k, G, R = route.block_k, problem.group, rows(problem)
     row = lax.broadcasted_iota(jnp.int32, (R, 1), 0)
     token = lax.div(row, G)
+    kv_length = (r["key_value_seq_lengths"][b]
+                 if problem.has("key_value_seq_lengths") else None)
+    paged = problem.has("page_table")
     ctx = TileRanges(
         problem, b, kh,
         q_length=r["query_seq_lengths"][b] if problem.has("query_seq_lengths") else None,
-        kv_length=(r["key_value_seq_lengths"][b]
-                   if problem.has("key_value_seq_lengths") else None))
+        kv_length=kv_length,
+        origin=(kv_length - problem.q_len, 0) if paged else None)
     first, stop, _, _ = ctx.key_tiles(0, problem.q_len, block_k)
     per_split = lax.div(stop - first + (route.splits - 1), route.splits)
     lo = jnp.minimum(first + split * per_split, stop)
@@ -61,15 +69,22 @@ def decode_kernel(*refs, problem: Problem, names: tuple[str, ...]):
     tanh = (jnp.tanh if problem.interpret or problem.dtype == "float32"
             else plgpu.approx_tanh)
 
+    def load(name, k0):
+        if not paged:
+            return r[name][b, pl.ds(k0, block_k), kh, :]
+        page_size = r[name].shape[1]
+        page = r["page_table"][b, lax.div(k0, page_size)]
+        return r[name][page, pl.ds(lax.rem(k0, page_size), block_k), kh, :]
+
     def body(t, carry):
         acc, m_prev, l_prev = carry
         k0 = t * block_k
-        k = r["k"][b, pl.ds(k0, block_k), kh, :]
+        k = load("k", k0)
         s = plgpu.dot(q, k, trans_b=True, precision=problem.precision)
         cols = k0 + lax.broadcasted_iota(jnp.int32, (1, block_k), 1)
-        s, _ = logit_scores(problem, s, token, cols, slope=slope, tanh=tanh)
+        s, _ = logit_scores(problem, s, token, cols, slope=slope, tanh=tanh, offset=ctx.offset)
         visible = scores.visibility(
-            token, cols, spec, problem.offset, q_bound=problem.q_len,
+            token, cols, spec, ctx.offset, q_bound=problem.q_len,
             kv_bound=problem.kv_len if problem.kv_pad != problem.kv_len else None,
             q_length=ctx.q_length, kv_length=ctx.kv_length)
         if visible is not None:
@@ -77,7 +92,7 @@ def decode_kernel(*refs, problem: Problem, names: tuple[str, ...]):
         prob, m_next, l_next, alpha = softmax_step(problem, s, m_prev, l_prev)
         if alpha is not None:
             acc = acc * alpha[:, None]
-        v = r["v"][b, pl.ds(k0, block_k), kh, :]
+        v = load("v", k0)
         acc = acc + plgpu.dot(prob.astype(v.dtype), v, precision=problem.precision)
         return acc, m_next, l_next
 
@@ -92,7 +107,8 @@ def decode_kernel(*refs, problem: Problem, names: tuple[str, ...]):
 
 def forward(problem: Problem, q: jax.Array, k: jax.Array, v: jax.Array,
             optional: dict[str, jax.Array]) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
-    """(out [B, Tp, N, Hvp], (row_max, log2_sum) [B, N, Tp]), as the forward kernel's."""
+    """(out [B, Tp, N, Hvp], (row_max, log2_sum) [B, N, Tp]), as the forward kernel's;
+    k, v [B, S, K, H] or, with optional["page_table"], the caches [pages, size, K, H]."""
     B, Tp, N, Hp = q.shape
     T, K, G, R = problem.q_len, problem.num_kv_heads, problem.group, rows(problem)
     Hvp = v.shape[-1]
@@ -100,7 +116,7 @@ def forward(problem: Problem, q: jax.Array, k: jax.Array, v: jax.Array,
     # Rows of one kv group: token-major, head-minor, padded to R.
     grouped = q[:, :T].reshape(B, T, K, G, Hp).transpose(0, 2, 1, 3, 4).reshape(B, K, T * G, Hp)
     names, inputs = ["q", "k", "v"], [_pad_rows(grouped, R), k, v]
-    for name in DECODE_OPERANDS:
+    for name in (*DECODE_OPERANDS, "page_table"):
         if name in optional:
             names.append(name)
             inputs.append(optional[name])

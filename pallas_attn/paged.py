@@ -1,0 +1,226 @@
+"""Paged KV cache (inference): new tokens attend to a cache stored in pages.
+
+A cache of P pages of `page_size` tokens (key_cache [P, page_size, K, H],
+value_cache [P, page_size, K, Hv]) holds every sequence's keys and values in the
+pages its row of the page table names, in any order. Sequence b holds
+cache_lengths[b] tokens, its T new ones included (their K/V already written, by
+`paged_cache_update`); its query t sits at position cache_lengths[b] - T + t and sees
+the cached keys at positions up to its own (and inside the window, if given). The
+result equals dot_product_attention on the gathered cache with that mask.
+
+On an NVIDIA GPU the decode kernel reads the pages in place (a key tile lies in one
+page); elsewhere, or for more query rows than its tile holds, the reference runs on
+the gathered cache, each sequence at its own positions.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_attn import dispatch
+from pallas_attn.device import on_nvidia_gpu
+from pallas_attn.plan import BlockSizes
+from pallas_attn.spec import Operands, check_bool, normalize
+
+IMPLEMENTATIONS = ("pallas", "xla", "xla_chunked")
+
+
+def paged_attention(
+    query: jax.Array,
+    key_cache: jax.Array,
+    value_cache: jax.Array,
+    page_table: jax.Array,
+    cache_lengths: jax.Array,
+    *,
+    scale: float | None = None,
+    logits_soft_cap: float | None = None,
+    local_window_size: int | tuple[int, int] | None = None,
+    alibi_slopes: jax.Array | None = None,
+    return_residual: bool = False,
+    implementation: str | None = None,
+    interpret: bool = False,
+) -> jax.Array | tuple[jax.Array, jax.Array]:
+    """Attention of T new tokens per sequence against a paged KV cache (forward only).
+
+    Args:
+      query: [B, T, N, H], the new tokens' queries.
+      key_cache: [P, page_size, K, H]; value_cache: [P, page_size, K, Hv].
+      page_table: int [B, pages_per_seq]: the pages of each sequence, in order.
+      cache_lengths: int [B]: tokens cached per sequence, the T new ones included.
+      scale, logits_soft_cap, local_window_size, alibi_slopes: as in
+        dot_product_attention (ALiBi and the window count cache positions).
+      return_residual: also return the logsumexp [B, T, N].
+      implementation: None (the decode kernel on an NVIDIA GPU where it applies, the
+        reference elsewhere), "pallas", "xla" or "xla_chunked".
+      interpret: run the kernel in the Pallas interpreter.
+
+    Returns out [B, T, N, Hv] (and the logsumexp). A query whose position is below 0
+    (a sequence shorter than T) sees no key: output 0, logsumexp -inf.
+
+    Out-of-range page numbers or lengths beyond the page table raise a ValueError when
+    they are concrete; under jit they are the caller's contract (the kernel reads
+    whatever page the table names). Not differentiable.
+    """
+    return_residual = check_bool("return_residual", return_residual)
+    interpret = check_bool("interpret", interpret)
+    if implementation is not None and implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"implementation must be None or one of {IMPLEMENTATIONS}, got "
+                         f"{implementation!r}")
+    q_shape, k_shape, v_shape = (tuple(np.shape(x)) for x in (query, key_cache, value_cache))
+    if len(q_shape) != 4:
+        raise ValueError(f"query must be [B, T, N, H], got shape {q_shape}")
+    if len(k_shape) != 4 or len(v_shape) != 4 or k_shape[:3] != v_shape[:3]:
+        raise ValueError(f"key_cache and value_cache must be [P, page_size, K, H] and "
+                         f"[P, page_size, K, Hv], got {k_shape} and {v_shape}")
+    B, T, N, H = q_shape
+    P, page_size, K, Hk = k_shape
+    if Hk != H:
+        raise ValueError(f"key_cache's head dim {Hk} differs from query's {H}")
+    table = _int_array("page_table", page_table, 2)
+    lengths = _int_array("cache_lengths", cache_lengths, 1)
+    if table.shape[0] != B or lengths.shape != (B,):
+        raise ValueError(f"page_table must be [B, pages_per_seq] and cache_lengths [B] with "
+                         f"B = {B}, got {table.shape} and {lengths.shape}")
+    capacity = table.shape[1] * page_size
+    _check_concrete("page_table", table, 0, P - 1)
+    _check_concrete("cache_lengths", lengths, 0, capacity)
+    # The spec and operands of the equivalent call on the gathered cache.
+    gathered = jax.ShapeDtypeStruct((B, capacity, K, H), key_cache.dtype)
+    gathered_v = jax.ShapeDtypeStruct((B, capacity, K, v_shape[3]), value_cache.dtype)
+    normalized = {}
+
+    def trace(q, k, v, lengths):
+        normalized["spec"], _, _ = normalize(
+            q, k, v, scale=scale, is_causal=True, logits_soft_cap=logits_soft_cap,
+            local_window_size=local_window_size, alibi_slopes=alibi_slopes,
+            key_value_seq_lengths=lengths)
+
+    jax.eval_shape(trace, query, gathered, gathered_v, lengths)
+    if implementation is None:
+        implementation = "pallas" if (interpret or on_nvidia_gpu()) else "xla"
+    run = _kernel if implementation == "pallas" else _reference
+    out, lse = _forward_only(run, normalized["spec"], implementation, interpret, query,
+                             key_cache, value_cache, table, lengths, alibi_slopes)
+    lse = jnp.swapaxes(lse, 1, 2)
+    return (out, lse) if return_residual else out
+
+
+def _forward_only(run, spec, implementation, interpret, q, k_cache, v_cache, table, lengths,
+                  slopes):
+    @jax.custom_jvp
+    def call(q, k_cache, v_cache, table, lengths, slopes):
+        return run(spec, implementation, interpret, q, k_cache, v_cache, table, lengths, slopes)
+
+    @call.defjvp
+    def _no_derivative(primals, tangents):
+        raise NotImplementedError("paged_attention is forward only (inference); train with "
+                                  "dot_product_attention on contiguous keys and values")
+
+    return call(q, k_cache, v_cache, table, lengths, slopes)
+
+
+def _reference(spec, implementation, interpret, q, k_cache, v_cache, table, lengths, slopes):
+    """Each sequence at its own positions (the origin), on its gathered pages."""
+    from pallas_attn.semantics import chunked, reference
+
+    B, T, N, _ = q.shape
+    k = k_cache[table].reshape(B, -1, *k_cache.shape[2:])
+    v = v_cache[table].reshape(B, -1, *v_cache.shape[2:])
+    slopes = None if slopes is None else jnp.broadcast_to(
+        jnp.asarray(slopes, jnp.float32).reshape(-1, N), (B, N))
+    attend = chunked.attention if implementation == "xla_chunked" else reference.attention
+
+    def one(q, k, v, length, slope):
+        ops = Operands(q[None], k[None], v[None], key_value_seq_lengths=length[None],
+                       alibi_slopes=None if slope is None else slope[None],
+                       origin=jnp.stack([length - T, 0]).astype(jnp.int32))
+        out, lse = attend(spec, ops)
+        return out[0], lse[0]
+
+    return jax.vmap(one)(q, k, v, lengths, slopes)
+
+
+def _kernel(spec, implementation, interpret, q, k_cache, v_cache, table, lengths, slopes):
+    """The decode kernel reading the pages in place."""
+    from pallas_attn.kernels import next_power_of_2
+    from pallas_attn.kernels.core import Problem
+    from pallas_attn.kernels.triton import decode
+
+    B, T, N, H = q.shape
+    page_size, K, Hv = k_cache.shape[1], k_cache.shape[2], v_cache.shape[3]
+    for name, dim in (("query/key", H), ("value", Hv)):
+        if dim < 16 or dim != next_power_of_2(dim):
+            raise ValueError(f"the paged kernel reads the cache in place and needs power-of-two "
+                             f"head dims >= 16, got {name} {dim}; use implementation='xla'")
+    if page_size % 16:
+        raise ValueError(f"the paged kernel's key tiles lie in one page and hold a multiple "
+                         f"of 16 keys: page_size must be a multiple of 16, got {page_size}; "
+                         f"use implementation='xla'")
+    block_k = min(dispatch.DECODE_TILES[0], page_size & -page_size)
+    present = ("key_value_seq_lengths", *(("alibi_slopes",) if slopes is not None else ()))
+    call = dispatch.Call(spec, B, T, table.shape[1] * page_size, N, K, H, Hv,
+                         jnp.dtype(q.dtype).name, present=present)
+    plan = dispatch.plan(call, block_sizes=BlockSizes(forward_backend="decode", block_k=block_k),
+                         interpret=interpret)
+    problem = Problem(spec=spec, batch=B, num_heads=N, num_kv_heads=K, q_len=T,
+                      kv_len=call.kv_len, q_pad=T, kv_pad=call.kv_len, head_dim=H,
+                      value_head_dim=Hv, dtype=call.dtype, plan=plan,
+                      present=(*present, "page_table"), interpret=interpret)
+    operands = {"key_value_seq_lengths": lengths, "page_table": table}
+    if slopes is not None:
+        operands["alibi_slopes"] = jnp.broadcast_to(
+            jnp.asarray(slopes, jnp.float32).reshape(-1, N), (B, N))
+    out, row_stats = decode.forward(problem, q, k_cache, v_cache, operands)
+    lse = problem.logsumexp(*row_stats)
+    return out, jnp.where(lse == jnp.inf, -jnp.inf, lse)
+
+
+def paged_cache_update(key_cache: jax.Array, value_cache: jax.Array, new_keys: jax.Array,
+                       new_values: jax.Array, page_table: jax.Array,
+                       cache_lengths: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Writes T new tokens per sequence into their pages: (key_cache, value_cache).
+
+    new_keys [B, T, K, H], new_values [B, T, K, Hv]; cache_lengths [B] counts the new
+    tokens too (as paged_attention takes it), so token t of sequence b goes to position
+    cache_lengths[b] - T + t. Tokens at negative positions are dropped.
+    """
+    table = _int_array("page_table", page_table, 2)
+    lengths = _int_array("cache_lengths", cache_lengths, 1)
+    B, T = np.shape(new_keys)[:2]
+    page_size = key_cache.shape[1]
+    _check_concrete("page_table", table, 0, key_cache.shape[0] - 1)
+    _check_concrete("cache_lengths", lengths, 0, table.shape[1] * page_size)
+    positions = lengths[:, None] - T + jnp.arange(T)[None, :]
+    keep = positions >= 0
+    safe = jnp.where(keep, positions, 0)
+    pages = jnp.take_along_axis(table, safe // page_size, axis=1)
+    # Dropped tokens write out of bounds, where scatter's mode="drop" ignores them.
+    pages = jnp.where(keep, pages, key_cache.shape[0])
+    slots = safe % page_size
+    key_cache = key_cache.at[pages, slots].set(new_keys.astype(key_cache.dtype), mode="drop")
+    value_cache = value_cache.at[pages, slots].set(new_values.astype(value_cache.dtype),
+                                                   mode="drop")
+    return key_cache, value_cache
+
+
+def _int_array(name: str, x: Any, ndim: int) -> jax.Array:
+    if not hasattr(x, "dtype") or not jnp.issubdtype(x.dtype, jnp.integer):
+        raise TypeError(f"{name} must be an integer array, got {type(x).__name__} "
+                        f"{getattr(x, 'dtype', '')}")
+    if np.ndim(x) != ndim:
+        raise ValueError(f"{name} must have {ndim} dimensions, got shape {np.shape(x)}")
+    return jnp.asarray(x, jnp.int32)
+
+
+def _check_concrete(name: str, x: Any, low: int, high: int) -> None:
+    try:
+        values = np.asarray(x)
+    except (TypeError, jax.errors.ConcretizationTypeError, jax.errors.TracerArrayConversionError):
+        return
+    if values.size and (values.min() < low or values.max() > high):
+        raise ValueError(f"{name} must lie in [{low}, {high}], got values from {values.min()} "
+                         f"to {values.max()}")
