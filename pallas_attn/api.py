@@ -46,6 +46,7 @@ def dot_product_attention(
     dropout_rate: float = 0.0,
     dropout_rng: jax.Array | None = None,
     broadcast_dropout: bool = False,
+    sinks: jax.Array | None = None,
     block_sizes: Any = None,
     interpret: bool = False,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
@@ -78,6 +79,9 @@ def dot_product_attention(
       dropout_rate: probability of dropping an attention weight, in [0, 1).
       dropout_rng: jax PRNG key; required when dropout_rate > 0.
       broadcast_dropout: share one dropout mask across batch and heads (Flax's option).
+      sinks: [N] float, one learnable logit per query head added to every row's softmax
+        with no value (attention sinks); differentiable. A row that sees no key then
+        gives output 0 and logsumexp sinks[n].
       block_sizes: a pallas_attn.BlockSizes overriding the tiles the kernels choose.
       interpret: run the Pallas kernels in the Pallas interpreter (CPU testing).
 
@@ -92,7 +96,7 @@ def dot_product_attention(
                   query_seq_lengths=query_seq_lengths,
                   key_value_seq_lengths=key_value_seq_lengths, alibi_slopes=alibi_slopes,
                   q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
-                  dropout_rng=dropout_rng)
+                  dropout_rng=dropout_rng, sinks=sinks)
     if (mesh := sharding.explicit_mesh(arrays)) is not None:
         static = dict(scale=scale, is_causal=is_causal, local_window_size=local_window_size,
                       implementation=implementation, return_residual=return_residual,
@@ -108,7 +112,8 @@ def dot_product_attention(
         local_window_size=local_window_size, causal_alignment=causal_alignment,
         alibi_slopes=alibi_slopes, logits_soft_cap=logits_soft_cap,
         q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
-        dropout_rate=dropout_rate, dropout_rng=dropout_rng, broadcast_dropout=broadcast_dropout)
+        dropout_rate=dropout_rate, dropout_rng=dropout_rng, broadcast_dropout=broadcast_dropout,
+        sinks=sinks)
     if 0 in (*ops.query.shape[:2], ops.key.shape[1]):  # every implementation alike
         return reference.finish(*reference.empty(ops), batched, return_residual)
     plan = _plan(spec, ops, implementation, block_sizes, interpret, None)

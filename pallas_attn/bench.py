@@ -90,6 +90,8 @@ def make_inputs(shape: Shape, seed: int = 0) -> dict[str, Any]:
             args["kwargs"]["mask"] = jax.random.bernoulli(keys[6], 0.9, (B, 1, T, S))
         elif name == "lengths":  # every sequence's keys valid up to kv_len - value
             args["kwargs"]["key_value_seq_lengths"] = jnp.full((B,), S - int(value), jnp.int32)
+        elif name == "sinks":
+            args["kwargs"]["sinks"] = jnp.linspace(-1.0, 2.0, N, dtype=jnp.float32)
         elif name == "paged":  # decode_benchmark reads K/V from pages of this size
             pass
         elif name == "causal_bottom_right":
@@ -266,6 +268,7 @@ def feature_shapes() -> list[Shape]:
         Shape(**base, features=(("softcap", 30.0),)),
         Shape(**base, features=(("dropout", 0.1),)),
         Shape(**base, features=(("segments", None),)),
+        Shape(**base, features=(("sinks", None),)),
         Shape(**dict(base, batch=2, q_len=8192, kv_len=8192)),
         Shape(**dict(base, batch=2, q_len=8192, kv_len=8192), features=(("window", 512),)),
         Shape(**dict(base, kv_heads=2)),
@@ -408,6 +411,11 @@ def check_shapes(on_device: bool) -> list[Shape]:
               dtype="bfloat16"),
         Shape(2, 1000, 1100, 4, 2, 64, False, (("bias_shared_by_heads", None),
                                                 ("softcap", 20.0)), dtype="float16"),
+        # Attention sinks in the Mosaic forward (causal, d128) and in the Triton kernels
+        # with lengths (rows past a query length keep lse = sink).
+        Shape(2, 1024, 1024, 4, 4, 128, True, (("sinks", None),), dtype="bfloat16"),
+        Shape(2, 1000, 1100, 8, 2, 64, False, (("sinks", None), ("softcap", 20.0),
+                                                ("lengths", 300)), dtype="float16"),
         # The decode kernel: one token against ragged lengths with the keys split over
         # programs (GQA, bf16); a 5-token bottom-right causal chunk with a soft cap and
         # ALiBi (float16, MQA).

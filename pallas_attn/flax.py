@@ -421,6 +421,7 @@ class MultiHeadAttention(nnx.Module):
         bias_init: Any = _zeros_init,
         implementation: str | None = None,
         interpret: bool = False,
+        sinks: bool = False,
         rngs: nnx.Rngs,
     ) -> None:
         """Builds the projections.
@@ -446,6 +447,8 @@ class MultiHeadAttention(nnx.Module):
           bias_init: projection bias initializer.
           implementation: pallas_attn implementation (None: automatic).
           interpret: run the Pallas kernels in the interpreter.
+          sinks: learn one attention-sink logit per head (``sinks``, zeros at first),
+            added to every row's softmax with no value (GPT-OSS, StreamingLLM).
           rngs: ``params`` for initialisation; ``dropout`` kept when dropout_rate > 0.
         """
         self.num_heads = num_heads
@@ -482,6 +485,7 @@ class MultiHeadAttention(nnx.Module):
             axis=(-2, -1), dtype=dtype, param_dtype=param_dtype, kernel_init=kernel_init,
             bias_init=bias_init, use_bias=use_bias, precision=precision, rngs=rngs)
         self.rngs = rngs.dropout.fork() if dropout_rate > 0 else None
+        self.sinks = nnx.Param(jnp.zeros((num_heads,), param_dtype)) if sinks else nnx.data(None)
         self.cached_key: nnx.Cache | None = nnx.data(None)
         self.cached_value: nnx.Cache | None = nnx.data(None)
         self.cache_index: nnx.Cache | None = nnx.data(None)
@@ -552,7 +556,7 @@ class MultiHeadAttention(nnx.Module):
             is_causal=is_causal, key_value_seq_lengths=key_value_seq_lengths,
             dropout_rate=dropout_rate, dropout_rng=dropout_rng,
             broadcast_dropout=self.broadcast_dropout, implementation=self.implementation,
-            interpret=self.interpret)
+            interpret=self.interpret, sinks=None if self.sinks is None else self.sinks[...])
         return self.out(out)
 
     def _dropout(self, deterministic: bool | None,

@@ -40,6 +40,7 @@ def paged_attention(
     logits_soft_cap: float | None = None,
     local_window_size: int | tuple[int, int] | None = None,
     alibi_slopes: jax.Array | None = None,
+    sinks: jax.Array | None = None,
     return_residual: bool = False,
     implementation: str | None = None,
     interpret: bool = False,
@@ -51,7 +52,7 @@ def paged_attention(
       key_cache: [P, page_size, K, H]; value_cache: [P, page_size, K, Hv].
       page_table: int [B, pages_per_seq]: the pages of each sequence, in order.
       cache_lengths: int [B]: tokens cached per sequence, the T new ones included.
-      scale, logits_soft_cap, local_window_size, alibi_slopes: as in
+      scale, logits_soft_cap, local_window_size, alibi_slopes, sinks: as in
         dot_product_attention (ALiBi and the window count cache positions).
       return_residual: also return the logsumexp [B, T, N].
       implementation: None (the decode kernel on an NVIDIA GPU where it applies, the
@@ -97,54 +98,59 @@ def paged_attention(
         normalized["spec"], _, _ = normalize(
             q, k, v, scale=scale, is_causal=True, logits_soft_cap=logits_soft_cap,
             local_window_size=local_window_size, alibi_slopes=alibi_slopes,
-            key_value_seq_lengths=lengths)
+            key_value_seq_lengths=lengths, sinks=sinks)
 
     jax.eval_shape(trace, query, gathered, gathered_v, lengths)
     if implementation is None:
         implementation = "pallas" if (interpret or on_nvidia_gpu()) else "xla"
     run = _kernel if implementation == "pallas" else _reference
+    extra = {name: x for name, x in (("alibi_slopes", alibi_slopes), ("sinks", sinks))
+             if x is not None}
     out, lse = _forward_only(run, normalized["spec"], implementation, interpret, query,
-                             key_cache, value_cache, table, lengths, alibi_slopes)
+                             key_cache, value_cache, table, lengths, extra)
     lse = jnp.swapaxes(lse, 1, 2)
     return (out, lse) if return_residual else out
 
 
 def _forward_only(run, spec, implementation, interpret, q, k_cache, v_cache, table, lengths,
-                  slopes):
+                  extra):
     @jax.custom_jvp
-    def call(q, k_cache, v_cache, table, lengths, slopes):
-        return run(spec, implementation, interpret, q, k_cache, v_cache, table, lengths, slopes)
+    def call(q, k_cache, v_cache, table, lengths, extra):
+        return run(spec, implementation, interpret, q, k_cache, v_cache, table, lengths, extra)
 
     @call.defjvp
     def _no_derivative(primals, tangents):
         raise NotImplementedError("paged_attention is forward only (inference); train with "
                                   "dot_product_attention on contiguous keys and values")
 
-    return call(q, k_cache, v_cache, table, lengths, slopes)
+    return call(q, k_cache, v_cache, table, lengths, extra)
 
 
-def _reference(spec, implementation, interpret, q, k_cache, v_cache, table, lengths, slopes):
+def _reference(spec, implementation, interpret, q, k_cache, v_cache, table, lengths, extra):
     """Each sequence at its own positions (the origin), on its gathered pages."""
     from pallas_attn.semantics import chunked, reference
 
     B, T, N, _ = q.shape
     k = k_cache[table].reshape(B, -1, *k_cache.shape[2:])
     v = v_cache[table].reshape(B, -1, *v_cache.shape[2:])
+    slopes = extra.get("alibi_slopes")
     slopes = None if slopes is None else jnp.broadcast_to(
         jnp.asarray(slopes, jnp.float32).reshape(-1, N), (B, N))
+    sinks = extra.get("sinks")
+    sinks = None if sinks is None else jnp.asarray(sinks, jnp.float32)
     attend = chunked.attention if implementation == "xla_chunked" else reference.attention
 
     def one(q, k, v, length, slope):
         ops = Operands(q[None], k[None], v[None], key_value_seq_lengths=length[None],
                        alibi_slopes=None if slope is None else slope[None],
-                       origin=jnp.stack([length - T, 0]).astype(jnp.int32))
+                       origin=jnp.stack([length - T, 0]).astype(jnp.int32), sinks=sinks)
         out, lse = attend(spec, ops)
         return out[0], lse[0]
 
     return jax.vmap(one)(q, k, v, lengths, slopes)
 
 
-def _kernel(spec, implementation, interpret, q, k_cache, v_cache, table, lengths, slopes):
+def _kernel(spec, implementation, interpret, q, k_cache, v_cache, table, lengths, extra):
     """The decode kernel reading the pages in place."""
     from pallas_attn.kernels import next_power_of_2
     from pallas_attn.kernels.core import Problem
@@ -161,7 +167,7 @@ def _kernel(spec, implementation, interpret, q, k_cache, v_cache, table, lengths
                          f"of 16 keys: page_size must be a multiple of 16, got {page_size}; "
                          f"use implementation='xla'")
     block_k = min(dispatch.DECODE_TILES[0], page_size & -page_size)
-    present = ("key_value_seq_lengths", *(("alibi_slopes",) if slopes is not None else ()))
+    present = ("key_value_seq_lengths", *extra)
     call = dispatch.Call(spec, B, T, table.shape[1] * page_size, N, K, H, Hv,
                          jnp.dtype(q.dtype).name, present=present)
     plan = dispatch.plan(call, block_sizes=BlockSizes(forward_backend="decode", block_k=block_k),
@@ -171,9 +177,11 @@ def _kernel(spec, implementation, interpret, q, k_cache, v_cache, table, lengths
                       value_head_dim=Hv, dtype=call.dtype, plan=plan,
                       present=(*present, "page_table"), interpret=interpret)
     operands = {"key_value_seq_lengths": lengths, "page_table": table}
-    if slopes is not None:
+    if "alibi_slopes" in extra:
         operands["alibi_slopes"] = jnp.broadcast_to(
-            jnp.asarray(slopes, jnp.float32).reshape(-1, N), (B, N))
+            jnp.asarray(extra["alibi_slopes"], jnp.float32).reshape(-1, N), (B, N))
+    if "sinks" in extra:
+        operands["sinks"] = jnp.asarray(extra["sinks"], jnp.float32)
     out, row_stats = decode.forward(problem, q, k_cache, v_cache, operands)
     lse = problem.logsumexp(*row_stats)
     return out, jnp.where(lse == jnp.inf, -jnp.inf, lse)

@@ -81,6 +81,7 @@ def ring_attention(
     dropout_rate: float = 0.0,
     dropout_rng: jax.Array | None = None,
     broadcast_dropout: bool = False,
+    sinks: jax.Array | None = None,
     return_residual: bool = False,
     implementation: str | None = None,
     block_sizes: BlockSizes | None = None,
@@ -124,7 +125,7 @@ def ring_attention(
         local_window_size=local_window_size, alibi_slopes=alibi_slopes,
         logits_soft_cap=logits_soft_cap, q_segment_ids=q_segment_ids,
         kv_segment_ids=kv_segment_ids, dropout_rate=dropout_rate, dropout_rng=dropout_rng,
-        broadcast_dropout=broadcast_dropout, sequence_ways=devices)
+        broadcast_dropout=broadcast_dropout, sinks=sinks, sequence_ways=devices)
     T, S = ops.query.shape[1], ops.key.shape[1]
     if T != S:
         raise ValueError(f"ring_attention needs query and key slices of one length, got "
@@ -138,7 +139,7 @@ def ring_attention(
     constants = {name: getattr(ops, name) for name in
                  ("alibi_slopes", "q_segment_ids", "kv_segment_ids", "query_seq_lengths",
                   "key_value_seq_lengths", "dropout_keys") if getattr(ops, name) is not None}
-    out, lse = _ring(ring, ops.query, ops.key, ops.value, constants)
+    out, lse = _ring(ring, ops.query, ops.key, ops.value, ops.sinks, constants)
     return reference.finish(out, lse, batched, return_residual)
 
 
@@ -184,7 +185,13 @@ class _Ring:
 
     def zeros(self, shape: tuple[int, ...], fill: float = 0.0) -> jax.Array:
         """A float32 constant that varies over the ring's axis like the blocks' results."""
-        return lax.pcast(jnp.full(shape, fill, jnp.float32), (self.axis_name,), to="varying")
+        return self.vary(jnp.full(shape, fill, jnp.float32))
+
+    def vary(self, x: jax.Array) -> jax.Array:
+        """x typed as varying over the ring's axis (it is combined with per-device data)."""
+        if self.axis_name in jax.typeof(x).mat.varying:
+            return x
+        return lax.pcast(x, (self.axis_name,), to="varying")
 
     def forward(self, q, k, v, constants: dict, origin) -> tuple[jax.Array, jax.Array]:
         """(out f32, lse) of one block with its origin."""
@@ -256,13 +263,15 @@ def _when(visible: Any, compute, skipped, *operands):
     return lax.cond(visible, compute, skipped, *operands)
 
 
-def _ring_forward(ring: _Ring, q, k, v, constants):
+def _ring_forward(ring: _Ring, q, k, v, sinks, constants):
     B, T, N, _ = q.shape
     Hv, parts = v.shape[-1], ring.parts
     c = T // parts
     travel = (k, v, constants.get("kv_segment_ids"))
     outs = [ring.zeros((B, c, N, Hv)) for _ in range(parts)]
-    lses = [ring.zeros((B, N, c), -jnp.inf) for _ in range(parts)]
+    # The sinks are each row's softmax before any key: lse = sink, output 0.
+    lses = [ring.zeros((B, N, c), -jnp.inf) if sinks is None else
+            ring.vary(jnp.broadcast_to(sinks[None, :, None], (B, N, c))) for _ in range(parts)]
     q_parts = _split(q, parts)
     for step in range(ring.devices):
         nxt = _shift(travel, ring) if step + 1 < ring.devices else None
@@ -297,23 +306,23 @@ def _merge(out, lse, out_b, lse_b):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _ring(ring: _Ring, q, k, v, constants):
-    return _ring_forward(ring, q, k, v, constants)
+def _ring(ring: _Ring, q, k, v, sinks, constants):
+    return _ring_forward(ring, q, k, v, sinks, constants)
 
 
-def _ring_fwd(ring: _Ring, q, k, v, constants):
+def _ring_fwd(ring: _Ring, q, k, v, sinks, constants):
     if is_perturbed(constants.get("alibi_slopes")):
         raise NotImplementedError(
             "ring_attention treats alibi_slopes as constants and does not differentiate "
             "them; wrap them in jax.lax.stop_gradient")
-    q, k, v, constants = first_order_only(primal_values((q, k, v, constants)),
-                                          "ring_attention")
-    out, lse = _ring_forward(ring, q, k, v, constants)
-    return (out, lse), (q, k, v, constants, out, lse)
+    q, k, v, sinks, constants = first_order_only(primal_values((q, k, v, sinks, constants)),
+                                                 "ring_attention")
+    out, lse = _ring_forward(ring, q, k, v, sinks, constants)
+    return (out, lse), (q, k, v, sinks, constants, out, lse)
 
 
 def _ring_bwd(ring: _Ring, residuals, cotangents):
-    q, k, v, constants, out, lse = first_order_only(residuals, "ring_attention")
+    q, k, v, sinks, constants, out, lse = first_order_only(residuals, "ring_attention")
     d_out, d_lse = cotangents
     if isinstance(d_out, SymbolicZero):
         d_out = jnp.zeros(out.shape, out.dtype)
@@ -354,7 +363,12 @@ def _ring_bwd(ring: _Ring, residuals, cotangents):
         else:
             dkv = _shift(dkv, ring)
     dq = jnp.concatenate(dq, axis=1) if parts > 1 else dq[0]
-    return (dq.astype(q.dtype), dkv[0].astype(k.dtype), dkv[1].astype(v.dtype),
+    dsinks = None
+    if sinks is not None:  # every device's rows, summed around the ring
+        delta = jnp.einsum("btnh,btnh->bnt", d_out.astype(jnp.float32),
+                           out.astype(jnp.float32)) - d_lse
+        dsinks = lax.psum(scores.sink_gradient(sinks, lse, delta), ring.axis_name)
+    return (dq.astype(q.dtype), dkv[0].astype(k.dtype), dkv[1].astype(v.dtype), dsinks,
             jax.tree.map(lambda _: None, constants))
 
 

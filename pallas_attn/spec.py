@@ -44,7 +44,8 @@ class AttentionSpec:
       broadcast_dropout: one dropout mask shared by every batch entry and head.
       bias_shape: 4-D shape of the additive bias (each dim 1 or full), or None.
       mask_shape: 4-D shape of the boolean mask, or None.
-      has_alibi / has_segments / has_q_lengths / has_kv_lengths: optional inputs.
+      has_alibi / has_segments / has_q_lengths / has_kv_lengths / has_sinks: optional
+        inputs.
     """
 
     scale: float
@@ -60,6 +61,7 @@ class AttentionSpec:
     has_segments: bool = False
     has_q_lengths: bool = False
     has_kv_lengths: bool = False
+    has_sinks: bool = False
 
     @property
     def has_bias(self) -> bool:
@@ -88,7 +90,8 @@ class Operands(NamedTuple):
     (or [1, 1] with broadcast_dropout), semantics/dropout.program_keys; origin int32 [2]:
     the positions of query 0 and key 0 (ring attention's blocks; absent means 0, 0).
     Every position-dependent rule (causal, window, ALiBi, lengths, dropout) uses
-    positions counted from the origin.
+    positions counted from the origin. sinks [N] float32: one logit per query head
+    added to every row's softmax, with no value.
     """
 
     query: jax.Array
@@ -103,6 +106,7 @@ class Operands(NamedTuple):
     key_value_seq_lengths: jax.Array | None = None
     dropout_keys: jax.Array | None = None
     origin: jax.Array | None = None
+    sinks: jax.Array | None = None
 
 
 # The optional operands, in the order the kernels receive them.
@@ -240,6 +244,7 @@ def normalize(
     dropout_rate: float = 0.0,
     dropout_rng: Any = None,
     broadcast_dropout: bool = False,
+    sinks: Any = None,
     sequence_ways: int = 1,
 ) -> tuple[AttentionSpec, Operands, bool]:
     """Validates the public arguments; returns (spec, operands, had_batch_axis).
@@ -375,6 +380,14 @@ def normalize(
             segs.append(jnp.asarray(ids, jnp.int32).reshape(B, length))
         q_segment_ids, kv_segment_ids = segs
 
+    if sinks is not None:
+        sinks = _as_array("sinks", sinks)
+        _check_float("sinks", sinks)
+        if _shape(sinks) != (N,):
+            raise ValueError(f"sinks must have shape [N] = ({N},) (one logit per query head), "
+                             f"got {_shape(sinks)}")
+        sinks = jnp.asarray(sinks, jnp.float32)
+
     if query_seq_lengths is not None:
         query_seq_lengths = _check_lengths("query_seq_lengths", query_seq_lengths, B,
                                            T * sequence_ways)
@@ -405,7 +418,9 @@ def normalize(
         has_segments=q_segment_ids is not None,
         has_q_lengths=query_seq_lengths is not None,
         has_kv_lengths=key_value_seq_lengths is not None,
+        has_sinks=sinks is not None,
     )
     operands = Operands(query, key, value, bias, mask, alibi_slopes, q_segment_ids,
-                        kv_segment_ids, query_seq_lengths, key_value_seq_lengths, drop_keys)
+                        kv_segment_ids, query_seq_lengths, key_value_seq_lengths, drop_keys,
+                        sinks=sinks)
     return spec, operands, batched

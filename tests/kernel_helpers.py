@@ -227,11 +227,12 @@ def numpy_attention(q, k, v, ct=None, ct_lse=None, *, bias=None, mask=None, scal
                     is_causal=False, causal_alignment="top_left", local_window_size=None,
                     alibi_slopes=None, logits_soft_cap=None, q_segment_ids=None,
                     kv_segment_ids=None, query_seq_lengths=None, key_value_seq_lengths=None,
-                    keep=None, dropout_rate=0.0) -> dict[str, np.ndarray]:
+                    keep=None, dropout_rate=0.0, sinks=None) -> dict[str, np.ndarray]:
     """Float64 attention and its VJP, written from the semantics in DESIGN.md.
 
     Independent of pallas_attn (only NumPy). keep: the [B, N, T, S] dropout keep mask.
-    Returns out [B,T,N,Hv], lse [B,T,N] and, given ct, dq, dk, dv (and dbias with bias).
+    Returns out [B,T,N,Hv], lse [B,T,N] and, given ct, dq, dk, dv (and dbias with bias,
+    dsinks with sinks).
     Unbatched [T, N, H] inputs are accepted and the results are unbatched likewise.
     """
     q, k, v = (np.asarray(jnp.asarray(x, jnp.float32), np.float64) for x in (q, k, v))
@@ -281,8 +282,14 @@ def numpy_attention(q, k, v, ct=None, ct_lse=None, *, bias=None, mask=None, scal
     any_visible = vis.any(-1, keepdims=True)
     zm = np.where(vis, z, -np.inf)
     row_max = np.where(any_visible, zm.max(-1, keepdims=True, initial=-np.inf), 0.0)
+    sink = None
+    if sinks is not None:  # one more logit per row, with no value
+        sink = np.asarray(sinks, np.float64)[None, :, None, None]
+        row_max = np.where(any_visible, np.maximum(row_max, sink), sink)
     e = np.exp(np.where(vis, z - row_max, -np.inf))
     total = e.sum(-1, keepdims=True)
+    if sink is not None:
+        total = total + np.exp(sink - row_max)
     p = e / np.where(total > 0, total, 1.0)
     lse = np.where(total > 0, row_max + np.log(np.where(total > 0, total, 1.0)), -np.inf)
     factor = np.ones(full)
@@ -299,6 +306,10 @@ def numpy_attention(q, k, v, ct=None, ct_lse=None, *, bias=None, mask=None, scal
         dpd = np.einsum("btnh,bsnh->bnts", do, vq)
         dp = dpd * factor
         dz = p * (dp - np.sum(p * dp, -1, keepdims=True)) + p * np.where(total > 0, dlse, 0.0)
+        if sink is not None:  # d lse / d sink = exp(sink - lse); out moves against it
+            p_sink = np.exp(sink - lse)
+            dsink = p_sink * (dlse - np.sum(p * dp, -1, keepdims=True))
+            result["dsinks"] = dsink.sum(axis=(0, 2, 3))
         dx = dz
         if logits_soft_cap is not None:
             dx = dz * (1.0 - np.tanh(x / logits_soft_cap) ** 2)

@@ -105,7 +105,7 @@ def test_gradients_with_the_mosaic_dbias_against_reference_and_float64(dtype, sh
 
 
 @pytest.mark.parametrize("kwargs,match", [
-    (dict(mask=True), "no operand besides q, k, v, a bias and ALiBi slopes, got mask"),
+    (dict(mask=True), "no operand besides q, k, v, a bias, ALiBi slopes and sinks, got mask"),
     (dict(dropout_rate=0.1, dropout_rng=jax.random.key(0)), "no dropout"),
     (dict(dtype=jnp.float32), "bfloat16 or float16"),
     (dict(bias=(1, 1, 1, 16)), "broadcast along queries or keys"),

@@ -194,7 +194,7 @@ def test_batch_shared_dbias_under_vmap(blocks):
 
 @pytest.mark.parametrize("kwargs,match", [
     (dict(mask=True),
-     "dkv_backend='mosaic'.*no operand besides q, k, v, a bias and ALiBi slopes, got mask"),
+     "dkv_backend='mosaic'.*no operand besides q, k, v, a bias, ALiBi slopes and sinks, got mask"),
     (dict(dropout_rate=0.1, dropout_rng=jax.random.key(0)), "dkv_backend='mosaic'.*no dropout"),
     (dict(dtype=jnp.float32), "dkv_backend='mosaic'.*bfloat16 or float16"),
     (dict(H=256), "dkv_backend='mosaic'.*head dims must pad to"),

@@ -169,7 +169,7 @@ def test_gradients_with_the_mosaic_dq_against_reference_and_float64(shapes, bias
 
 @pytest.mark.parametrize("kwargs,match", [
     (dict(mask=True),
-     "dq_backend='mosaic'.*no operand besides q, k, v, a bias and ALiBi slopes, got mask"),
+     "dq_backend='mosaic'.*no operand besides q, k, v, a bias, ALiBi slopes and sinks, got mask"),
     (dict(dropout_rate=0.1, dropout_rng=jax.random.key(0)), "dq_backend='mosaic'.*no dropout"),
     (dict(dtype=jnp.float32), "dq_backend='mosaic'.*bfloat16 or float16"),
     (dict(H=256), "dq_backend='mosaic'.*head dims must pad to"),

@@ -208,7 +208,7 @@ def test_gradients_through_the_mosaic_forward_match_the_triton_forward():
 # ----------------------------------------------------------------- what it refuses
 @pytest.mark.parametrize("kwargs,match", [
     (dict(dtype=jnp.float32), "bfloat16 or float16"),
-    (dict(mask=True), "no operand besides q, k, v, a bias and ALiBi slopes, got mask"),
+    (dict(mask=True), "no operand besides q, k, v, a bias, ALiBi slopes and sinks, got mask"),
     (dict(bias=(1, 1, 1, 16)), r"broadcast along queries or keys"),
     (dict(bias=(1, 1, 16, 1)), r"broadcast along queries or keys"),
     (dict(dropout_rate=0.1, dropout_rng=jax.random.key(0)), "no dropout"),

@@ -286,6 +286,17 @@ def softmax_step(problem: Problem, s: jax.Array, m_prev: jax.Array, l_prev: jax.
     return prob, m_next, l_prev * alpha + jnp.sum(prob, axis=1), alpha
 
 
+def merge_sink(problem: Problem, sink: Any, m: jax.Array, l_sum: jax.Array
+               ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(alpha, row reference, row sum) after a row's softmax gains the head's sink (a
+    natural-units logit with no value); the caller scales its accumulator by alpha. A
+    row that saw no key ends with reference = the sink and sum 1: output 0, lse = sink."""
+    sink = sink * LOG2E if problem.exp2_factor == 1.0 else sink  # the problem's units
+    merged = jnp.maximum(m, sink)
+    alpha = problem.exp2_of(m - merged)
+    return alpha, merged, l_sum * alpha + problem.exp2_of(sink - merged)
+
+
 class TileRanges:
     """The tiles that query head n of batch entry b needs: key tiles for a block of
     query rows, query tiles for a block of keys, and which of them the causal/window

@@ -36,6 +36,7 @@ from pallas_attn.kernels.triton import fwd as triton_fwd
 from pallas_attn.kernels.triton.context import backward_inputs
 from pallas_attn.plan import Plan
 from pallas_attn.primals import first_order_only, is_perturbed, primal_values
+from pallas_attn.semantics import scores
 from pallas_attn.sharding import per_shard
 from pallas_attn.spec import OPTIONAL_INPUTS, AttentionSpec, Operands
 
@@ -75,7 +76,7 @@ def prepare(spec: AttentionSpec, ops: Operands, plan: Plan):
         spec=spec, batch=B, num_heads=N, num_kv_heads=K, q_len=T, kv_len=S, q_pad=q_pad,
         kv_pad=kv_pad, head_dim=H, value_head_dim=Hv, dtype=jnp.dtype(q.dtype).name,
         plan=plan, present=tuple(optional), interpret=plan.interpret)
-    differentiable = {"bias": optional.pop("bias")} if "bias" in optional else {}
+    differentiable = {name: optional.pop(name) for name in ("bias", "sinks") if name in optional}
     qp = _pad_axis(_pad_axis(q, 1, q_pad), 3, hp)
     kp = _pad_axis(_pad_axis(k, 1, kv_pad), 3, hp)
     vp = _pad_axis(_pad_axis(v, 1, kv_pad), 3, hvp)
@@ -87,7 +88,10 @@ def attention(spec: AttentionSpec, ops: Operands, plan: Plan) -> tuple[jax.Array
     problem, qp, kp, vp, differentiable, optional = prepare(spec, ops, plan)
     out, lse = _fused(problem, qp, kp, vp, differentiable, optional)
     T, Hv = ops.query.shape[1], ops.value.shape[-1]
-    lse = jnp.where(lse == jnp.inf, -jnp.inf, lse)[:, :, :T]  # public: -inf for empty rows
+    # Public: -inf for rows that see no key; with sinks, the head's sink (the kernels mark
+    # rows past a query length +inf even then, so that the backward skips them).
+    empty = -jnp.inf if ops.sinks is None else ops.sinks[None, :, None]
+    lse = jnp.where(lse == jnp.inf, empty, lse)[:, :, :T]
     return out[:, :T, :, :Hv], lse
 
 
@@ -99,7 +103,7 @@ def gradients(spec: AttentionSpec, ops: Operands, plan: Plan, out: jax.Array, ls
     d_lse their cotangents. No bias; ALiBi slopes are constants."""
     problem, qp, kp, vp, differentiable, optional = prepare(spec, ops, plan)
     if differentiable:
-        raise AssertionError("vjp.gradients takes no bias")
+        raise AssertionError("vjp.gradients takes no bias and no sinks")
     B, T, N, H = ops.query.shape
     S, Hv = ops.key.shape[1], ops.value.shape[-1]
     delta = jnp.einsum("btnh,btnh->bnt", d_out.astype(jnp.float32), out.astype(jnp.float32))
@@ -124,7 +128,8 @@ def _operands(differentiable: dict, optional: dict) -> dict:
 # Dimension names of the kernels' operands and results (sharding.py).
 _OPERAND_DIMS = {"bias": "b n t s", "mask": "b n t s", "alibi_slopes": "b n",
                  "q_segment_ids": "b t", "kv_segment_ids": "b s", "query_seq_lengths": "b",
-                 "key_value_seq_lengths": "b", "dropout_keys": "b n", "origin": "_"}
+                 "key_value_seq_lengths": "b", "dropout_keys": "b n", "origin": "_",
+                 "sinks": "n"}
 
 
 def _operand_labels(problem: Problem) -> dict[str, str]:
@@ -184,7 +189,7 @@ def _fused_fwd(problem: Problem, q, k, v, differentiable, optional):
         raise NotImplementedError(
             "the Pallas kernels treat alibi_slopes as constants and do not differentiate "
             "them; wrap them in jax.lax.stop_gradient or use implementation='xla'")
-    bias_grad = is_perturbed(differentiable)
+    bias_grad = is_perturbed(differentiable.get("bias"))
     q, k, v, differentiable, optional = first_order_only(
         primal_values((q, k, v, differentiable, optional)), "implementation='pallas'")
     out, row_stats = _forward(problem, q, k, v, _operands(differentiable, optional))
@@ -216,8 +221,12 @@ def _fused_bwd(problem: Problem, residuals, cotangents):
     bias_grad = bool(marker)
     dq, dk, dv, dbias = _backward((problem, bias_grad), q, k, v, operands, row_stats, d_out,
                                   delta)
-    d_differentiable = {"bias": dbias} if dbias is not None else jax.tree.map(
-        jnp.zeros_like, differentiable)
+    d_differentiable = jax.tree.map(jnp.zeros_like, differentiable)
+    if dbias is not None:
+        d_differentiable["bias"] = dbias
+    if "sinks" in differentiable:
+        d_differentiable["sinks"] = scores.sink_gradient(
+            differentiable["sinks"], problem.logsumexp(*row_stats), delta)
     d_optional = jax.tree.map(_zeros_like_tangent, optional)
     return dq, dk, dv, d_differentiable, d_optional
 

@@ -182,7 +182,7 @@ def attention(spec: AttentionSpec, ops: Operands, *, block_q: int | None = None,
     """
     plan = _plan(spec, ops, block_q, block_k, chunk)
     return _attention(plan, ops.query, ops.key, ops.value, ops.bias, ops.alibi_slopes,
-                      _constants(ops))
+                      ops.sinks, _constants(ops))
 
 
 def gradients(spec: AttentionSpec, ops: Operands, out: jax.Array, lse: jax.Array,
@@ -373,6 +373,12 @@ class _Tiles:
                 keys = lax.dynamic_slice(keys, (self.batch0, self.head0), (mb, kb * G))
                 self.drop_keys = keys.reshape(mb, kb, G)
 
+    def head_rows(self, x: jax.Array) -> jax.Array:
+        """This chunk's entries of a per-head [N] array, shaped [1, kb, G, 1] for tiles."""
+        p = self.plan
+        heads = lax.dynamic_slice_in_dim(x, self.head0, p.chunk_heads * p.group)
+        return heads.reshape(1, p.chunk_heads, p.group, 1)
+
     def _batch_rows(self, x: jax.Array) -> jax.Array:
         """Rows batch0 .. batch0 + chunk_batch of a [B, ...] array."""
         return lax.dynamic_slice_in_dim(x, self.batch0, self.plan.chunk_batch, 0)
@@ -488,9 +494,9 @@ def _varying(*arrays: Any) -> Callable[[jax.Array], jax.Array]:
     return (lambda x: lax.pcast(x, axes, to="varying")) if axes else (lambda x: x)
 
 
-def _forward(p: _Plan, q, k, v, bias, slopes, constants):
+def _forward(p: _Plan, q, k, v, bias, slopes, sinks, constants):
     spec = p.spec
-    varying = _varying(q, k, v, bias, slopes, *constants.values())
+    varying = _varying(q, k, v, bias, slopes, sinks, *constants.values())
     q_all, v_all = _split_rows(p, q), _split_keys(p, v)
     k_all = jnp.swapaxes(_split_keys(p, k), -1, -2)  # [chunks, nk, mb, kb, H, bk]
     inv_keep = 1.0 / (1.0 - spec.dropout_rate)
@@ -525,6 +531,12 @@ def _forward(p: _Plan, q, k, v, bias, slopes, constants):
                             jnp.zeros(shape, jnp.float32),
                             jnp.zeros((*shape, v.shape[-1]), jnp.float32)))
             m, total, acc = lax.fori_loop(*tiles.key_tiles(i), key_tile, init)
+            if sinks is not None:  # one more logit per row, with no value
+                sink = tiles.head_rows(sinks)
+                merged = jnp.maximum(m, sink)
+                alpha = jnp.exp(jnp.where(m == -jnp.inf, 0.0, m) - merged)
+                total = total * alpha + jnp.exp(sink - merged)
+                acc, m = acc * alpha[..., None], merged
             seen = total != 0.0  # NaN: seen, so a NaN in a visible input shows
             total = jnp.where(seen, total, 1.0)
             out = (acc / total[..., None]).astype(q.dtype)
@@ -647,23 +659,23 @@ def _backward(p: _Plan, q, k, v, bias, slopes, constants, out, row_stats, d_out,
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _attention(p: _Plan, q, k, v, bias, slopes, constants):
-    out, row_stats = _forward(p, q, k, v, bias, slopes, constants)
+def _attention(p: _Plan, q, k, v, bias, slopes, sinks, constants):
+    out, row_stats = _forward(p, q, k, v, bias, slopes, sinks, constants)
     return out, _logsumexp(*row_stats)
 
 
-def _attention_fwd(p: _Plan, q, k, v, bias, slopes, constants):
+def _attention_fwd(p: _Plan, q, k, v, bias, slopes, sinks, constants):
     # The pytree structure of `needs` carries the static "which optional gradients".
     needs = {name: () for name, x in (("bias", bias), ("slopes", slopes)) if is_perturbed(x)}
-    q, k, v, bias, slopes, constants = first_order_only(
-        primal_values((q, k, v, bias, slopes, constants)), "implementation='xla_chunked'")
-    out, row_stats = _forward(p, q, k, v, bias, slopes, constants)
-    residuals = (q, k, v, bias, slopes, constants, out, row_stats, needs)
+    q, k, v, bias, slopes, sinks, constants = first_order_only(
+        primal_values((q, k, v, bias, slopes, sinks, constants)), "implementation='xla_chunked'")
+    out, row_stats = _forward(p, q, k, v, bias, slopes, sinks, constants)
+    residuals = (q, k, v, bias, slopes, sinks, constants, out, row_stats, needs)
     return (out, _logsumexp(*row_stats)), residuals
 
 
 def _attention_bwd(p: _Plan, residuals, cotangents):
-    q, k, v, bias, slopes, constants, out, row_stats, needs = first_order_only(
+    q, k, v, bias, slopes, sinks, constants, out, row_stats, needs = first_order_only(
         residuals, "implementation='xla_chunked'")
     d_out, d_lse = cotangents
     if isinstance(d_out, SymbolicZero):
@@ -673,8 +685,14 @@ def _attention_bwd(p: _Plan, residuals, cotangents):
     dq, dk, dv, dbias, dslope = _backward(
         p, q, k, v, bias, slopes, constants, out, row_stats, d_out, d_lse,
         bias_grad="bias" in needs, slope_grad="slopes" in needs)
+    dsinks = None
+    if sinks is not None:
+        delta = jnp.einsum("btnh,btnh->bnt", d_out.astype(jnp.float32), out.astype(jnp.float32))
+        if d_lse is not None:
+            delta = delta - d_lse
+        dsinks = scores.sink_gradient(sinks, _logsumexp(*row_stats), delta)
     # None: a zero cotangent for an input that was not differentiated (or has none).
-    return dq, dk, dv, dbias, dslope, jax.tree.map(lambda _: None, constants)
+    return dq, dk, dv, dbias, dslope, dsinks, jax.tree.map(lambda _: None, constants)
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd, symbolic_zeros=True)

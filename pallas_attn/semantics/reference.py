@@ -66,9 +66,14 @@ def attention(spec: AttentionSpec, ops: Operands) -> tuple[jax.Array, jax.Array]
     hidden = (lambda x: x) if visible is None else (
         lambda x: jnp.where(visible, x, -jnp.inf))
     row_max = jnp.max(hidden(logits), axis=-1, keepdims=True)
+    sink = None if ops.sinks is None else ops.sinks[None, :, None, None]
+    if sink is not None:  # the sink is one more logit of every row, with no value
+        row_max = jnp.maximum(row_max, sink)
     row_max = jax.lax.stop_gradient(jnp.where(jnp.isfinite(row_max), row_max, 0.0))
     e = jnp.exp(hidden(logits - row_max))
     total = jnp.sum(e, axis=-1, keepdims=True)
+    if sink is not None:
+        total = total + jnp.exp(sink - row_max)
     # NOTE: a NaN row sum counts as seen: a NaN in a visible input shows in out and lse.
     seen = total != 0
     p = e / jnp.where(seen, total, 1.0)
@@ -90,9 +95,12 @@ def attention(spec: AttentionSpec, ops: Operands) -> tuple[jax.Array, jax.Array]
 
 
 def empty(ops: Operands) -> tuple[jax.Array, jax.Array]:
-    """The result when B, T or S is 0: no query row sees a key (out 0, lse -inf)."""
+    """The result when B, T or S is 0: no query row sees a key (out 0, lse -inf, or the
+    head's sink)."""
     B, T, N, _ = ops.query.shape
     out = jnp.zeros((B, T, N, ops.value.shape[-1]), ops.query.dtype)
+    if ops.sinks is not None:
+        return out, jnp.broadcast_to(ops.sinks[None, :, None], (B, N, T))
     return out, jnp.full((B, N, T), -jnp.inf, jnp.float32)
 
 

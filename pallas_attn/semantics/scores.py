@@ -139,3 +139,11 @@ def query_range(k_start: Any, k_stop: Any, spec: AttentionSpec, offset: int,
         lo = jnp.maximum(lo, k_start - offset - right)
         hi = jnp.minimum(hi, k_stop - offset + left)
     return lo, hi
+
+
+def sink_gradient(sinks: jax.Array, lse: jax.Array, delta: jax.Array) -> jax.Array:
+    """d sinks [N] = -sum over b, t of exp(sink - lse) * delta, from lse and delta
+    [B, N, T] (delta = rowsum(dO * out) minus the lse cotangent; rows with lse = +inf,
+    the kernels' padding, count 0)."""
+    weight = jnp.exp(sinks[None, :, None] - lse)
+    return -jnp.sum(jnp.where(lse == jnp.inf, 0.0, weight * delta), axis=(0, 2))

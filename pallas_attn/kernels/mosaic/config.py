@@ -58,9 +58,9 @@ def unsupported_scores(spec: AttentionSpec, present: tuple[str, ...]) -> str:
     """Why the Mosaic kernels cannot compute these scores, or "" when they can."""
     if spec.has_dropout:
         return f"no dropout, got dropout_rate={spec.dropout_rate}"
-    others = [name for name in present if name not in ("bias", "alibi_slopes")]
+    others = [name for name in present if name not in ("bias", "alibi_slopes", "sinks")]
     if others:
-        return (f"they take no operand besides q, k, v, a bias and ALiBi slopes, got "
+        return (f"they take no operand besides q, k, v, a bias, ALiBi slopes and sinks, got "
                 f"{', '.join(others)}")
     if spec.has_bias and 1 in spec.bias_shape[2:]:
         return (f"the bias needs its own entry per query and key, got a bias of shape "

@@ -54,7 +54,13 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_attn.kernels.core import Problem, TileRanges, softmax_reference_init, softmax_step
+from pallas_attn.kernels.core import (
+    Problem,
+    TileRanges,
+    merge_sink,
+    softmax_reference_init,
+    softmax_step,
+)
 from pallas_attn.kernels.mosaic.common import (
     Band,
     BiasTiles,
@@ -80,8 +86,8 @@ from pallas_attn.kernels.mosaic.config import (
 )
 
 
-def _kernel(q_ref, k_ref, v_ref, bias_ref, slopes_ref, out_ref, row_max_ref, log2_sum_ref,
-            smem, barriers, *, problem: Problem, programs: int):
+def _kernel(q_ref, k_ref, v_ref, bias_ref, slopes_ref, sinks_ref, out_ref, row_max_ref,
+            log2_sum_ref, smem, barriers, *, problem: Problem, programs: int):
     q_smem, k_smem, v_smem, p_smem = (smem[name] for name in ("q", "k", "v", "p"))
     o_smem = p_smem if smem["o"] is None else smem["o"]  # the output staged in P's buffer
     q_loaded, schedule = barriers["q_loaded"], barriers["schedule"]
@@ -123,6 +129,11 @@ def _kernel(q_ref, k_ref, v_ref, bias_ref, slopes_ref, out_ref, row_max_ref, log
                 tiles.first + steps, q_mine, k_smem, v_smem, p_mine, o_mine.shape[-1],
                 ring, schedule, bias, head_slope(slopes_ref, item.valid, item.b, item.n))
             load_q(walk.item(r + 1))  # every Q K^T of this item is done: q_mine is free
+
+            if sinks_ref is not None:  # the head's sink: one more logit, no value
+                sink = sinks_ref[jnp.where(item.valid, item.n, 0)]
+                alpha, m, l_sum = merge_sink(problem, sink, m, l_sum)
+                acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
 
             @pl.when(item.valid)
             def _store():
@@ -216,7 +227,7 @@ def forward(problem: Problem, q: jax.Array, k: jax.Array, v: jax.Array,
             optional: dict[str, jax.Array]) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
     """(out [B, Tp, N, Hvp], (row_max, log2_sum) [B, N, Tp]) for padded inputs."""
     route = problem.plan.forward
-    if (set(optional) - {"bias", "alibi_slopes"} or unsupported(problem)
+    if (set(optional) - {"bias", "alibi_slopes", "sinks"} or unsupported(problem)
             or route.block_q != ITEM_ROWS):
         raise AssertionError(f"mosaic.fwd.forward called for an unsupported problem: "
                              f"{unsupported(problem) or route}")
@@ -225,18 +236,18 @@ def forward(problem: Problem, q: jax.Array, k: jax.Array, v: jax.Array,
     dtype = q.dtype
     row = jax.ShapeDtypeStruct((B, N, Tp), jnp.float32)
     out_type = (jax.ShapeDtypeStruct((B, Tp, N, hvp), dtype), row, row)
-    bias, slopes = optional.get("bias"), optional.get("alibi_slopes")
+    bias, slopes, sinks = (optional.get(x) for x in ("bias", "alibi_slopes", "sinks"))
     scratch = forward_scratch(hp, hvp, route.block_k, route.num_stages, dtype,
                               None if bias is None else bias.dtype)
 
     def entry(q_ref, k_ref, v_ref, *refs):
-        bias_ref, slopes_ref = optional_refs(refs, bias, slopes)
+        bias_ref, slopes_ref, sinks_ref = optional_refs(refs, bias, slopes, sinks)
         out_ref, row_max_ref, log2_sum_ref = refs[-3:]
         scoped(scratch, lambda smem, barriers: _kernel(
-            q_ref, k_ref, v_ref, bias_ref, slopes_ref, out_ref, row_max_ref, log2_sum_ref,
-            smem, barriers, problem=problem, programs=programs))
+            q_ref, k_ref, v_ref, bias_ref, slopes_ref, sinks_ref, out_ref, row_max_ref,
+            log2_sum_ref, smem, barriers, problem=problem, programs=programs))
 
     programs = problem.plan.programs_for(Tp // ITEM_ROWS * B * N)
     out, row_max, log2_sum = launch(entry, out_type, programs, problem.interpret)(
-        q, k, v, *(x for x in (bias, slopes) if x is not None))
+        q, k, v, *(x for x in (bias, slopes, sinks) if x is not None))
     return out, (row_max, log2_sum)

@@ -66,7 +66,7 @@ WARPS = (1, 2, 4, 8, 16)
 
 # The optional operands the decode kernel reads (decode.py); the routing table sends
 # a call with any other (a bias, a mask, segments, dropout, an origin) to the forward.
-DECODE_OPERANDS = ("alibi_slopes", "query_seq_lengths", "key_value_seq_lengths")
+DECODE_OPERANDS = ("alibi_slopes", "query_seq_lengths", "key_value_seq_lengths", "sinks")
 
 
 

@@ -31,6 +31,7 @@ from pallas_attn.kernels.core import (
     Problem,
     TileRanges,
     logit_scores,
+    merge_sink,
     softmax_reference_init,
     softmax_step,
 )
@@ -117,6 +118,8 @@ def forward(problem: Problem, q: jax.Array, k: jax.Array, v: jax.Array,
     grouped = q[:, :T].reshape(B, T, K, G, Hp).transpose(0, 2, 1, 3, 4).reshape(B, K, T * G, Hp)
     names, inputs = ["q", "k", "v"], [_pad_rows(grouped, R), k, v]
     for name in (*DECODE_OPERANDS, "page_table"):
+        if name == "sinks":  # merged by `combine`, not read by the kernel
+            continue
         if name in optional:
             names.append(name)
             inputs.append(optional[name])
@@ -132,7 +135,11 @@ def forward(problem: Problem, q: jax.Array, k: jax.Array, v: jax.Array,
     acc, row_max, row_sum = launch(decode_kernel, problem, (*names, "acc", "row_max", "row_sum"),
                                    inputs, out_shape, (splits, B, K), route.num_warps,
                                    route.num_stages, "pallas_attn_decode")
-    out, row_max, log2_sum = combine(problem, acc, row_max, row_sum)
+    sinks = None
+    if "sinks" in optional:  # each row's head's sink
+        sinks = jnp.broadcast_to(optional["sinks"].reshape(1, K, 1, G), (B, K, T, G))
+        sinks = _pad_rows(sinks.reshape(B, K, T * G), R)
+    out, row_max, log2_sum = combine(problem, acc, row_max, row_sum, sinks)
     # Back to [B, Tp, N, Hvp] and [B, N, Tp]; padded rows see nothing (row max +inf).
     out = out[:, :, :T * G].reshape(B, K, T, G, Hvp).transpose(0, 2, 1, 3, 4)
     out = jnp.pad(out.reshape(B, T, N, Hvp), ((0, 0), (0, Tp - T), (0, 0), (0, 0)))
@@ -144,14 +151,18 @@ def forward(problem: Problem, q: jax.Array, k: jax.Array, v: jax.Array,
     return out.astype(q.dtype), (stats(row_max, jnp.inf), stats(log2_sum, 0.0))
 
 
-def combine(problem: Problem, acc: jax.Array, row_max: jax.Array, row_sum: jax.Array
-            ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Merges the splits' partial softmaxes: (out, row reference, log2 row sum), the
-    forward kernel's row residuals (+inf and 0 for rows that see no key)."""
+def combine(problem: Problem, acc: jax.Array, row_max: jax.Array, row_sum: jax.Array,
+            sinks: jax.Array | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Merges the splits' partial softmaxes (and each row's sink, [B, K, R]): (out, row
+    reference, log2 row sum), the forward kernel's row residuals (+inf and 0 for rows
+    that see no key)."""
     m = jnp.max(row_max, axis=0)
     weight = problem.exp2_of(row_max - m)  # a split without keys: sum 0, weight <= 1
     total = jnp.sum(row_sum * weight, axis=0)
     acc = jnp.sum(acc * weight[..., None], axis=0)
+    if sinks is not None:
+        alpha, m, total = merge_sink(problem, sinks, m, total)
+        acc = acc * alpha[..., None]
     seen = total != 0.0  # NaN: seen, so a NaN in a visible input shows
     out = acc / jnp.where(seen, total, 1.0)[..., None]
     return out, jnp.where(seen, m, jnp.inf), jnp.log2(jnp.where(seen, total, 1.0))

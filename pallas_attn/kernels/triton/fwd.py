@@ -22,6 +22,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_attn.kernels.core import (
     Problem,
+    merge_sink,
     run_tile_loops,
     softmax_reference_init,
     softmax_step,
@@ -73,6 +74,9 @@ def _forward_tile(problem: Problem, r: dict, ctx: TileContext, i) -> None:
         jnp.zeros((block_q,), jnp.float32),
     )
     acc, m, l_sum = run_tile_loops(*ctx.key_tiles(q0, q0 + block_q, block_k), body, init)
+    if problem.has("sinks"):
+        alpha, m, l_sum = merge_sink(problem, r["sinks"][n], m, l_sum)
+        acc = acc * alpha[:, None]
 
     rows = q0 + jax.lax.iota(jnp.int32, block_q)
     valid = (l_sum != 0.0) & (rows < problem.q_len)  # NaN: seen, so the NaN shows
