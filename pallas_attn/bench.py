@@ -90,6 +90,9 @@ def make_inputs(shape: Shape, seed: int = 0) -> dict[str, Any]:
             args["kwargs"]["mask"] = jax.random.bernoulli(keys[6], 0.9, (B, 1, T, S))
         elif name == "lengths":  # every sequence's keys valid up to kv_len - value
             args["kwargs"]["key_value_seq_lengths"] = jnp.full((B,), S - int(value), jnp.int32)
+        elif name == "packed":  # `value` documents of equal length in every row
+            ids = jnp.arange(T, dtype=jnp.int32) // (T // int(value))
+            args["kwargs"]["q_segment_ids"] = jnp.broadcast_to(ids, (B, T))
         elif name == "sinks":
             args["kwargs"]["sinks"] = jnp.linspace(-1.0, 2.0, N, dtype=jnp.float32)
         elif name == "paged":  # decode_benchmark reads K/V from pages of this size
@@ -268,6 +271,8 @@ def feature_shapes() -> list[Shape]:
         Shape(**base, features=(("softcap", 30.0),)),
         Shape(**base, features=(("dropout", 0.1),)),
         Shape(**base, features=(("segments", None),)),
+        Shape(**base, features=(("packed", 4),)),
+        Shape(**base, features=(("packed", 16),)),
         Shape(**base, features=(("sinks", None),)),
         Shape(**dict(base, batch=2, q_len=8192, kv_len=8192)),
         Shape(**dict(base, batch=2, q_len=8192, kv_len=8192), features=(("window", 512),)),

@@ -369,6 +369,7 @@ def normalize(
                     f"kv_segment_ids is required when q_len ({T}) != kv_len ({S})"
                 )
             kv_segment_ids = q_segment_ids
+        shared = kv_segment_ids is q_segment_ids
         segs = []
         for name, ids, length in (("q_segment_ids", q_segment_ids, T),
                                   ("kv_segment_ids", kv_segment_ids, S)):
@@ -379,6 +380,8 @@ def normalize(
                 raise ValueError(f"{name} must have shape {list(want)}, got {_shape(ids)}")
             segs.append(jnp.asarray(ids, jnp.int32).reshape(B, length))
         q_segment_ids, kv_segment_ids = segs
+        if shared:  # one array: the kernels then find the segments as its runs
+            kv_segment_ids = q_segment_ids
 
     if sinks is not None:
         sinks = _as_array("sinks", sinks)

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from jax.custom_derivatives import SymbolicZero
 
 from pallas_attn.kernels import padded_head_dim
-from pallas_attn.kernels.core import LOG2E, Problem
+from pallas_attn.kernels.core import KERNEL_INPUTS, LOG2E, Problem, segment_ranges
 from pallas_attn.kernels.mosaic import dbias as mosaic_dbias
 from pallas_attn.kernels.mosaic import dkv as mosaic_dkv
 from pallas_attn.kernels.mosaic import dq as mosaic_dq
@@ -71,6 +71,11 @@ def prepare(spec: AttentionSpec, ops: Operands, plan: Plan):
     if "q_segment_ids" in optional:
         optional["q_segment_ids"] = _pad_axis(optional["q_segment_ids"], 1, q_pad)
         optional["kv_segment_ids"] = _pad_axis(optional["kv_segment_ids"], 1, kv_pad)
+        # Packed sequences: the Triton kernels skip the key tiles outside each query
+        # tile's segments, and the query tiles outside each key tile's.
+        optional["key_ranges"], optional["query_ranges"] = segment_ranges(
+            optional["q_segment_ids"], optional["kv_segment_ids"], T, S,
+            same=ops.kv_segment_ids is ops.q_segment_ids)
 
     problem = Problem(
         spec=spec, batch=B, num_heads=N, num_kv_heads=K, q_len=T, kv_len=S, q_pad=q_pad,
@@ -129,7 +134,7 @@ def _operands(differentiable: dict, optional: dict) -> dict:
 _OPERAND_DIMS = {"bias": "b n t s", "mask": "b n t s", "alibi_slopes": "b n",
                  "q_segment_ids": "b t", "kv_segment_ids": "b s", "query_seq_lengths": "b",
                  "key_value_seq_lengths": "b", "dropout_keys": "b n", "origin": "_",
-                 "sinks": "n"}
+                 "sinks": "n", "key_ranges": "b _ t", "query_ranges": "b _ s"}
 
 
 def _operand_labels(problem: Problem) -> dict[str, str]:
@@ -142,7 +147,7 @@ def _operand_labels(problem: Problem) -> dict[str, str]:
         shape = shapes.get(name)
         return " ".join(d if shape is None or shape[i] > 1 else "_" for i, d in enumerate(dims))
 
-    return {name: label(name) for name in OPTIONAL_INPUTS if problem.has(name)}
+    return {name: label(name) for name in KERNEL_INPUTS if problem.has(name)}
 
 
 def _localize(problem: Problem, q, k, operands: dict) -> Problem:

@@ -20,10 +20,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_attn.kernels import varying_like
-from pallas_attn.kernels.core import Problem, TileRanges, logit_scores
+from pallas_attn.kernels.core import KERNEL_INPUTS, Problem, TileRanges, logit_scores
 from pallas_attn.semantics import dropout as dropout_lib
 from pallas_attn.semantics import scores
-from pallas_attn.spec import OPTIONAL_INPUTS
 
 
 def name_refs(names: Sequence[str], refs: Sequence[Any]) -> dict[str, Any]:
@@ -140,6 +139,21 @@ class TileContext(TileRanges):
             s = jnp.where(visible, s, -jnp.inf)
         return s, visible, cap_tanh
 
+    def key_limits(self, q0: Any, block_q: int) -> tuple[Any, Any] | None:
+        """The keys that query rows [q0, q0 + block_q) can see through their segments."""
+        return self._limits("key_ranges", q0, block_q)
+
+    def query_limits(self, k0: Any, block_k: int) -> tuple[Any, Any] | None:
+        """The query rows that see keys [k0, k0 + block_k) through their segments."""
+        return self._limits("query_ranges", k0, block_k)
+
+    def _limits(self, name: str, start: Any, size: int) -> tuple[Any, Any] | None:
+        if name not in self.refs:
+            return None
+        lo = self.refs[name][self.b, 0, pl.ds(start, size)]
+        hi = self.refs[name][self.b, 1, pl.ds(start, size)]
+        return jnp.min(lo), jnp.max(hi)
+
     def keep(self, q0: Any, k0: Any, block_q: int, block_k: int) -> jax.Array:
         """Dropout keep decisions for the tile (same hash as the reference)."""
         if self.origin is not None:  # the mask of global positions
@@ -201,6 +215,6 @@ def launch(kernel: Callable[..., None], problem: Problem, names: tuple[str, ...]
 def backward_inputs(q, k, v, optional, row_stats, do, delta) -> tuple[tuple[str, ...], list]:
     """The backward kernels' ref names and operands; row_stats: the forward's (row_max,
     log2_sum)."""
-    present = [x for x in OPTIONAL_INPUTS if x in optional]
+    present = [x for x in KERNEL_INPUTS if x in optional]
     names = ("q", "k", "v", "do", "row_max", "log2_sum", "delta", *present)
     return names, [q, k, v, do, *row_stats, delta, *(optional[x] for x in present)]

@@ -79,7 +79,8 @@ def dkdv_kernel(*refs, problem: Problem, names: tuple[str, ...], fused_dbias: bo
                     r["dbias"][bb, nb, pl.ds(q0, block_q), cols] = ds.astype(r["dbias"].dtype)
             return (dk, dv, *column_sum)
 
-        first, stop, full_first, full_stop = ctx.query_tiles(k0, k0 + block_k, block_q)
+        first, stop, full_first, full_stop = ctx.query_tiles(k0, k0 + block_k, block_q,
+                                                             ctx.query_limits(k0, block_k))
         if rows_broadcast:
             carry = (*carry, jnp.zeros((1, block_k), jnp.float32))
         dk, dv, *column_sum = run_tile_loops(first, stop, full_first, full_stop, body, carry)

@@ -35,8 +35,8 @@ def dq_kernel(*refs, problem: Problem, names: tuple[str, ...]):
         _, ds = ctx.score_gradient(q, k, v, do, residuals, q0, k0, masked)
         return dq + plgpu.dot(ds.astype(k.dtype), k, precision=problem.precision)
 
-    dq = run_tile_loops(*ctx.key_tiles(q0, q0 + block_q, block_k), body,
-                        jnp.zeros((block_q, q.shape[-1]), jnp.float32))
+    tiles = ctx.key_tiles(q0, q0 + block_q, block_k, ctx.key_limits(q0, block_q))
+    dq = run_tile_loops(*tiles, body, jnp.zeros((block_q, q.shape[-1]), jnp.float32))
     dq = dq * (problem.spec.scale * problem.dropout_scale)  # score_gradient leaves it out
     r["dq"][b, pl.ds(q0, block_q), n, :] = dq.astype(r["dq"].dtype)
 

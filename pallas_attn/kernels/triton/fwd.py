@@ -21,6 +21,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_attn.kernels.core import (
+    KERNEL_INPUTS,
     Problem,
     merge_sink,
     run_tile_loops,
@@ -34,7 +35,6 @@ from pallas_attn.kernels.triton.context import (
     schedule_query_tiles,
     scheduled_grid_size,
 )
-from pallas_attn.spec import OPTIONAL_INPUTS
 
 
 def forward_kernel(*refs, problem: Problem, names: tuple[str, ...]):
@@ -73,7 +73,8 @@ def _forward_tile(problem: Problem, r: dict, ctx: TileContext, i) -> None:
         jnp.full((block_q,), softmax_reference_init(problem), jnp.float32),
         jnp.zeros((block_q,), jnp.float32),
     )
-    acc, m, l_sum = run_tile_loops(*ctx.key_tiles(q0, q0 + block_q, block_k), body, init)
+    tiles = ctx.key_tiles(q0, q0 + block_q, block_k, ctx.key_limits(q0, block_q))
+    acc, m, l_sum = run_tile_loops(*tiles, body, init)
     if problem.has("sinks"):
         alpha, m, l_sum = merge_sink(problem, r["sinks"][n], m, l_sum)
         acc = acc * alpha[:, None]
@@ -92,9 +93,9 @@ def _forward_tile(problem: Problem, r: dict, ctx: TileContext, i) -> None:
 def forward(problem: Problem, q: jax.Array, k: jax.Array, v: jax.Array,
             optional: dict[str, jax.Array]) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
     """(out [B, Tp, N, Hvp], (row_max, log2_sum) [B, N, Tp]) for padded inputs."""
-    names = ("q", "k", "v", *(x for x in OPTIONAL_INPUTS if x in optional), "out",
+    names = ("q", "k", "v", *(x for x in KERNEL_INPUTS if x in optional), "out",
              "row_max", "log2_sum")
-    inputs = [q, k, v, *(optional[x] for x in OPTIONAL_INPUTS if x in optional)]
+    inputs = [q, k, v, *(optional[x] for x in KERNEL_INPUTS if x in optional)]
     B, Tp, N, _ = q.shape
     row = jax.ShapeDtypeStruct((B, N, Tp), jnp.float32)
     out_shape = [jax.ShapeDtypeStruct((B, Tp, N, v.shape[-1]), q.dtype), row, row]

@@ -1,0 +1,91 @@
+"""Packed sequences: the Triton kernels skip the tiles outside each tile's segments
+(kernels/core.segment_ranges). The keys of one packed document are NaN: the other
+documents must stay exact in the output and every gradient, which holds only if the
+kernels never read the poisoned tiles (a masked NaN still poisons P V and dS K).
+Unsorted segment ids skip nothing and stay exact."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from kernel_helpers import make_inputs
+
+import pallas_attn
+
+pytestmark = pytest.mark.timeout(300)
+
+BLOCKS = pallas_attn.BlockSizes(block_q=32, block_k=32, block_q_dkv=32, block_k_dkv=32,
+                                block_q_dq=32, block_k_dq=32)
+
+
+def _grads(q, k, v, ct, segments, implementation, **kw):
+    def loss(q, k, v):
+        out = pallas_attn.dot_product_attention(
+            q, k, v, q_segment_ids=segments, implementation=implementation,
+            **(dict(interpret=True, block_sizes=BLOCKS) if implementation == "pallas" else {}),
+            **kw)
+        return jnp.sum(out * ct), out
+
+    (_, out), grads = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(q, k, v)
+    return out, grads
+
+
+@pytest.mark.parametrize("kw", [{}, dict(is_causal=True)], ids=["full", "causal"])
+def test_poisoned_document_is_never_read(kw):
+    inputs = make_inputs(7, dtype=jnp.float32, B=2, T=256, S=256, N=2, K=1, H=32)
+    q, k, v, ct = inputs["q"], inputs["k"], inputs["v"], inputs["ct"]
+    segments = jnp.repeat(jnp.arange(4), 64)[None].repeat(2, 0).astype(jnp.int32)
+    poisoned = slice(192, 256)  # document 3 of batch entry 0
+    k_bad = k.at[0, poisoned].set(jnp.nan)
+    v_bad = v.at[0, poisoned].set(jnp.nan)
+    out, (dq, dk, dv) = _grads(q, k_bad, v_bad, ct, segments, "pallas", **kw)
+    want, (dq_w, dk_w, dv_w) = _grads(q, k, v, ct, segments, "xla", **kw)
+    clean = slice(0, 192)
+    for got, ref in ((out, want), (dq, dq_w), (dk, dk_w), (dv, dv_w)):
+        np.testing.assert_allclose(got[0, clean], ref[0, clean], atol=2e-5, rtol=2e-5)
+        np.testing.assert_allclose(got[1], ref[1], atol=2e-5, rtol=2e-5)
+    assert np.isnan(np.asarray(out[0, poisoned])).all()
+
+
+def test_unsorted_and_ragged_segments_stay_exact():
+    inputs = make_inputs(8, dtype=jnp.float32, B=2, T=100, S=100, N=2, K=2, H=32)
+    rng = np.random.default_rng(0)
+    segments = jnp.asarray(np.stack([np.sort(rng.integers(0, 5, 100)),
+                                     rng.integers(0, 3, 100)]), jnp.int32)
+    got = _grads(inputs["q"], inputs["k"], inputs["v"], inputs["ct"], segments, "pallas",
+                 is_causal=True)
+    want = _grads(inputs["q"], inputs["k"], inputs["v"], inputs["ct"], segments, "xla",
+                  is_causal=True)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(g, w, atol=2e-5, rtol=2e-5)
+
+
+def test_segment_ranges():
+    from pallas_attn.kernels.core import segment_ranges
+
+    q = jnp.array([[0, 0, 1, 1, 2, 9], [1, 0, 1, 0, 0, 0]], jnp.int32)
+    kv = jnp.array([[0, 1, 1, 1, 2, 2, 0, 0], [0, 0, 1, 1, 2, 2, 0, 0]], jnp.int32)
+    keys, queries = segment_ranges(q, kv, q_len=5, kv_len=6)
+    # Entry 0: keys sorted over the first 6; query row 5 is padding (empty range).
+    np.testing.assert_array_equal(keys[0], [[0, 0, 1, 1, 4, 6], [1, 1, 4, 4, 6, 0]])
+    # Entry 1: sorted keys; its queries are unsorted, so every key keeps all rows.
+    np.testing.assert_array_equal(keys[1], [[2, 0, 2, 0, 0, 6], [4, 2, 4, 2, 2, 0]])
+    np.testing.assert_array_equal(queries[1][:, :6], [[0] * 6, [5] * 6])
+    np.testing.assert_array_equal(queries[1][:, 6:], [[5, 5], [0, 0]])
+
+
+def test_runs_and_searches_agree():
+    """Self-attention ids (one array) take the runs path; the same ids as two arrays
+    take the binary searches; both give the same ranges, sorted or not."""
+    from pallas_attn.kernels.core import segment_ranges
+
+    rng = np.random.default_rng(1)
+    ids = jnp.asarray(np.stack([np.sort(rng.integers(0, 6, 40)), rng.integers(0, 3, 40)]),
+                      jnp.int32)
+    padded = jnp.pad(ids, ((0, 0), (0, 8)))
+    same = segment_ranges(padded, padded, 40, 40, same=True)
+    searched = segment_ranges(padded, padded + 0, 40, 40, same=False)
+    for a, b in zip(same, searched, strict=True):
+        np.testing.assert_array_equal(a, b)
