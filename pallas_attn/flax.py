@@ -489,17 +489,34 @@ class MultiHeadAttention(nnx.Module):
         self.cached_key: nnx.Cache | None = nnx.data(None)
         self.cached_value: nnx.Cache | None = nnx.data(None)
         self.cache_index: nnx.Cache | None = nnx.data(None)
+        self.page_table: nnx.Cache | None = nnx.data(None)
+        self.cache_dtype = None
 
-    def init_cache(self, batch_size: int, max_length: int, dtype: Any = None) -> None:
-        """Allocates an empty KV cache: keys and values [batch_size, max_length, K, D].
+    def init_cache(self, batch_size: int, max_length: int, dtype: Any = None,
+                   page_size: int | None = None) -> None:
+        """Allocates an empty KV cache: keys and values [batch_size, max_length, K, D], or
+        with page_size, pages [batch_size * ceil(max_length / page_size), page_size, K, D]
+        and a page table (decoding then runs pallas_attn.paged_attention).
 
         Args:
           batch_size: B of the decode calls.
           max_length: most tokens the cache holds (prompt and generated together).
-          dtype: cache dtype (default: ``dtype``, else ``param_dtype``).
+          dtype: cache dtype (default: the dtype of the keys the layer computes, so that
+            a bfloat16 model keeps a bfloat16 cache whatever its param_dtype).
+          page_size: tokens per page (a multiple of 16 for the GPU kernel), or None.
         """
+        self.cache_dtype = dtype
         dtype = dtype or self.dtype or self.param_dtype
-        shape = (batch_size, max_length, self.num_kv_heads, self.head_dim)
+        if page_size is None:
+            shape = (batch_size, max_length, self.num_kv_heads, self.head_dim)
+            self.page_table = nnx.data(None)
+        else:
+            if not isinstance(page_size, int) or page_size < 1:
+                raise ValueError(f"page_size must be a positive int, got {page_size!r}")
+            pages = -(-max_length // page_size)
+            shape = (batch_size * pages, page_size, self.num_kv_heads, self.head_dim)
+            self.page_table = nnx.Cache(
+                jnp.arange(batch_size * pages, dtype=jnp.int32).reshape(batch_size, pages))
         self.cached_key = nnx.Cache(jnp.zeros(shape, dtype))
         self.cached_value = nnx.Cache(jnp.zeros(shape, dtype))
         self.cache_index = nnx.Cache(jnp.array(0, dtype=jnp.int32))
@@ -547,6 +564,10 @@ class MultiHeadAttention(nnx.Module):
         dropout_rate, dropout_rng = self._dropout(deterministic, rngs)
         mask = _as_bool_mask(mask)
         is_causal = self.is_causal
+        sinks = None if self.sinks is None else self.sinks[...]
+        if decode and self.page_table is not None:
+            return self.out(self._paged_decode(query, key, value, mask, key_value_seq_lengths,
+                                               dropout_rate, sinks))
         if decode:
             key, value, mask, key_value_seq_lengths = self._append_to_cache(
                 key, value, mask, key_value_seq_lengths)
@@ -556,8 +577,50 @@ class MultiHeadAttention(nnx.Module):
             is_causal=is_causal, key_value_seq_lengths=key_value_seq_lengths,
             dropout_rate=dropout_rate, dropout_rng=dropout_rng,
             broadcast_dropout=self.broadcast_dropout, implementation=self.implementation,
-            interpret=self.interpret, sinks=None if self.sinks is None else self.sinks[...])
+            interpret=self.interpret, sinks=sinks)
         return self.out(out)
+
+    def _paged_decode(self, query: Array, key: Array, value: Array, mask: Array | None,
+                      lengths: Array | None, dropout_rate: float, sinks: Array | None) -> Array:
+        """Writes the new keys/values into their pages and attends through the pages."""
+        from pallas_attn.paged import paged_attention, paged_cache_update
+
+        for name, given in (("mask", mask is not None), ("key_value_seq_lengths",
+                                                         lengths is not None),
+                            ("dropout", dropout_rate > 0)):
+            if given:
+                raise ValueError(f"decoding with a paged cache takes no {name}: the cache "
+                                 f"lengths say what each token sees")
+        self._follow_compute_dtype(key.dtype)
+        table = self.page_table[...]
+        B, L = key.shape[:2]
+        capacity = table.shape[1] * self.cached_key.shape[1]
+        lengths = jnp.broadcast_to(self._advance(L, capacity), (B,)).astype(jnp.int32)
+        keys, values = paged_cache_update(self.cached_key[...], self.cached_value[...], key,
+                                          value, table, lengths)
+        self.cached_key[...] = keys
+        self.cached_value[...] = values
+        return paged_attention(query, keys.astype(query.dtype), values.astype(query.dtype),
+                               table, lengths, sinks=sinks, implementation=self.implementation,
+                               interpret=self.interpret)
+
+    def _follow_compute_dtype(self, dtype: Any) -> None:
+        """A cache whose dtype was not given takes the dtype of the keys it receives."""
+        if self.cache_dtype is None and self.cached_key[...].dtype != dtype:
+            self.cached_key.set_value(self.cached_key[...].astype(dtype))
+            self.cached_value.set_value(self.cached_value[...].astype(dtype))
+
+    def _advance(self, new: int, capacity: int) -> Array:
+        """Moves the cache index past `new` tokens; returns the new count."""
+        index = self.cache_index[...]
+        try:  # a concrete index (eager use) is checked; under jit an overflow is unchecked
+            if int(index) + new > capacity:
+                raise ValueError(f"the KV cache holds {capacity} tokens: {int(index)} cached "
+                                 f"+ {new} new do not fit")
+        except (jax.errors.ConcretizationTypeError, jax.errors.TracerIntegerConversionError):
+            pass
+        self.cache_index[...] = index + new
+        return index + new
 
     def _dropout(self, deterministic: bool | None,
                  rngs: nnx.Rngs | nnx.RngStream | None) -> tuple[float, Array | None]:
@@ -586,13 +649,9 @@ class MultiHeadAttention(nnx.Module):
         if key.shape != (B, L, K, D):
             raise ValueError(f"decode inputs give keys {key.shape}, the cache holds "
                              f"[{B}, {max_length}, {K}, {D}]")
+        self._follow_compute_dtype(key.dtype)
         index = self.cache_index[...]
-        try:  # a concrete index (eager use) is checked; under jit an overflow is unchecked
-            if int(index) + L > max_length:
-                raise ValueError(f"the KV cache holds {max_length} tokens: {int(index)} cached "
-                                 f"+ {L} new do not fit")
-        except (jax.errors.ConcretizationTypeError, jax.errors.TracerIntegerConversionError):
-            pass
+        self._advance(L, max_length)
         start = (0, index, 0, 0)
         keys = jax.lax.dynamic_update_slice(self.cached_key[...],
                                             key.astype(self.cached_key[...].dtype), start)
@@ -600,7 +659,6 @@ class MultiHeadAttention(nnx.Module):
                                               value.astype(self.cached_value[...].dtype), start)
         self.cached_key[...] = keys
         self.cached_value[...] = values
-        self.cache_index[...] = index + L
         filled = jnp.broadcast_to(index + L, (B,)).astype(jnp.int32)
         lengths = filled if lengths is None else jnp.minimum(filled, lengths)
         if L > 1:  # new token i sits at position index + i and sees keys j <= index + i

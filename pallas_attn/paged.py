@@ -102,7 +102,9 @@ def paged_attention(
 
     jax.eval_shape(trace, query, gathered, gathered_v, lengths)
     if implementation is None:
-        implementation = "pallas" if (interpret or on_nvidia_gpu()) else "xla"
+        kernel = (interpret or on_nvidia_gpu()) and not _kernel_refusal(
+            query, key_cache, value_cache)
+        implementation = "pallas" if kernel else "xla"
     run = _kernel if implementation == "pallas" else _reference
     extra = {name: x for name, x in (("alibi_slopes", alibi_slopes), ("sinks", sinks))
              if x is not None}
@@ -152,20 +154,13 @@ def _reference(spec, implementation, interpret, q, k_cache, v_cache, table, leng
 
 def _kernel(spec, implementation, interpret, q, k_cache, v_cache, table, lengths, extra):
     """The decode kernel reading the pages in place."""
-    from pallas_attn.kernels import next_power_of_2
     from pallas_attn.kernels.core import Problem
     from pallas_attn.kernels.triton import decode
 
     B, T, N, H = q.shape
     page_size, K, Hv = k_cache.shape[1], k_cache.shape[2], v_cache.shape[3]
-    for name, dim in (("query/key", H), ("value", Hv)):
-        if dim < 16 or dim != next_power_of_2(dim):
-            raise ValueError(f"the paged kernel reads the cache in place and needs power-of-two "
-                             f"head dims >= 16, got {name} {dim}; use implementation='xla'")
-    if page_size % 16:
-        raise ValueError(f"the paged kernel's key tiles lie in one page and hold a multiple "
-                         f"of 16 keys: page_size must be a multiple of 16, got {page_size}; "
-                         f"use implementation='xla'")
+    if why := _kernel_refusal(q, k_cache, v_cache):
+        raise ValueError(f"{why}; use implementation='xla'")
     block_k = min(dispatch.DECODE_TILES[0], page_size & -page_size)
     present = ("key_value_seq_lengths", *extra)
     call = dispatch.Call(spec, B, T, table.shape[1] * page_size, N, K, H, Hv,
@@ -185,6 +180,25 @@ def _kernel(spec, implementation, interpret, q, k_cache, v_cache, table, lengths
     out, row_stats = decode.forward(problem, q, k_cache, v_cache, operands)
     lse = problem.logsumexp(*row_stats)
     return out, jnp.where(lse == jnp.inf, -jnp.inf, lse)
+
+
+def _kernel_refusal(q, k_cache, v_cache) -> str:
+    """Why the decode kernel cannot read these pages in place, or ""."""
+    from pallas_attn.kernels import next_power_of_2
+
+    T, N, H = q.shape[1:]
+    page_size, K, Hv = k_cache.shape[1], k_cache.shape[2], v_cache.shape[3]
+    for name, dim in (("query/key", H), ("value", Hv)):
+        if dim < 16 or dim != next_power_of_2(dim):
+            return (f"the paged kernel reads the cache in place and needs power-of-two head "
+                    f"dims >= 16, got {name} {dim}")
+    if page_size % 16:
+        return (f"the paged kernel's key tiles lie in one page and hold a multiple of 16 "
+                f"keys: page_size must be a multiple of 16, got {page_size}")
+    if T * (N // K) > dispatch.DECODE_MAX_ROWS:
+        return (f"the paged kernel's tile holds at most {dispatch.DECODE_MAX_ROWS} query rows "
+                f"(tokens x query heads per kv head), got {T * (N // K)}")
+    return ""
 
 
 def paged_cache_update(key_cache: jax.Array, value_cache: jax.Array, new_keys: jax.Array,

@@ -443,3 +443,27 @@ def test_the_adapter_without_flax_names_the_missing_package():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=100, check=True).stdout
     assert out.startswith("ImportError pallas_attn.flax needs flax"), out
+
+
+@pytest.mark.parametrize("page_size", [None, 16])
+def test_decoding_contiguous_and_paged_caches_equal_the_causal_forward(page_size):
+    """Prefill 5 tokens, then decode 3 one by one (under nnx.jit), through a contiguous
+    or a paged cache: each step equals the full causal forward's row. The cache takes
+    the dtype of the keys the layer computes (float32 from float32 inputs), not the
+    bfloat16 of its parameters."""
+    from flax import nnx
+
+    layer = pallas_attn.flax.MultiHeadAttention(4, 32, num_kv_heads=2, is_causal=True,
+                                                sinks=True, param_dtype=jnp.bfloat16,
+                                                rngs=nnx.Rngs(0))
+    x = jax.random.normal(jax.random.key(1), (2, 8, 32), jnp.float32)
+    full = layer(x)
+    layer.init_cache(batch_size=2, max_length=40, page_size=page_size)
+    step = nnx.jit(lambda layer, x: layer(x, decode=True))
+    parts = [step(layer, x[:, :5])] + [step(layer, x[:, t:t + 1]) for t in range(5, 8)]
+    assert layer.cached_key[...].dtype == layer.key(x).dtype == jnp.float32
+    np.testing.assert_allclose(jnp.concatenate(parts, axis=1).astype(jnp.float32),
+                               full.astype(jnp.float32), atol=3e-2, rtol=3e-2)
+    if page_size:
+        with pytest.raises(ValueError, match="paged cache takes no mask"):
+            layer(x[:, :1], decode=True, mask=jnp.ones((1, 1, 1, 40), bool))
