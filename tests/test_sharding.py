@@ -86,6 +86,8 @@ FEATURES = {
     "dropout_alibi": lambda B, T: dict(
         dropout_rate=0.25, dropout_rng=jax.random.key(7),
         alibi_slopes=jax.lax.stop_gradient(jnp.linspace(0.1, 0.8, 4))),
+    "sinks_softcap": lambda B, T: dict(sinks=jnp.array([0.5, -1.0, 2.0, 0.0]),
+                                       logits_soft_cap=4.0),
     "broadcast_dropout_mask": lambda B, T: dict(
         dropout_rate=0.5, dropout_rng=jax.random.key(3), broadcast_dropout=True,
         mask=jax.random.bernoulli(jax.random.key(5), 0.7, (B, 1, T, T))),
