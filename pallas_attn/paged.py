@@ -24,7 +24,7 @@ import numpy as np
 from pallas_attn import dispatch
 from pallas_attn.device import on_nvidia_gpu
 from pallas_attn.plan import BlockSizes
-from pallas_attn.spec import Operands, check_bool, normalize
+from pallas_attn.spec import Operands, check_bool, check_concrete_range, normalize
 
 IMPLEMENTATIONS = ("pallas", "xla", "xla_chunked")
 
@@ -87,8 +87,8 @@ def paged_attention(
         raise ValueError(f"page_table must be [B, pages_per_seq] and cache_lengths [B] with "
                          f"B = {B}, got {table.shape} and {lengths.shape}")
     capacity = table.shape[1] * page_size
-    _check_concrete("page_table", table, 0, P - 1)
-    _check_concrete("cache_lengths", lengths, 0, capacity)
+    check_concrete_range("page_table", table, 0, P - 1)
+    check_concrete_range("cache_lengths", lengths, 0, capacity)
     # The spec and operands of the equivalent call on the gathered cache.
     gathered = jax.ShapeDtypeStruct((B, capacity, K, H), key_cache.dtype)
     gathered_v = jax.ShapeDtypeStruct((B, capacity, K, v_shape[3]), value_cache.dtype)
@@ -214,8 +214,8 @@ def paged_cache_update(key_cache: jax.Array, value_cache: jax.Array, new_keys: j
     lengths = _int_array("cache_lengths", cache_lengths, 1)
     B, T = np.shape(new_keys)[:2]
     page_size = key_cache.shape[1]
-    _check_concrete("page_table", table, 0, key_cache.shape[0] - 1)
-    _check_concrete("cache_lengths", lengths, 0, table.shape[1] * page_size)
+    check_concrete_range("page_table", table, 0, key_cache.shape[0] - 1)
+    check_concrete_range("cache_lengths", lengths, 0, table.shape[1] * page_size)
     positions = lengths[:, None] - T + jnp.arange(T)[None, :]
     keep = positions >= 0
     safe = jnp.where(keep, positions, 0)
@@ -236,13 +236,3 @@ def _int_array(name: str, x: Any, ndim: int) -> jax.Array:
     if np.ndim(x) != ndim:
         raise ValueError(f"{name} must have {ndim} dimensions, got shape {np.shape(x)}")
     return jnp.asarray(x, jnp.int32)
-
-
-def _check_concrete(name: str, x: Any, low: int, high: int) -> None:
-    try:
-        values = np.asarray(x)
-    except (TypeError, jax.errors.ConcretizationTypeError, jax.errors.TracerArrayConversionError):
-        return
-    if values.size and (values.min() < low or values.max() > high):
-        raise ValueError(f"{name} must lie in [{low}, {high}], got values from {values.min()} "
-                         f"to {values.max()}")

@@ -209,11 +209,11 @@ def _check_lengths(name: str, x: Any, batch: int, bound: int) -> jax.Array:
     _check_int(name, x)
     if _shape(x) != (batch,):
         raise ValueError(f"{name} must have shape [batch] = ({batch},), got {_shape(x)}")
-    _check_concrete_range(name, x, 0, bound)
+    check_concrete_range(name, x, 0, bound)
     return jnp.asarray(x, jnp.int32)
 
 
-def _check_concrete_range(name: str, x: Any, low: int, high: int) -> None:
+def check_concrete_range(name: str, x: Any, low: int, high: int) -> None:
     """Range check for values known at trace time (skipped under jit)."""
     try:
         values = np.asarray(x)
