@@ -121,3 +121,17 @@ def test_routing_of_few_query_rows():
     triton = pallas_attn.BlockSizes(forward_backend="triton")
     assert pallas_attn.explain(q, k, v, interpret=True,
                                block_sizes=triton).forward.backend == "triton"
+
+
+def test_unwritten_cache_past_the_lengths_is_never_read():
+    """NaN keys and values past each sequence's length (unwritten cache slots): the
+    decode kernel gives the clean result."""
+    q, k, v, _ = _inputs(B=2, T=1, S=300, N=8, K=2)
+    lengths = jnp.array([300, 77])
+    k_bad = k.at[1, 77:].set(jnp.nan)
+    v_bad = v.at[1, 77:].set(jnp.nan)
+    got = pallas_attn.dot_product_attention(q, k_bad, v_bad, key_value_seq_lengths=lengths,
+                                            interpret=True)
+    want = pallas_attn.dot_product_attention(q, k, v, key_value_seq_lengths=lengths,
+                                             implementation="xla")
+    np.testing.assert_allclose(got, want, atol=2e-5, rtol=2e-5)

@@ -164,3 +164,26 @@ def test_nan_in_a_visible_key_shows_in_every_row_that_sees_it(backend):
     out, lse = np.asarray(out.astype(jnp.float32)), np.asarray(lse)
     assert np.isnan(out[0, :, 0]).all() and np.isnan(lse[0, :, 0]).all()
     assert np.isfinite(out[1]).all() and np.isfinite(lse[1]).all()
+
+
+@pytest.mark.parametrize("backend", ("xla", "xla_chunked", "triton"))
+def test_nan_past_the_lengths_never_reaches_a_result(backend):
+    """Keys and values past key_value_seq_lengths and queries past query_seq_lengths
+    hold NaN (unwritten cache memory): the output, logsumexp and every gradient equal
+    those of clean inputs, bit for bit where nothing is hidden."""
+    shapes = dict(B=2, T=130, S=140, N=2, H=64)
+    inputs = make_inputs(12, dtype=jnp.float32, **shapes)
+    arrays = {"query_seq_lengths": jnp.array([100, 130], jnp.int32),
+              "key_value_seq_lengths": jnp.array([140, 61], jnp.int32)}
+    dirty = dict(inputs)
+    dirty["q"] = inputs["q"].at[0, 100:].set(jnp.nan)
+    dirty["k"] = inputs["k"].at[1, 61:].set(jnp.nan)
+    dirty["v"] = inputs["v"].at[1, 61:].set(jnp.inf)
+    block_sizes = _block_sizes(backend)
+    impl = "pallas" if block_sizes is not None else backend
+    extra = {} if block_sizes is None else dict(block_sizes=block_sizes)
+    got = run(impl, dirty, arrays=arrays, is_causal=True, **extra)
+    clean = run(impl, inputs, arrays=arrays, is_causal=True, **extra)
+    for name in got:
+        np.testing.assert_allclose(got[name], clean[name], atol=1e-6, rtol=1e-6,
+                                   err_msg=f"{backend} {name}")

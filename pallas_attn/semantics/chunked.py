@@ -57,7 +57,7 @@ from jax.custom_derivatives import SymbolicZero
 
 from pallas_attn.primals import first_order_only, is_perturbed, primal_values
 from pallas_attn.semantics import dropout as dropout_lib
-from pallas_attn.semantics import scores
+from pallas_attn.semantics import reference, scores
 from pallas_attn.spec import AttentionSpec, Operands
 
 # Elements of one [chunk, G, block_q, block_k] float32 tile (512 KiB). Large enough
@@ -181,6 +181,7 @@ def attention(spec: AttentionSpec, ops: Operands, *, block_q: int | None = None,
     depend on them beyond float rounding.
     """
     plan = _plan(spec, ops, block_q, block_k, chunk)
+    ops = reference.hide_past_lengths(ops)
     return _attention(plan, ops.query, ops.key, ops.value, ops.bias, ops.alibi_slopes,
                       ops.sinks, _constants(ops))
 
@@ -194,6 +195,7 @@ def gradients(spec: AttentionSpec, ops: Operands, out: jax.Array, lse: jax.Array
     if ops.bias is not None:
         raise AssertionError("chunked.gradients takes no bias")
     plan = _plan(spec, ops, None, None, None)
+    ops = reference.hide_past_lengths(ops)
     row_stats = (jnp.where(lse == -jnp.inf, jnp.inf, lse), jnp.zeros_like(lse))
     dq, dk, dv, _, _ = _backward(plan, ops.query, ops.key, ops.value, None, ops.alibi_slopes,
                                  _constants(ops), out, row_stats, d_out, d_lse,

@@ -22,6 +22,23 @@ from pallas_attn.semantics import scores
 from pallas_attn.spec import AttentionSpec, Operands
 
 
+def hide_past_lengths(ops: Operands) -> Operands:
+    """Queries and keys/values past their lengths zeroed: hidden, they never meet a
+    product (where 0 * NaN would poison the visible rows) and get zero gradients."""
+    q0, k0 = (0, 0) if ops.origin is None else (ops.origin[0], ops.origin[1])
+
+    def hide(x, lengths, start):
+        if lengths is None:
+            return x
+        positions = start + jnp.arange(x.shape[1], dtype=jnp.int32)
+        keep = positions[None, :] < lengths[:, None]
+        return jnp.where(keep[:, :, None, None], x, jnp.zeros_like(x))
+
+    return ops._replace(query=hide(ops.query, ops.query_seq_lengths, q0),
+                        key=hide(ops.key, ops.key_value_seq_lengths, k0),
+                        value=hide(ops.value, ops.key_value_seq_lengths, k0))
+
+
 def logits_and_visibility(spec: AttentionSpec, ops: Operands) -> tuple[jax.Array, Any]:
     """Full float32 logits [B, N, T, S] (after bias, ALiBi, soft cap) and visibility."""
     q, k = ops.query, ops.key
@@ -58,6 +75,7 @@ def logits_and_visibility(spec: AttentionSpec, ops: Operands) -> tuple[jax.Array
 
 def attention(spec: AttentionSpec, ops: Operands) -> tuple[jax.Array, jax.Array]:
     """Canonical-layout attention: (out [B, T, N, Hv] in query dtype, lse [B, N, T] float32)."""
+    ops = hide_past_lengths(ops)
     logits, visible = logits_and_visibility(spec, ops)
     B, N, T, S = logits.shape
     # NOTE: the row maximum and the masked entries are handled so that neither the

@@ -139,6 +139,17 @@ class TileContext(TileRanges):
             s = jnp.where(visible, s, -jnp.inf)
         return s, visible, cap_tanh
 
+    def hide_keys(self, x: jax.Array, k0: Any) -> jax.Array:
+        """x (a key or value tile from k0) with the rows past the key length zeroed: a
+        key the caller hid (uninitialised cache memory, say) never meets a product,
+        where 0 * NaN would poison the visible rows."""
+        return _zero_rows_from(x, k0, self.kv_length)
+
+    def hide_queries(self, x: jax.Array, q0: Any) -> jax.Array:
+        """x (a query or output-gradient tile from q0) with rows past the query length
+        zeroed, for the same reason."""
+        return _zero_rows_from(x, q0, self.q_length)
+
     def key_limits(self, q0: Any, block_q: int) -> tuple[Any, Any] | None:
         """The keys that query rows [q0, q0 + block_q) can see through their segments."""
         return self._limits("key_ranges", q0, block_q)
@@ -194,6 +205,13 @@ class TileContext(TileRanges):
         if cap_tanh is not None:
             ds = ds * scores.soft_cap_slope(cap_tanh)
         return dropped, ds
+
+
+def _zero_rows_from(x: jax.Array, start: Any, length: Any) -> jax.Array:
+    if length is None:
+        return x
+    rows = start + lax.broadcasted_iota(jnp.int32, (x.shape[0], 1), 0)
+    return jnp.where(rows < length, x, jnp.zeros_like(x))
 
 
 def launch(kernel: Callable[..., None], problem: Problem, names: tuple[str, ...],

@@ -43,10 +43,11 @@ def dbias_kernel(*refs, problem: Problem, names: tuple[str, ...]):
             ti = qt if Tb > 1 else lax.div(step, k_tiles)
             tj = kt if Sb > 1 else lax.rem(step, k_tiles)
             q0, k0 = ti * block_q, tj * block_k
-            q = r["q"][b, pl.ds(q0, block_q), n, :]
-            do = r["do"][b, pl.ds(q0, block_q), n, :]
-            k = r["k"][b, pl.ds(k0, block_k), kh, :]
-            v = r["v"][b, pl.ds(k0, block_k), kh, :]
+            # Rows and keys past the lengths are zeroed: hidden, they meet no product.
+            q = ctx.hide_queries(r["q"][b, pl.ds(q0, block_q), n, :], q0)
+            do = ctx.hide_queries(r["do"][b, pl.ds(q0, block_q), n, :], q0)
+            k = ctx.hide_keys(r["k"][b, pl.ds(k0, block_k), kh, :], k0)
+            v = ctx.hide_keys(r["v"][b, pl.ds(k0, block_k), kh, :], k0)
             _, ds = ctx.score_gradient(q, k, v, do, ctx.row_residuals(q0, block_q), q0, k0,
                                        True)
             if Tb == 1:

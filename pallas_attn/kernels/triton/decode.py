@@ -94,6 +94,9 @@ def decode_kernel(*refs, problem: Problem, names: tuple[str, ...]):
         if alpha is not None:
             acc = acc * alpha[:, None]
         v = load("v", k0)
+        if ctx.kv_length is not None:  # values past the length (unwritten cache) stay out
+            rows = k0 + lax.broadcasted_iota(jnp.int32, (block_k, 1), 0)
+            v = jnp.where(rows < ctx.kv_length, v, jnp.zeros_like(v))
         acc = acc + plgpu.dot(prob.astype(v.dtype), v, precision=problem.precision)
         return acc, m_next, l_next
 

@@ -24,14 +24,17 @@ def dq_kernel(*refs, problem: Problem, names: tuple[str, ...]):
     kh = lax.div(n, problem.group)
     q0 = i * block_q
     ctx = TileContext(problem, r, b, n)
-    q = r["q"][b, pl.ds(q0, block_q), n, :]
-    do = r["do"][b, pl.ds(q0, block_q), n, :]
+    # Rows past the query length are zeroed: hidden, they meet no product.
+    q = ctx.hide_queries(r["q"][b, pl.ds(q0, block_q), n, :], q0)
+    do = ctx.hide_queries(r["do"][b, pl.ds(q0, block_q), n, :], q0)
     residuals = ctx.row_residuals(q0, block_q)
 
     def body(t, dq, masked):
         k0 = t * block_k
         k = r["k"][b, pl.ds(k0, block_k), kh, :]
         v = r["v"][b, pl.ds(k0, block_k), kh, :]
+        if masked:  # the tile the key length crosses: its hidden keys stay out
+            k, v = ctx.hide_keys(k, k0), ctx.hide_keys(v, k0)
         _, ds = ctx.score_gradient(q, k, v, do, residuals, q0, k0, masked)
         return dq + plgpu.dot(ds.astype(k.dtype), k, precision=problem.precision)
 

@@ -65,6 +65,8 @@ def _forward_tile(problem: Problem, r: dict, ctx: TileContext, i) -> None:
         if spec.has_dropout:
             prob = jnp.where(ctx.keep(q0, k0, block_q, block_k), prob, 0.0)
         v = r["v"][b, pl.ds(k0, block_k), kh, :]
+        if masked:  # the tile the key length crosses: its hidden values stay out
+            v = ctx.hide_keys(v, k0)
         acc = acc + plgpu.dot(prob.astype(v.dtype), v, precision=problem.precision)
         return acc, m_next, l_next
 
