@@ -369,6 +369,47 @@ def _decode_route(call: Call, device: DeviceInfo, overrides: BlockSizes, interpr
     return Route("decode", rows_pad, block_k, warps, stages, splits=splits)
 
 
+# ------------------------------------------------------------------ ring and paged calls
+def ring_implementation(implementation: str | None, interpret: bool) -> str:
+    """ring_attention's block implementation: the kernels on an NVIDIA GPU (or in the
+    interpreter), else the blockwise path (the reference holds T x S per block)."""
+    if implementation is not None:
+        return implementation
+    return "pallas" if interpret or on_nvidia_gpu() else "xla_chunked"
+
+
+def paged_implementation(implementation: str | None, interpret: bool, why_not_kernel: str
+                         ) -> str:
+    """paged_attention's implementation: the decode kernel reading the pages in place
+    where it can (why_not_kernel empty), else the reference on the gathered pages."""
+    if implementation is not None:
+        return implementation
+    return "pallas" if (interpret or on_nvidia_gpu()) and not why_not_kernel else "xla"
+
+
+def paged_kernel_refusal(q_len: int, num_heads: int, num_kv_heads: int, head_dim: int,
+                         value_head_dim: int, page_size: int) -> str:
+    """Why the decode kernel cannot read a paged cache in place, or ""."""
+    for name, dim in (("query/key", head_dim), ("value", value_head_dim)):
+        if dim < 16 or dim != next_power_of_2(dim):
+            return (f"the paged kernel reads the cache in place and needs power-of-two head "
+                    f"dims >= 16, got {name} {dim}")
+    if page_size % 16:
+        return (f"the paged kernel's key tiles lie in one page and hold a multiple of 16 "
+                f"keys: page_size must be a multiple of 16, got {page_size}")
+    rows = q_len * (num_heads // num_kv_heads)
+    if rows > DECODE_MAX_ROWS:
+        return (f"the paged kernel's tile holds at most {DECODE_MAX_ROWS} query rows "
+                f"(tokens x query heads per kv head), got {rows}")
+    return ""
+
+
+def paged_block_k(page_size: int) -> int:
+    """The paged decode kernel's key tile: the largest power of two up to the decode
+    kernel's block_k dividing the page size, so that a tile lies in one page."""
+    return min(DECODE_TILES[0], page_size & -page_size)
+
+
 # ------------------------------------------------------------------ dbias
 def _fusable(call: Call, dkdv: Route) -> bool:
     shape = call.spec.bias_shape

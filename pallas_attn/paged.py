@@ -22,7 +22,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_attn import dispatch
-from pallas_attn.device import on_nvidia_gpu
 from pallas_attn.plan import BlockSizes
 from pallas_attn.spec import Operands, check_bool, check_concrete_range, normalize
 
@@ -101,10 +100,9 @@ def paged_attention(
             key_value_seq_lengths=lengths, sinks=sinks)
 
     jax.eval_shape(trace, query, gathered, gathered_v, lengths)
-    if implementation is None:
-        kernel = (interpret or on_nvidia_gpu()) and not _kernel_refusal(
-            query, key_cache, value_cache)
-        implementation = "pallas" if kernel else "xla"
+    implementation = dispatch.paged_implementation(
+        implementation, interpret, dispatch.paged_kernel_refusal(
+            T, N, K, H, v_shape[3], page_size))
     run = _kernel if implementation == "pallas" else _reference
     extra = {name: x for name, x in (("alibi_slopes", alibi_slopes), ("sinks", sinks))
              if x is not None}
@@ -159,9 +157,9 @@ def _kernel(spec, implementation, interpret, q, k_cache, v_cache, table, lengths
 
     B, T, N, H = q.shape
     page_size, K, Hv = k_cache.shape[1], k_cache.shape[2], v_cache.shape[3]
-    if why := _kernel_refusal(q, k_cache, v_cache):
+    if why := dispatch.paged_kernel_refusal(T, N, K, H, Hv, page_size):
         raise ValueError(f"{why}; use implementation='xla'")
-    block_k = min(dispatch.DECODE_TILES[0], page_size & -page_size)
+    block_k = dispatch.paged_block_k(page_size)
     present = ("key_value_seq_lengths", *extra)
     call = dispatch.Call(spec, B, T, table.shape[1] * page_size, N, K, H, Hv,
                          jnp.dtype(q.dtype).name, present=present)
@@ -180,25 +178,6 @@ def _kernel(spec, implementation, interpret, q, k_cache, v_cache, table, lengths
     out, row_stats = decode.forward(problem, q, k_cache, v_cache, operands)
     lse = problem.logsumexp(*row_stats)
     return out, jnp.where(lse == jnp.inf, -jnp.inf, lse)
-
-
-def _kernel_refusal(q, k_cache, v_cache) -> str:
-    """Why the decode kernel cannot read these pages in place, or ""."""
-    from pallas_attn.kernels import next_power_of_2
-
-    T, N, H = q.shape[1:]
-    page_size, K, Hv = k_cache.shape[1], k_cache.shape[2], v_cache.shape[3]
-    for name, dim in (("query/key", H), ("value", Hv)):
-        if dim < 16 or dim != next_power_of_2(dim):
-            return (f"the paged kernel reads the cache in place and needs power-of-two head "
-                    f"dims >= 16, got {name} {dim}")
-    if page_size % 16:
-        return (f"the paged kernel's key tiles lie in one page and hold a multiple of 16 "
-                f"keys: page_size must be a multiple of 16, got {page_size}")
-    if T * (N // K) > dispatch.DECODE_MAX_ROWS:
-        return (f"the paged kernel's tile holds at most {dispatch.DECODE_MAX_ROWS} query rows "
-                f"(tokens x query heads per kv head), got {T * (N // K)}")
-    return ""
 
 
 def paged_cache_update(key_cache: jax.Array, value_cache: jax.Array, new_keys: jax.Array,

@@ -18,6 +18,7 @@ not computed.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any
 
@@ -26,7 +27,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.custom_derivatives import SymbolicZero
 
-from pallas_attn.device import on_nvidia_gpu
+from pallas_attn import dispatch
 from pallas_attn.plan import BlockSizes
 from pallas_attn.primals import first_order_only, is_perturbed, primal_values
 from pallas_attn.semantics import chunked, reference, scores
@@ -107,8 +108,7 @@ def ring_attention(
         raise TypeError(f"axis_name must be a mesh axis name (str), got {axis_name!r}")
     return_residual = check_bool("return_residual", return_residual)
     interpret = check_bool("interpret", interpret)
-    if implementation is None:
-        implementation = "pallas" if interpret or on_nvidia_gpu() else "xla_chunked"
+    implementation = dispatch.ring_implementation(implementation, interpret)
     if implementation not in RING_IMPLEMENTATIONS:
         raise ValueError(f"ring_attention's implementation must be None or one of "
                          f"{RING_IMPLEMENTATIONS}, got {implementation!r}")
@@ -143,24 +143,17 @@ def ring_attention(
     return reference.finish(out, lse, batched, return_residual)
 
 
+@dataclasses.dataclass(frozen=True)
 class _Ring:
     """Static description of one ring call (hashable: the custom_vjp's nondiff arg)."""
 
-    def __init__(self, spec: AttentionSpec, implementation: str, layout: str, devices: int,
-                 axis_name: str, block_sizes: BlockSizes | None, interpret: bool):
-        self.spec, self.implementation, self.layout = spec, implementation, layout
-        self.devices, self.axis_name = devices, axis_name
-        self.block_sizes, self.interpret = block_sizes, interpret
-
-    def _key(self) -> tuple:
-        return (self.spec, self.implementation, self.layout, self.devices, self.axis_name,
-                self.block_sizes, self.interpret)
-
-    def __hash__(self) -> int:
-        return hash(self._key())
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, _Ring) and self._key() == other._key()
+    spec: AttentionSpec
+    implementation: str
+    layout: str
+    devices: int
+    axis_name: str
+    block_sizes: BlockSizes | None
+    interpret: bool
 
     @property
     def parts(self) -> int:

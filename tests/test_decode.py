@@ -118,6 +118,8 @@ def test_routing_of_few_query_rows():
     tuned = pallas_attn.explain(q, k, v, interpret=True,
                                 block_sizes=pallas_attn.BlockSizes(block_q=16))
     assert tuned.forward.backend == "triton" and tuned.forward.block_q == 16
+    with pytest.raises(ValueError, match="dkv_backend must be None or one of"):
+        pallas_attn.BlockSizes(dkv_backend="decode")
     triton = pallas_attn.BlockSizes(forward_backend="triton")
     assert pallas_attn.explain(q, k, v, interpret=True,
                                block_sizes=triton).forward.backend == "triton"

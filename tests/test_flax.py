@@ -467,3 +467,5 @@ def test_decoding_contiguous_and_paged_caches_equal_the_causal_forward(page_size
     if page_size:
         with pytest.raises(ValueError, match="paged cache takes no mask"):
             layer(x[:, :1], decode=True, mask=jnp.ones((1, 1, 1, 40), bool))
+        with pytest.raises(ValueError, match="page_size must be a positive int, got 0"):
+            layer.init_cache(batch_size=2, max_length=40, page_size=0)

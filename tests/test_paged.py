@@ -129,6 +129,17 @@ def test_paged_errors_name_the_argument():
         pallas_attn.paged_attention(q, k_cache, v_cache, table.astype(jnp.float32), lengths)
     with pytest.raises(ValueError, match="query must be"):
         pallas_attn.paged_attention(q[0], k_cache, v_cache, table, lengths)
+    with pytest.raises(ValueError, match="key_cache and value_cache must be"):
+        pallas_attn.paged_attention(q, k_cache, v_cache[:, :8], table, lengths)
+    with pytest.raises(ValueError, match="key_cache's head dim 32 differs from query's 16"):
+        pallas_attn.paged_attention(q[..., :16], k_cache, v_cache, table, lengths)
+    with pytest.raises(ValueError, match="page_table must be \\[B, pages_per_seq\\]"):
+        pallas_attn.paged_attention(q, k_cache, v_cache, table[:1], lengths)
+    with pytest.raises(ValueError, match="implementation must be None or one of"):
+        pallas_attn.paged_attention(q, k_cache, v_cache, table, lengths, implementation="cudnn")
+    with pytest.raises(ValueError, match="cache_lengths must lie in"):
+        pallas_attn.paged_cache_update(k_cache, v_cache, k_cache[:2, :1], v_cache[:2, :1],
+                                       table, jnp.array([99, 1]))
     odd = jnp.zeros((8, 10, 1, 32))
     with pytest.raises(ValueError, match="page_size must be a multiple of 16"):
         pallas_attn.paged_attention(q, odd, odd, table, jnp.array([20, 5]),

@@ -190,6 +190,15 @@ def test_ring_errors_name_the_argument():
                       mesh=mesh, in_specs=(seq,) * 3, out_specs=seq)(q, k, v)
     with pytest.raises(ValueError, match="key_value_seq_lengths must lie in"):
         call(axis_name="sp", key_value_seq_lengths=jnp.array([40, 3]))
+    with pytest.raises(ValueError, match="block_sizes applies to implementation='pallas'"):
+        call(axis_name="sp", implementation="xla_chunked",
+             block_sizes=pallas_attn.BlockSizes(block_k=32))
+    with pytest.raises(TypeError, match="axis_name must be a mesh axis name"):
+        call(axis_name=0)
+    with pytest.raises(ValueError, match="even slice length"):
+        jax.shard_map(lambda q, k, v: pallas_attn.ring_attention(
+            q[:, :7], k[:, :7], v[:, :7], axis_name="sp", sequence_layout="zigzag"),
+            mesh=mesh, in_specs=(seq,) * 3, out_specs=seq)(q, k, v)
 
 
 def test_ring_refuses_to_differentiate_alibi_slopes():

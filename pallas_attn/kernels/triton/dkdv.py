@@ -54,10 +54,13 @@ def dkdv_kernel(*refs, problem: Problem, names: tuple[str, ...], fused_dbias: bo
     bias_shape = problem.spec.bias_shape
     rows_broadcast = fused_dbias and bias_shape[2] == 1
 
+    # Keys past the length are zeroed once: hidden, they meet no product.
+    first_head = TileContext(problem, r, b, kh * problem.group)
+    k, v = first_head.hide_keys(k, k0), first_head.hide_keys(v, k0)
+
     def head_body(h, carry):
         n = kh * problem.group + h
         ctx = TileContext(problem, r, b, n)
-        k_, v_ = ctx.hide_keys(k, k0), ctx.hide_keys(v, k0)  # keys past the length
         bb = b if fused_dbias and bias_shape[0] > 1 else 0
         nb = n if fused_dbias and bias_shape[1] > 1 else 0
 
@@ -69,7 +72,7 @@ def dkdv_kernel(*refs, problem: Problem, names: tuple[str, ...], fused_dbias: bo
             if masked:  # the tile the query length crosses: its hidden rows stay out
                 q, do = ctx.hide_queries(q, q0), ctx.hide_queries(do, q0)
             residuals = ctx.row_residuals(q0, block_q)
-            dropped, ds = ctx.score_gradient(q, k_, v_, do, residuals, q0, k0, masked)
+            dropped, ds = ctx.score_gradient(q, k, v, do, residuals, q0, k0, masked)
             dv = dv + plgpu.dot(dropped.astype(do.dtype), do, trans_a=True,
                                 precision=problem.precision)
             dk = dk + plgpu.dot(ds.astype(q.dtype), q, trans_a=True,
