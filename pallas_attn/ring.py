@@ -210,9 +210,9 @@ class _Ring:
         return Operands(q, k, v, origin=jnp.stack(origin).astype(jnp.int32), **constants)
 
     def plan(self, ops: Operands):
-        from pallas_attn import api
-
-        return api._plan(self.spec, ops, "pallas", self.block_sizes, self.interpret, None)
+        """The kernels' plan for one block (the routing table's)."""
+        return dispatch.plan(dispatch.Call.of(self.spec, ops), block_sizes=self.block_sizes,
+                             interpret=self.interpret)
 
 
 def _split(x: jax.Array, parts: int) -> list[jax.Array]:
