@@ -9,8 +9,8 @@ taken; the backends only say what they can run (kernels/*/config.py).
 Order of preference per role: the warp-specialised Mosaic GPU kernel (sm90), then
 Triton's (sm80 and newer, and the interpreter). Mosaic runs a role where it can and
 where it measured faster (docs/decisions.md): every role at head dims padding to
-128, dK/dV and dbias at 64 too; the Triton kernels were faster for the forward and
-dQ at 64. Tiles: the caller's `BlockSizes`, then the tile cache (`python -m
+128, dK/dV and dbias at 64 too, the forward at 256; the Triton kernels were faster
+for the forward and dQ at 64. Tiles: the caller's `BlockSizes`, then the tile cache (`python -m
 pallas_attn tune`), then the first rung of a ladder that fits the device's shared
 memory.
 """
@@ -243,13 +243,13 @@ def _mosaic_route(role: str, call: Call, device: DeviceInfo, overrides: BlockSiz
         return ("the interpreter runs the Triton kernels unless block_sizes names the "
                 "Mosaic ones")
     if why := mosaic.unsupported(call.dtype, spec, call.present, call.head_dim,
-                                 call.value_head_dim):
+                                 call.value_head_dim, role):
         return why
     hp, hvp = padded_head_dim(call.head_dim), padded_head_dim(call.value_head_dim)
     dims = {hp, hvp}
     if automatic and call.q_len < mosaic.ITEM_ROWS:
         return f"fewer query rows ({call.q_len}) than one work item ({mosaic.ITEM_ROWS})"
-    if automatic and role in ("forward", "dq") and dims != {128}:
+    if automatic and role in ("forward", "dq") and 64 in dims:
         return (f"head dims padding to {sorted(dims)}: the Triton {ROLE_LABELS[role]} kernel "
                 f"measured faster there (docs/decisions.md)")
     block_q, block_k, _, stages = overrides.tiles(role)
@@ -259,11 +259,14 @@ def _mosaic_route(role: str, call: Call, device: DeviceInfo, overrides: BlockSiz
                  or (stages is not None and stages < 2))
         rule = (f"block_q={mosaic.ITEM_ROWS}, block_k in {mosaic.FORWARD_BLOCK_K} and "
                 f"num_stages >= 2")
-        _, default_k, default_stages = mosaic.FORWARD_TILES
-        route = Route("mosaic", mosaic.ITEM_ROWS, block_k or default_k, 0,
-                      stages or default_stages, mosaic.CONSUMERS)
+        route = Route("mosaic", mosaic.ITEM_ROWS,
+                      block_k or mosaic.forward_default_block_k(hp, hvp), 0,
+                      stages or mosaic.FORWARD_STAGES, mosaic.CONSUMERS)
+        staging = mosaic.forward_output_staging(
+            hp, hvp, route.block_k, route.num_stages, call.dtype, call.bias_dtype,
+            device.max_shared_memory_per_block)
         need = mosaic.forward_scratch(hp, hvp, route.block_k, route.num_stages, call.dtype,
-                                      call.bias_dtype).bytes
+                                      call.bias_dtype, staging=staging).bytes
     elif role == "dkdv":
         wrong = (block_q not in (None, mosaic.DKV_TILES[0])
                  or block_k not in (None, mosaic.DKV_TILES[1]))

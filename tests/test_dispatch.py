@@ -86,7 +86,13 @@ TABLE = {
     # Triton's forward and dQ measured faster at d64; Mosaic's dK/dV did not.
     "d64": (call(64), "sm90", ("triton", "triton", "mosaic", None)),
     "d128_Hv64": (call(128, value_head_dim=64), "sm90", ("triton", "triton", "mosaic", None)),
-    "d256": (call(256), "sm90", ("triton", "triton", "triton", None)),
+    # d256: the Mosaic forward (64-key tiles); the backward kernels' accumulators do not
+    # fit a consumer's registers there.
+    "d256": (call(256), "sm90", ("mosaic", "triton", "triton", None)),
+    "d256_causal_bias": (call(256, is_causal=True, bias_shape=(1, 16, 4096, 4096)), "sm90",
+                         ("mosaic", "triton", "triton", "triton")),
+    "d256_bias_float32": (call(256, bias_shape=(1, 16, 4096, 4096), bias_dtype="float32"),
+                          "sm90", ("triton", "triton", "triton", "triton")),
     "d32": (call(32), "sm90", ("triton", "triton", "triton", None)),
     "float32": (call(dtype="float32"), "sm90", ("triton", "triton", "triton", None)),
     "short": (call(q_len=100), "sm90", ("triton", "triton", "triton", None)),
@@ -167,7 +173,8 @@ def test_reasons_name_what_refuses():
                for name, (c, d, _) in TABLE.items()}
     assert "sm90" in reasons["sm80"] and "this one is sm80" in reasons["sm80"]
     assert "measured faster" in reasons["d64"]
-    assert "head dims must pad to" in reasons["d256"]
+    dq_reasons = dict(dispatch.plan(TABLE["d256"][0], device=H100).dq.declined)
+    assert "head dims must pad to (64, 128)" in dq_reasons["mosaic"]
     assert "bfloat16 or float16" in reasons["float32"]
     assert "mask" in reasons["mask"] and "no dropout" in reasons["dropout"]
     assert "fewer query rows (100)" in reasons["short"]
@@ -196,8 +203,11 @@ def _need(plan: pallas_attn.Plan, c: dispatch.Call, role: str) -> int:
                                            route.num_stages), c.head_dim, c.value_head_dim,
                                     c.dtype, bias_dtype=c.bias_dtype, has_mask=c.spec.has_mask)
     if role == "forward":
+        staging = mosaic.forward_output_staging(hp, hvp, route.block_k, route.num_stages,
+                                                c.dtype, c.bias_dtype,
+                                                plan.device.max_shared_memory_per_block)
         return mosaic.forward_scratch(hp, hvp, route.block_k, route.num_stages, c.dtype,
-                                      c.bias_dtype).bytes
+                                      c.bias_dtype, staging=staging).bytes
     if role == "dkdv":
         return mosaic.dkv_scratch(hp, hvp, route.num_stages, c.dtype, c.bias_dtype,
                                   zeros=c.spec.has_bias).bytes
@@ -268,6 +278,17 @@ def test_mosaic_scratch_sizes():
     assert mosaic.forward_scratch(128, 128, 128, 2, "float16", "float32").bytes == 262248
     assert mosaic.forward_scratch(128, 128, 64, 2, "float16", "float32").bytes <= budget
     assert mosaic.forward_scratch(128, 128, 128, 3, "bfloat16").bytes > budget
+    # d256: 64-key tiles; the output has no room of its own and is staged in Q's buffer,
+    # which leaves room for a 16-bit bias tile per consumer, not a float32 one.
+    for bias_dtype in (None, "bfloat16", "float32"):
+        assert mosaic.forward_output_staging(256, 256, 64, 2, "bfloat16", bias_dtype,
+                                             budget) == "q"
+    assert mosaic.forward_output_staging(128, 128, 128, 2, "bfloat16", None, budget) == "p"
+    assert mosaic.forward_output_staging(128, 64, 128, 2, "bfloat16", None, budget) == "o"
+    assert mosaic.forward_scratch(256, 256, 64, 2, "bfloat16", "bfloat16",
+                                  staging="q").bytes <= budget
+    assert mosaic.forward_scratch(256, 256, 64, 2, "bfloat16", "float32",
+                                  staging="q").bytes > budget
 
 
 # ------------------------------------------------------------------ overrides

@@ -63,6 +63,12 @@ CASES = {
                                                                   num_stages=3)),
     "mosaic_softcap": dict(H=128, logits_soft_cap=20.0, causal_alignment="bottom_right",
                            is_causal=True, block_sizes=_MOSAIC),
+    # Head dim 256 with the default tiles: 64-key tiles, the output staged in Q's
+    # buffer, P V accumulated in place; a bias tile per consumer.
+    "mosaic_h256_causal_bias": dict(H=256, T=200, S=300, K=2, is_causal=True,
+                                    bias=jnp.ones((1, 4, 200, 300), jnp.bfloat16),
+                                    block_sizes=pallas_attn.BlockSizes(
+                                        forward_backend="mosaic")),
     # With a bias: one per head in the inputs' dtype under a soft cap (the default
     # tiles), and a float32 one per batch entry with float16 inputs (64-key tiles).
     "mosaic_bias_softcap": dict(H=128, T=200, S=300, K=2, bias=jnp.ones((1, 4, 200, 300),

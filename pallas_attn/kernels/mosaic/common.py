@@ -51,10 +51,10 @@ from pallas_attn.kernels.mosaic.config import (
 from pallas_attn.semantics import scores
 
 
-def unsupported(problem: Problem) -> str:
-    """Why the Mosaic kernels cannot run the problem (config.unsupported), or ""."""
+def unsupported(problem: Problem, role: str) -> str:
+    """Why the role's Mosaic kernel cannot run the problem (config.unsupported), or ""."""
     return config.unsupported(problem.dtype, problem.spec, problem.present, problem.head_dim,
-                              problem.value_head_dim)
+                              problem.value_head_dim, role)
 
 
 def smem_tiles(shape: tuple[int, ...], dtype: Any) -> Any:

@@ -23,6 +23,8 @@ ROWS_PER_CONSUMER = 64
 ITEM_ROWS = 128
 CONSUMERS = ITEM_ROWS // ROWS_PER_CONSUMER
 FORWARD_BLOCK_K = (64, 128)
+# Head dims padding to 256 take 64-key tiles: two slots of 128 keys would not fit.
+WIDE_HEAD_DIM = 256
 # The dK/dV kernel: steps of 64 query rows, units of 128 keys (64 per consumer).
 DKV_TILES = (64, 128)
 # The dQ kernel: block_q is the padding of the query rows, 64-key tiles.
@@ -30,7 +32,7 @@ DQ_TILES = (ITEM_ROWS, 64)
 DBIAS_BLOCK_K = (64, 128)
 
 # Default slots (stages) per kernel ring (docs/decisions.md).
-FORWARD_TILES = (ITEM_ROWS, 128, 2)
+FORWARD_STAGES = 2
 DKV_STAGES = 2
 DQ_STAGES = 2
 DBIAS_STAGES = (2, 1)  # the first that fits
@@ -41,7 +43,10 @@ DBIAS_STAGES = (2, 1)  # the first that fits
 # 3 x 160 + 24.
 _REGISTERS = {2: (232, 40), 3: (160, 24)}
 
-HEAD_DIMS = (64, 128)
+# Padded head dims per role: the backward kernels' two float32 accumulators per
+# consumer leave no registers for head dims of 256.
+HEAD_DIMS = {"forward": (64, 128, 256), "dq": (64, 128), "dkdv": (64, 128),
+             "dbias": (64, 128)}
 DTYPES = ("bfloat16", "float16")
 
 
@@ -69,15 +74,16 @@ def unsupported_scores(spec: AttentionSpec, present: tuple[str, ...]) -> str:
 
 
 def unsupported(dtype: str, spec: AttentionSpec, present: tuple[str, ...], head_dim: int,
-                value_head_dim: int) -> str:
-    """Why the Mosaic kernels cannot run a problem, or "" when they can."""
+                value_head_dim: int, role: str) -> str:
+    """Why the role's Mosaic kernel cannot run a problem, or "" when it can."""
     if dtype not in DTYPES:
         return f"inputs must be bfloat16 or float16, got {dtype}"
     if why := unsupported_scores(spec, present):
         return why
     dims = (padded_head_dim(head_dim), padded_head_dim(value_head_dim))
-    if not set(dims) <= set(HEAD_DIMS):
-        return (f"head dims must pad to {HEAD_DIMS}, got {head_dim} and {value_head_dim}")
+    if not set(dims) <= set(HEAD_DIMS[role]):
+        return (f"head dims must pad to {HEAD_DIMS[role]}, got {head_dim} and "
+                f"{value_head_dim}")
     return ""
 
 
@@ -127,17 +133,33 @@ def _name(dtype: Any) -> str:
     return jnp.dtype(dtype).name
 
 
+def forward_default_block_k(hp: int, hvp: int) -> int:
+    return 64 if WIDE_HEAD_DIM in (hp, hvp) else 128
+
+
+def forward_output_staging(hp: int, hvp: int, block_k: int, stages: int, dtype: Any,
+                           bias_dtype: Any, budget: int) -> str:
+    """Where the forward stages its output tile: in P's buffer ("p") when the shapes
+    agree, else in a buffer of its own ("o") where that fits the budget, else in Q's
+    ("q", same shape: the next item's Q then loads after the output has left)."""
+    if hvp == block_k:
+        return "p"
+    own = forward_scratch(hp, hvp, block_k, stages, dtype, bias_dtype, staging="o")
+    return "o" if own.bytes <= budget or hvp != hp else "q"
+
+
 def forward_scratch(hp: int, hvp: int, block_k: int, stages: int, dtype: Any,
-                    bias_dtype: Any = None) -> Scratch:
-    """The forward: per consumer its Q rows, output (staged in P's buffer when
-    hvp == block_k) and P; the K/V ring; with a bias each consumer's bias tile.
-    Barriers: Q per consumer, loaded and consumed per slot for K and V, the turns,
-    the bias buffers'."""
+                    bias_dtype: Any = None, *, staging: str | None = None) -> Scratch:
+    """The forward: per consumer its Q rows, output (with staging "o"; else staged in
+    P's or Q's buffer, `forward_output_staging`; None: in P's where the shapes agree)
+    and P; the K/V ring; with a bias each consumer's bias tile. Barriers: Q per
+    consumer, loaded and consumed per slot for K and V, the turns, the bias buffers'."""
     rows, c = ROWS_PER_CONSUMER, CONSUMERS
     dtype = _name(dtype)
+    staging = staging or ("p" if hvp == block_k else "o")
     return Scratch(
         buffers=(("q", Buffer((c, rows, hp), dtype)),
-                 ("o", Buffer((c, rows, hvp), dtype) if hvp != block_k else None),
+                 ("o", Buffer((c, rows, hvp), dtype) if staging == "o" else None),
                  ("k", Buffer((stages, block_k, hp), dtype)),
                  ("v", Buffer((stages, block_k, hvp), dtype)),
                  ("p", Buffer((c, rows, block_k), dtype)),

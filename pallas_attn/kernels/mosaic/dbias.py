@@ -247,7 +247,7 @@ def dbias(problem: Problem, q: jax.Array, k: jax.Array, v: jax.Array, do: jax.Ar
     """dbias of the bias's (padded) shape for padded inputs; stats: the row residuals
     (`common.row_residuals`, one bulk copy per consumer); slopes: ALiBi slopes [B, N] or
     None."""
-    if why := unsupported(problem):
+    if why := unsupported(problem, "dbias"):
         raise AssertionError(f"mosaic.dbias.dbias called for an unsupported problem: {why}")
     route = problem.plan.dbias
     if route.block_q != ITEM_ROWS:

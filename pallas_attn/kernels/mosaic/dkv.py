@@ -353,7 +353,7 @@ def dkdv(problem: Problem, q: jax.Array, k: jax.Array, v: jax.Array, do: jax.Arr
     shared by the batch entries, batch entry 0's part of its gradient
     (`dq.dq_and_dbias`), to which the kernel adds the others'."""
     name = "mosaic.dkv.dkdv"
-    if why := unsupported(problem):
+    if why := unsupported(problem, "dkdv"):
         raise AssertionError(f"{name} called for an unsupported problem: {why}")
     if bias_grad and not fusable_dbias(bias.shape, batch=problem.batch,
                                        num_heads=problem.num_heads, bias_dtype=bias.dtype,

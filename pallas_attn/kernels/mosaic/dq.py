@@ -247,7 +247,7 @@ def dq_and_dbias(problem: Problem, q: jax.Array, k: jax.Array, v: jax.Array, do:
 
 
 def _launch(problem: Problem, q, k, v, do, stats, bias, slopes, with_dbias: bool) -> list:
-    if why := unsupported(problem):
+    if why := unsupported(problem, "dq"):
         raise AssertionError(f"mosaic.dq.dq called for an unsupported problem: {why}")
     route = problem.plan.dq
     if (route.block_q, route.block_k) != DQ_TILES:

@@ -19,7 +19,9 @@ heaviest causal tile first) with three warpgroups:
   consumer's softmax overlaps the other's products. The next item's Q is loaded as
   soon as the last Q K^T of an item is done, and the output leaves through a bulk
   copy (staged in P's buffer when shapes agree) that overlaps the next item; the
-  row residuals are stored from registers.
+  row residuals are stored from registers. At head dim 256 (64-key tiles) the
+  output has no room of its own: it is staged in Q's buffer and the next Q loads
+  once it has left, and P V accumulates onto the output in place.
 * With a bias, each consumer copies its 64 rows of the next key tile's bias into a
   buffer of its own while it works on the current tile (`_consume`), and its
   scores stay in natural units, as in the Triton forward.
@@ -28,7 +30,7 @@ It writes the same outputs as the Triton forward: the output and the per-row
 residuals (row reference, +inf for rows that see no key, and log2 of the row
 sum), so the Triton backward kernels consume them unchanged.
 
-Scope (config.unsupported): 16-bit inputs, padded head dims 64 or 128, no operand
+Scope (config.unsupported): 16-bit inputs, padded head dims 64, 128 or 256, no operand
 besides q, k, v, a bias with its own entry per query and key and ALiBi slopes (no
 mask, segments, lengths or dropout); causal, local windows in both alignments, soft
 cap (with the fixed row reference where it applies), ALiBi (each consumer reads its
@@ -66,6 +68,7 @@ from pallas_attn.kernels.mosaic.common import (
     BiasTiles,
     Item,
     Walk,
+    accumulate,
     head_slope,
     launch,
     optional_refs,
@@ -82,14 +85,19 @@ from pallas_attn.kernels.mosaic.config import (
     ITEM_ROWS,
     ROWS_PER_CONSUMER,
     consumer_registers,
+    forward_output_staging,
     forward_scratch,
 )
 
+# P V accumulates onto the output in place from this value head dim on: a separate
+# 64 x 256 float32 product next to the accumulator would not fit a consumer's registers.
+IN_PLACE_PV_HEAD_DIM = 256
+
 
 def _kernel(q_ref, k_ref, v_ref, bias_ref, slopes_ref, sinks_ref, out_ref, row_max_ref,
-            log2_sum_ref, smem, barriers, *, problem: Problem, programs: int):
+            log2_sum_ref, smem, barriers, *, problem: Problem, programs: int, staging: str):
     q_smem, k_smem, v_smem, p_smem = (smem[name] for name in ("q", "k", "v", "p"))
-    o_smem = p_smem if smem["o"] is None else smem["o"]  # the output staged in P's buffer
+    o_smem = smem[staging]  # the output tile: its own buffer, or P's or Q's
     q_loaded, schedule = barriers["q_loaded"], barriers["schedule"]
     ring = tuple(barriers[name] for name in ("k_loaded", "v_loaded", "k_consumed",
                                               "v_consumed"))
@@ -128,7 +136,8 @@ def _kernel(q_ref, k_ref, v_ref, bias_ref, slopes_ref, sinks_ref, out_ref, row_m
                 problem, ctx, tiles, lambda t: walk.slot(step + t - tiles.first), row0,
                 tiles.first + steps, q_mine, k_smem, v_smem, p_mine, o_mine.shape[-1],
                 ring, schedule, bias, head_slope(slopes_ref, item.valid, item.b, item.n))
-            load_q(walk.item(r + 1))  # every Q K^T of this item is done: q_mine is free
+            if staging != "q":  # every Q K^T of this item is done: q_mine is free
+                load_q(walk.item(r + 1))
 
             if sinks_ref is not None:  # the head's sink: one more logit, no value
                 sink = sinks_ref[jnp.where(item.valid, item.n, 0)]
@@ -150,6 +159,9 @@ def _kernel(q_ref, k_ref, v_ref, bias_ref, slopes_ref, sinks_ref, out_ref, row_m
                 log2_sum_ref.at[item.b, item.n, out_rows][...] = jnp.log2(
                     jnp.where(valid, l_sum, 1.0))
 
+            if staging == "q":  # the next Q goes where the output has just left
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                load_q(walk.item(r + 1))
             return step + steps
 
         lax.fori_loop(0, walk.rounds, work, jnp.int32(0))
@@ -202,13 +214,16 @@ def _consume(problem: Problem, ctx: TileRanges, tiles: Band, slot_of, row0, stop
         plgpu.barrier_wait(v_loaded.at[slot])
         plgpu.barrier_wait(schedule)  # the other consumer has issued its Q K^T
 
-        def pv(acc_ref):
-            plgpu.wgmma(acc_ref, p_smem, v_smem.at[slot])
-            return acc_ref[...]
+        if alpha is not None:
+            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+        if hv >= IN_PLACE_PV_HEAD_DIM:
+            (acc,) = accumulate(((acc, ((p_smem, v_smem.at[slot]),)),), problem.interpret)
+        else:
+            def pv(acc_ref):
+                plgpu.wgmma(acc_ref, p_smem, v_smem.at[slot])
+                return acc_ref[...]
 
-        update = pl.run_scoped(pv, plgpu.ACC((rows_n, hv), jnp.float32))
-        acc = acc + update if alpha is None else (
-            acc * lax.broadcast_in_dim(alpha, acc.shape, [0]) + update)
+            acc = acc + pl.run_scoped(pv, plgpu.ACC((rows_n, hv), jnp.float32))
         plgpu.barrier_arrive(v_consumed.at[slot])
         return acc, m_next, l_next
 
@@ -227,25 +242,28 @@ def forward(problem: Problem, q: jax.Array, k: jax.Array, v: jax.Array,
             optional: dict[str, jax.Array]) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
     """(out [B, Tp, N, Hvp], (row_max, log2_sum) [B, N, Tp]) for padded inputs."""
     route = problem.plan.forward
-    if (set(optional) - {"bias", "alibi_slopes", "sinks"} or unsupported(problem)
+    if (set(optional) - {"bias", "alibi_slopes", "sinks"} or unsupported(problem, "forward")
             or route.block_q != ITEM_ROWS):
         raise AssertionError(f"mosaic.fwd.forward called for an unsupported problem: "
-                             f"{unsupported(problem) or route}")
+                             f"{unsupported(problem, 'forward') or route}")
     B, Tp, N, hp = q.shape
     hvp = v.shape[-1]
     dtype = q.dtype
     row = jax.ShapeDtypeStruct((B, N, Tp), jnp.float32)
     out_type = (jax.ShapeDtypeStruct((B, Tp, N, hvp), dtype), row, row)
     bias, slopes, sinks = (optional.get(x) for x in ("bias", "alibi_slopes", "sinks"))
-    scratch = forward_scratch(hp, hvp, route.block_k, route.num_stages, dtype,
-                              None if bias is None else bias.dtype)
+    bias_dtype = None if bias is None else bias.dtype
+    staging = forward_output_staging(hp, hvp, route.block_k, route.num_stages, dtype,
+                                     bias_dtype, problem.plan.device.max_shared_memory_per_block)
+    scratch = forward_scratch(hp, hvp, route.block_k, route.num_stages, dtype, bias_dtype,
+                              staging=staging)
 
     def entry(q_ref, k_ref, v_ref, *refs):
         bias_ref, slopes_ref, sinks_ref = optional_refs(refs, bias, slopes, sinks)
         out_ref, row_max_ref, log2_sum_ref = refs[-3:]
         scoped(scratch, lambda smem, barriers: _kernel(
             q_ref, k_ref, v_ref, bias_ref, slopes_ref, sinks_ref, out_ref, row_max_ref,
-            log2_sum_ref, smem, barriers, problem=problem, programs=programs))
+            log2_sum_ref, smem, barriers, problem=problem, programs=programs, staging=staging))
 
     programs = problem.plan.programs_for(Tp // ITEM_ROWS * B * N)
     out, row_max, log2_sum = launch(entry, out_type, programs, problem.interpret)(
