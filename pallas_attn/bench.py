@@ -44,7 +44,8 @@ class Shape:
 
     @property
     def label(self) -> str:
-        extra = "".join(f" {k}" for k, _ in self.features)
+        # Packed rows name their document count: the set holds several.
+        extra = "".join(f" {k}{v}" if k == "packed" else f" {k}" for k, v in self.features)
         gqa = f"/{self.kv_heads}" if self.kv_heads != self.heads else ""
         return (f"B{self.batch} T{self.q_len} S{self.kv_len} N{self.heads}{gqa} "
                 f"H{self.head_dim}{' causal' if self.causal else ''}{extra}")
@@ -394,6 +395,8 @@ def check_shapes(on_device: bool) -> list[Shape]:
                                                 ("softcap", 20.0)), dtype="bfloat16"),
         Shape(2, 1024, 1024, 4, 4, 64, False, (("dropout", 0.2), ("mask", None)),
               dtype="bfloat16"),
+        # Packed documents in the Mosaic kernels (each tile narrowed to its documents).
+        Shape(2, 1024, 1024, 8, 2, 128, True, (("packed", 4),), dtype="float16"),
         Shape(2, 1024, 1024, 4, 4, 128, True, (("window", 256), ("segments", None)),
               dtype="bfloat16"),
         # The Mosaic (Hopper) forward with a window (it skips leading key tiles), and

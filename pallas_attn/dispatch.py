@@ -252,6 +252,9 @@ def _mosaic_route(role: str, call: Call, device: DeviceInfo, overrides: BlockSiz
     if automatic and role in ("forward", "dq") and 64 in dims:
         return (f"head dims padding to {sorted(dims)}: the Triton {ROLE_LABELS[role]} kernel "
                 f"measured faster there (docs/decisions.md)")
+    if automatic and role in ("dq", "dkdv") and "q_segment_ids" in call.present:
+        return (f"segment ids: the Triton {ROLE_LABELS[role]} kernel (finer tiles to skip) "
+                f"measured faster with them (docs/decisions.md)")
     block_q, block_k, _, stages = overrides.tiles(role)
     if role == "forward":
         wrong = (block_q not in (None, mosaic.ITEM_ROWS)

@@ -120,6 +120,14 @@ CASES = {
     "mosaic_dq_causal_h80_three_slots": dict(
         T=200, S=300, N=8, K=2, H=80, Hv=64, is_causal=True,
         block_sizes=pallas_attn.BlockSizes(**dict(_MOSAIC_DQ, num_stages_dq=3))),
+    # Segment ids in every Mosaic role: row and key ids read from global memory into
+    # the WGMMA layout's rows and columns, chunk limits read as scalars.
+    "mosaic_segments_causal_gqa": dict(
+        T=256, S=384, N=8, K=2, H=128, is_causal=True,
+        q_segment_ids=jnp.zeros((2, 256), jnp.int32),
+        kv_segment_ids=jnp.zeros((2, 384), jnp.int32),
+        block_sizes=pallas_attn.BlockSizes(forward_backend="mosaic", dq_backend="mosaic",
+                                           dkv_backend="mosaic")),
     "mosaic_dkv_h80_one_slot": dict(T=200, S=300, N=8, K=2, H=80, Hv=64, is_causal=True,
                                     block_sizes=pallas_attn.BlockSizes(
                                         **dict(_MOSAIC_DKV, num_stages_dkv=1))),

@@ -36,6 +36,7 @@ from kernel_helpers import (  # no_mosaic_races: an autouse fixture
 
 import pallas_attn
 from pallas_attn.kernels.mosaic import dkv as mosaic_dkv
+from pallas_attn.kernels.mosaic.common import segments_of
 from pallas_attn.kernels.triton import dbias as triton_dbias
 from pallas_attn.kernels.triton import dkdv as triton_dkdv
 from pallas_attn.spec import normalize
@@ -63,6 +64,13 @@ CASES = [
                                                    [0.03, 0.2, 0.7, 0.01]])), {}),
     ("alibi_soft_cap_shared_bias", dict(B=2, T=100, S=140, N=2), (1, 2),
      dict(alibi_slopes=jnp.array([0.3, 0.05]), logits_soft_cap=5.0), {}),
+    # Packed documents (each unit's query tiles narrow to its keys' documents) with a
+    # per-batch bias's gradient (tiles outside them zero); unsorted ids under GQA.
+    ("segments_packed_causal_bias", dict(B=2, T=330, S=330, N=2), (2, 2),
+     dict(is_causal=True, q_segment_ids=np.repeat(np.arange(5), 66)[None].repeat(2, 0)), {}),
+    ("segments_unsorted_gqa", dict(B=2, T=140, S=200, N=4, K=2), None,
+     dict(q_segment_ids=np.random.default_rng(3).integers(0, 3, (2, 140)),
+          kv_segment_ids=np.random.default_rng(4).integers(0, 3, (2, 200))), {}),
 ]
 
 
@@ -76,7 +84,8 @@ def _kernel_outputs(dtype: str, shapes: dict, bias_shape: tuple | None, kwargs: 
                         dataclasses.replace(MOSAIC_DKV, **blocks))
     bias = x.operands.get("bias")
     mosaic = mosaic_dkv.dkdv(x.problem, x.q, x.k, x.v, x.do, x.stats, bias, bias_grad,
-                             x.operands.get("alibi_slopes"))
+                             x.operands.get("alibi_slopes"),
+                             segments=segments_of(x.operands, "query_ranges"))
     triton_args = x.triton(**TRITON_TILES)
     triton = (*triton_dkdv.dkdv(*triton_args)[:2],
               triton_dbias.dbias(*triton_args, bias) if bias_grad else None)
@@ -155,8 +164,11 @@ def test_dbias_first_only_starts_a_batch_shared_sum_of_its_shape(bias_shape, fir
     (dict(B=2, T=90, S=150, N=2, H=64), (1, 2),
      dict(alibi_slopes=jnp.array([0.2, 0.04]), is_causal=True,
           causal_alignment="bottom_right")),
+    (dict(B=2, T=200, S=260, N=2, H=64), None,
+     dict(q_segment_ids=np.repeat(np.arange(4), 50)[None].repeat(2, 0),
+          kv_segment_ids=np.repeat(np.arange(4), 65)[None].repeat(2, 0))),
 ], ids=["batch_shared_causal_mqa", "per_batch_window_soft_cap_H48", "no_bias_H80_Hv64",
-        "alibi_batch_shared_bias_bottom_right"])
+        "alibi_batch_shared_bias_bottom_right", "packed_cross_attention"])
 def test_gradients_with_the_mosaic_dkv_against_reference_and_float64(shapes, bias_shape,
                                                                      kwargs):
     check_kernel_gradients(jnp.bfloat16, shapes, bias_shape, kwargs, MOSAIC_DKV)
@@ -194,7 +206,8 @@ def test_batch_shared_dbias_under_vmap(blocks):
 
 @pytest.mark.parametrize("kwargs,match", [
     (dict(mask=True),
-     "dkv_backend='mosaic'.*no operand besides q, k, v, a bias, ALiBi slopes and sinks, got mask"),
+     ("dkv_backend='mosaic'.*no operand besides q, k, v, a bias, ALiBi slopes, sinks "
+      "and segment ids, got mask")),
     (dict(dropout_rate=0.1, dropout_rng=jax.random.key(0)), "dkv_backend='mosaic'.*no dropout"),
     (dict(dtype=jnp.float32), "dkv_backend='mosaic'.*bfloat16 or float16"),
     (dict(H=256), "dkv_backend='mosaic'.*head dims must pad to"),

@@ -35,6 +35,7 @@ from kernel_helpers import (  # no_mosaic_races: an autouse fixture
 import pallas_attn
 from pallas_attn.kernels.core import Problem, logit_scores
 from pallas_attn.kernels.mosaic import dq as mosaic_dq
+from pallas_attn.kernels.mosaic.common import segments_of
 from pallas_attn.kernels.triton import dbias as triton_dbias
 from pallas_attn.kernels.triton import dq as triton_dq
 
@@ -52,6 +53,14 @@ CASES = [
      dict(logits_soft_cap=5.0, local_window_size=(90, 30)), dict(num_stages_dq=3)),
     ("bottom_right_T>S_per_batch_bias_H128_Hv64", dict(B=2, T=200, S=100, N=2, H=128, Hv=64),
      (2, 2), dict(is_causal=True, causal_alignment="bottom_right"), {}),
+    # Packed documents (each consumer's key tiles narrow to its rows' documents) with
+    # three consumers, the first item starting before row 0; unsorted ids with a bias
+    # (every tile compared).
+    ("segments_packed_causal", dict(B=2, T=250, S=250, N=2), None,
+     dict(is_causal=True, q_segment_ids=np.repeat(np.arange(5), 50)[None].repeat(2, 0)), {}),
+    ("segments_unsorted_bias", dict(B=2, T=140, S=200, N=2), (1, 2),
+     dict(q_segment_ids=np.random.default_rng(3).integers(0, 3, (2, 140)),
+          kv_segment_ids=np.random.default_rng(4).integers(0, 3, (2, 200))), {}),
 ]
 
 
@@ -62,7 +71,7 @@ def _kernel_outputs(dtype: str, shapes: dict, bias_shape: tuple | None, kwargs: 
     x = kernel_backward(dtype, shapes, bias_shape, kwargs,
                         dataclasses.replace(MOSAIC_DQ, **blocks))
     mosaic = mosaic_dq.dq(x.problem, x.q, x.k, x.v, x.do, x.stats, x.operands.get("bias"),
-                          x.operands.get("alibi_slopes"))
+                          x.operands.get("alibi_slopes"), segments_of(x.operands, "key_ranges"))
     triton = triton_dq.dq(*x.triton(block_q_dq=32, block_k_dq=32, dq_backend="triton"))
     assert mosaic.shape == x.q.shape and mosaic.dtype == x.q.dtype
     return np.asarray(mosaic, np.float32), np.asarray(triton, np.float32), x.T
@@ -152,8 +161,11 @@ MOSAIC_DQ_DKV = dataclasses.replace(MOSAIC_DQ, block_q_dkv=64, block_k_dkv=128,
           alibi_slopes=jnp.array([0.2, 0.04])), MOSAIC_DQ),
     (dict(B=3, T=150, S=200, N=2, H=64), (1, 2),
      dict(local_window_size=(60, 20), alibi_slopes=jnp.array([0.2, 0.04])), MOSAIC_DQ_DKV),
+    (dict(B=2, T=260, S=260, N=2, H=64), (1, 2),
+     dict(is_causal=True, q_segment_ids=np.repeat(np.arange(4), 65)[None].repeat(2, 0)),
+     MOSAIC_DQ_DKV),
 ], ids=["shared_bias_causal_soft_cap_mqa", "alibi_bottom_right_empty_rows_H80_Hv64",
-        "with_mosaic_dkv_shared_bias_window_alibi"])
+        "with_mosaic_dkv_shared_bias_window_alibi", "with_mosaic_dkv_packed_shared_bias"])
 def test_gradients_with_the_mosaic_dq_against_reference_and_float64(shapes, bias_shape,
                                                                     kwargs, blocks,
                                                                     monkeypatch):
@@ -169,7 +181,8 @@ def test_gradients_with_the_mosaic_dq_against_reference_and_float64(shapes, bias
 
 @pytest.mark.parametrize("kwargs,match", [
     (dict(mask=True),
-     "dq_backend='mosaic'.*no operand besides q, k, v, a bias, ALiBi slopes and sinks, got mask"),
+     ("dq_backend='mosaic'.*no operand besides q, k, v, a bias, ALiBi slopes, sinks "
+      "and segment ids, got mask")),
     (dict(dropout_rate=0.1, dropout_rng=jax.random.key(0)), "dq_backend='mosaic'.*no dropout"),
     (dict(dtype=jnp.float32), "dq_backend='mosaic'.*bfloat16 or float16"),
     (dict(H=256), "dq_backend='mosaic'.*head dims must pad to"),

@@ -93,6 +93,18 @@ CASES = [
     ("alibi_bias_soft_cap_window", dict(B=1, T=140, S=260, N=2, H=64),
      dict(alibi_slopes=jnp.array([0.3, 0.05]), bias=((1, 2, 140, 260), None),
           logits_soft_cap=5.0, local_window_size=(90, 30)), dict(block_k=128)),
+    # Segment ids: packed documents (sorted, one array for queries and keys: the item's
+    # and each consumer's key tiles narrow to their documents) under causal masking with
+    # ALiBi; unsorted ids of their own for queries and keys (nothing skipped, every tile
+    # compared), T < S with a bias.
+    ("segments_packed_causal_alibi", dict(B=2, T=330, S=330, N=2, H=64),
+     dict(is_causal=True, q_segment_ids=np.repeat([[0, 1, 2, 3, 4]], 66, axis=1).repeat(
+         2, axis=0).reshape(2, 330) * np.array([[1], [2]]),
+          alibi_slopes=jnp.array([0.3, 0.05])), {}),
+    ("segments_unsorted_bias_T<S", dict(B=2, T=140, S=260, N=2, H=64),
+     dict(q_segment_ids=np.random.default_rng(1).integers(0, 3, (2, 140)),
+          kv_segment_ids=np.random.default_rng(2).integers(0, 3, (2, 260)),
+          bias=((1, 2, 140, 260), None)), dict(block_k=128)),
 ]
 
 
@@ -211,7 +223,8 @@ def test_gradients_through_the_mosaic_forward_match_the_triton_forward():
 # ----------------------------------------------------------------- what it refuses
 @pytest.mark.parametrize("kwargs,match", [
     (dict(dtype=jnp.float32), "bfloat16 or float16"),
-    (dict(mask=True), "no operand besides q, k, v, a bias, ALiBi slopes and sinks, got mask"),
+    (dict(mask=True), ("no operand besides q, k, v, a bias, ALiBi slopes, sinks and segment ids, "
+                    "got mask")),
     (dict(bias=(1, 1, 1, 16)), r"broadcast along queries or keys"),
     (dict(bias=(1, 1, 16, 1)), r"broadcast along queries or keys"),
     (dict(dropout_rate=0.1, dropout_rng=jax.random.key(0)), "no dropout"),

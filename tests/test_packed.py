@@ -1,4 +1,4 @@
-"""Packed sequences: the Triton kernels skip the tiles outside each tile's segments
+"""Packed sequences: the kernels skip the tiles outside each tile's segments
 (kernels/core.segment_ranges). The keys of one packed document are NaN: the other
 documents must stay exact in the output and every gradient, which holds only if the
 kernels never read the poisoned tiles (a masked NaN still poisons P V and dS K).
@@ -47,6 +47,42 @@ def test_poisoned_document_is_never_read(kw):
         np.testing.assert_allclose(got[0, clean], ref[0, clean], atol=2e-5, rtol=2e-5)
         np.testing.assert_allclose(got[1], ref[1], atol=2e-5, rtol=2e-5)
     assert np.isnan(np.asarray(out[0, poisoned])).all()
+
+
+MOSAIC = pallas_attn.BlockSizes(block_q=128, block_k=64, block_q_dkv=64, block_k_dkv=128,
+                                block_q_dq=128, block_k_dq=64, forward_backend="mosaic",
+                                dq_backend="mosaic", dkv_backend="mosaic")
+
+
+@pytest.mark.parametrize("kw", [{}, dict(is_causal=True)], ids=["full", "causal"])
+def test_the_mosaic_kernels_never_read_a_poisoned_document(kw):
+    """The Hopper kernels in the Mosaic GPU interpreter: documents of 64 tokens, so a
+    forward or dQ item (128 rows) holds two and each consumer narrows to its own; the
+    other documents are bit-equal to a clean run's."""
+    inputs = make_inputs(9, dtype=jnp.bfloat16, B=2, T=256, S=256, N=2, K=1, H=64)
+    q, k, v, ct = inputs["q"], inputs["k"], inputs["v"], inputs["ct"]
+    segments = jnp.repeat(jnp.arange(4), 64)[None].repeat(2, 0).astype(jnp.int32)
+    poisoned = slice(192, 256)
+
+    def run(k, v):
+        def loss(q, k, v):
+            out = pallas_attn.dot_product_attention(
+                q, k, v, q_segment_ids=segments, implementation="pallas", interpret=True,
+                block_sizes=MOSAIC, **kw)
+            return jnp.sum(out.astype(jnp.float32) * ct), out
+
+        (_, out), grads = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(q, k, v)
+        return [np.asarray(x, np.float32) for x in (out, *grads)]
+
+    clean = run(k, v)
+    bad = run(k.at[0, poisoned].set(jnp.nan), v.at[0, poisoned].set(jnp.nan))
+    for got, want in zip(bad, clean, strict=True):
+        np.testing.assert_array_equal(got[0, :192], want[0, :192])
+        np.testing.assert_array_equal(got[1], want[1])
+    assert np.isnan(bad[0][0, poisoned]).all()
+    want, _ = _grads(q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32),
+                     ct, segments, "xla", **kw)
+    np.testing.assert_allclose(clean[0], want, atol=2e-2, rtol=2e-2)
 
 
 def test_unsorted_and_ragged_segments_stay_exact():

@@ -27,7 +27,7 @@ from pallas_attn.kernels.mosaic import dbias as mosaic_dbias
 from pallas_attn.kernels.mosaic import dkv as mosaic_dkv
 from pallas_attn.kernels.mosaic import dq as mosaic_dq
 from pallas_attn.kernels.mosaic import fwd as mosaic_fwd
-from pallas_attn.kernels.mosaic.common import row_residuals
+from pallas_attn.kernels.mosaic.common import row_residuals, segments_of
 from pallas_attn.kernels.triton import dbias as triton_dbias
 from pallas_attn.kernels.triton import decode as triton_decode
 from pallas_attn.kernels.triton import dkdv as triton_dkdv
@@ -249,20 +249,24 @@ def _run_backward(static: tuple[Problem, bool], q, k, v, operands: dict, row_sta
                     plan.dbias.backend if separate_dbias else None]
     stats = row_residuals(row_stats, delta) if "mosaic" in mosaic_roles else None
     slopes = operands.get("alibi_slopes")
+    dq_segments = segments_of(operands, "key_ranges") if plan.dq.backend == "mosaic" else ()
+    dkv_segments = (segments_of(operands, "query_ranges") if plan.dkdv.backend == "mosaic"
+                    else ())
     # Both Mosaic kernels and a fused dbias of a bias shared by the batch entries: the
     # dQ kernel stores batch entry 0's dS tiles as dbias, the dK/dV kernel adds the
     # others' to them (no zeroed buffer to start from).
     dbias_first = None
     if plan.dq.backend == "mosaic":
         if plan.dkdv.backend == "mosaic" and mosaic_dkv.sums_batch(problem, bias, fused):
-            dq, dbias_first = mosaic_dq.dq_and_dbias(problem, q, k, v, do, stats, bias, slopes)
+            dq, dbias_first = mosaic_dq.dq_and_dbias(problem, q, k, v, do, stats, bias, slopes,
+                                                     dq_segments)
         else:
-            dq = mosaic_dq.dq(problem, q, k, v, do, stats, bias, slopes)
+            dq = mosaic_dq.dq(problem, q, k, v, do, stats, bias, slopes, dq_segments)
     else:
         dq = triton_dq.dq(problem, names, inputs)
     if plan.dkdv.backend == "mosaic":
         dk, dv, dbias = mosaic_dkv.dkdv(problem, q, k, v, do, stats, bias, fused, slopes,
-                                        dbias_first)
+                                        dbias_first, dkv_segments)
     else:
         dk, dv, dbias = triton_dkdv.dkdv(problem, names, inputs, bias if fused else None)
     if separate_dbias and plan.dbias.backend == "mosaic":

@@ -85,6 +85,56 @@ class Item:
 
 
 @dataclasses.dataclass(frozen=True)
+class Segments:
+    """Segment ids in global memory ([B, Tp] and [B, Sp] int32) and the limits of what
+    each chunk of ROWS_PER_CONSUMER positions sees through them (`chunk_limits`: keys
+    per chunk of query rows in the forward and dQ kernels, query rows per chunk of keys
+    in the dK/dV kernel)."""
+
+    q_ids: Any
+    kv_ids: Any
+    limits: Any
+
+    def rows(self, b, row0) -> jax.Array:
+        """The query ids of rows [row0, row0 + 64) along a WGMMA tile's rows."""
+        return plgpu.load(self.q_ids.at[b, pl.ds(jnp.maximum(row0, 0), ROWS_PER_CONSUMER)],
+                          layout=plgpu.Layout.WGMMA.reduce(1), optimized=False)
+
+    def cols(self, b, k0, size: int) -> jax.Array:
+        """The key ids of keys [k0, k0 + size) along a WGMMA tile's columns."""
+        return plgpu.load(self.kv_ids.at[b, pl.ds(k0, size)],
+                          layout=plgpu.Layout.WGMMA.reduce(0), optimized=False)
+
+    def span(self, b, start, size: int) -> tuple[Any, Any]:
+        """(lo, hi): what positions [start, start + size) see, from their chunks (a
+        multiple of 64 positions; chunks before position 0 see nothing)."""
+        lo, hi = jnp.int32(2**30), jnp.int32(0)
+        for c in range(size // ROWS_PER_CONSUMER):
+            first = start + c * ROWS_PER_CONSUMER
+            chunk = lax.div(jnp.maximum(first, 0), ROWS_PER_CONSUMER)
+            lo = jnp.where(first >= 0, jnp.minimum(lo, self.limits[b, 0, chunk]), lo)
+            hi = jnp.where(first >= 0, jnp.maximum(hi, self.limits[b, 1, chunk]), hi)
+        return lo, hi
+
+
+def chunk_limits(ranges: jax.Array) -> jax.Array:
+    """[B, 2, n / 64] int32 from per-position ranges [B, 2, n] (core.segment_ranges):
+    per chunk of 64 positions, the lowest start and the highest stop of its ranges."""
+    B, _, n = ranges.shape
+    chunks = ranges.reshape(B, 2, n // ROWS_PER_CONSUMER, ROWS_PER_CONSUMER)
+    return jnp.stack([chunks[:, 0].min(axis=-1), chunks[:, 1].max(axis=-1)], axis=1)
+
+
+def segments_of(operands: dict[str, Any], limits: str) -> tuple[jax.Array, ...]:
+    """The segment operands of a Mosaic kernel, () without segment ids: the ids and the
+    chunk limits of `limits` ("key_ranges" or "query_ranges")."""
+    if "q_segment_ids" not in operands:
+        return ()
+    return (operands["q_segment_ids"], operands["kv_segment_ids"],
+            chunk_limits(operands[limits]))
+
+
+@dataclasses.dataclass(frozen=True)
 class Walk:
     """The persistent programs' walk over items of item_rows query rows, each with its
     band of key tiles streamed through a ring of shared-memory slots (the forward's
@@ -102,6 +152,7 @@ class Walk:
     block_k: int
     stages: int
     item_rows: int = ITEM_ROWS
+    segments: Segments | None = None
 
     @property
     def consumers(self) -> int:
@@ -132,8 +183,10 @@ class Walk:
     def band(self, item: Item) -> tuple[TileRanges, Band, Any]:
         """(context, key tiles, ring steps) of an item; no steps for an invalid one."""
         ctx = TileRanges(self.problem, item.b, item.n)
+        limits = (None if self.segments is None
+                  else self.segments.span(item.b, item.q0, self.item_rows))
         tiles = Band(*ctx.key_tiles(jnp.maximum(item.q0, 0), item.q0 + self.item_rows,
-                                    self.block_k))
+                                    self.block_k, limits))
         steps = jnp.where(item.valid, jnp.maximum(tiles.stop - tiles.first, 0), 0)
         return ctx, tiles, steps
 
@@ -227,10 +280,12 @@ class BiasTiles:
         return bias
 
 
-def own_band(ctx: TileRanges, tiles: Band, row0, stop, block_k: int) -> Band:
-    """A consumer's key tiles (its 64 rows from row0), clipped into the item's
-    [tiles.first, stop) (they agree except at the band's ends)."""
-    own = Band(*ctx.key_tiles(row0, row0 + ROWS_PER_CONSUMER, block_k))
+def own_band(ctx: TileRanges, tiles: Band, row0, stop, block_k: int,
+             segments: Segments | None = None) -> Band:
+    """A consumer's key tiles (its 64 rows from row0, within their segments' keys),
+    clipped into the item's [tiles.first, stop) (they agree except at the band's ends)."""
+    limits = None if segments is None else segments.span(ctx.b, row0, ROWS_PER_CONSUMER)
+    own = Band(*ctx.key_tiles(row0, row0 + ROWS_PER_CONSUMER, block_k, limits))
     first = jnp.clip(own.first, tiles.first, stop)
     last = jnp.clip(own.stop, first, stop)
     full_first = jnp.clip(own.full_first, first, last)
@@ -277,13 +332,16 @@ def take_turn(schedule) -> None:
 
 def tile_scores(problem: Problem, s: jax.Array, row0, k0, masked: bool, *,
                 bias: jax.Array | None = None, slope: Any = None,
-                row_shift: jax.Array | None = None) -> tuple[jax.Array, jax.Array | None]:
+                row_shift: jax.Array | None = None,
+                segments: tuple[jax.Array, jax.Array] | None = None
+                ) -> tuple[jax.Array, jax.Array | None]:
     """(scores, t = tanh(logits / cap) or None) of a [rows, keys] tile in the WGMMA
     layout from the raw products s = Q K^T: common.logit_scores, then the band masks
     (causal, window, padded keys) of rows from row0 and keys from k0 where masked,
     invisible entries at -inf. bias: the tile's bias (float32) or None; slope: the
-    head's ALiBi slope (a scalar) or None; row_shift: `common.logit_scores`'. The
-    Mosaic kernels' one score rule."""
+    head's ALiBi slope (a scalar) or None; row_shift: `common.logit_scores`';
+    segments: the rows' and the keys' segment ids (`Segments.rows` / `cols`) or None,
+    compared on every tile. The Mosaic kernels' one score rule."""
     def iota(dim):
         return plgpu.broadcasted_iota(jnp.int32, s.shape, dim, layout=plgpu.Layout.WGMMA)
 
@@ -308,17 +366,29 @@ def tile_scores(problem: Problem, s: jax.Array, row0, k0, masked: bool, *,
             kv_bound=problem.kv_len if problem.kv_pad != problem.kv_len else None)
         if visible is not None:
             s = jnp.where(visible, s, -jnp.inf)
+    if segments is not None:
+        s = jnp.where(same_segment(segments, s.shape), s, -jnp.inf)
     return s, cap_tanh
+
+
+def same_segment(segments: tuple[jax.Array, jax.Array], shape: tuple[int, ...]) -> jax.Array:
+    """Whether each entry's query and key share a segment, from the rows' and the keys'
+    ids (`Segments.rows` / `cols`)."""
+    row_ids, col_ids = segments
+    return (lax.broadcast_in_dim(row_ids, shape, [0])
+            == lax.broadcast_in_dim(col_ids, shape, [1]))
 
 
 def tile_gradient(problem: Problem, s: jax.Array, dp: jax.Array, bias: jax.Array | None,
                   residuals: tuple[jax.Array, jax.Array, jax.Array], row0, k0,
-                  masked: bool, slope: Any = None) -> tuple[jax.Array, jax.Array]:
+                  masked: bool, slope: Any = None,
+                  segments: tuple[jax.Array, jax.Array] | None = None
+                  ) -> tuple[jax.Array, jax.Array]:
     """(P, dS) of a [rows, keys] tile in the WGMMA layout, float32, from the raw
     products s = Q K^T and dp = dO V^T, the tile's bias (or None), the head's ALiBi
     slope (or None) and its rows' residuals (row reference, log2 row sum, delta;
     WGMMA.reduce(1) layout). masked applies the band masks (causal, window, padded
-    keys) of rows from row0 and keys from k0."""
+    keys) of rows from row0 and keys from k0; segments: `tile_scores`'."""
     row_max, log2_sum, delta = residuals
 
     def rows_of(x):
@@ -333,14 +403,21 @@ def tile_gradient(problem: Problem, s: jax.Array, dp: jax.Array, bias: jax.Array
     # the ALiBi term (one operation fewer per entry), and P = exp2(s).
     shifted = slope is not None and log2_units
     s, cap_tanh = tile_scores(problem, s, row0, k0, masked, bias=bias, slope=slope,
-                              row_shift=rows_of(row_max + log2_sum) if shifted else None)
+                              row_shift=rows_of(row_max + log2_sum) if shifted else None,
+                              segments=segments)
     if cap_tanh is not None:  # dS picks up the cap's derivative 1 - t^2
         dp = dp * scores.soft_cap_slope(cap_tanh)
     prob = (jnp.exp2(s) if shifted
             else problem.probabilities(s, row_max, log2_sum, rows=rows_of))
     if log2_units:
         dp = dp - rows_of(delta)
-    return prob, prob * dp
+    ds = prob * dp
+    if segments is not None:
+        # A row of another segment may carry NaN residuals (its own keys were NaN): its
+        # hidden entries must still give exact zeros to these keys' dK and dV.
+        same = same_segment(segments, s.shape)
+        prob, ds = jnp.where(same, prob, 0.0), jnp.where(same, ds, 0.0)
+    return prob, ds
 
 
 def zero_tiles_outside(zero_tile, tile_ref, first, stop, count: int) -> None:

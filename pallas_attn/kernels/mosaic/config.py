@@ -59,14 +59,26 @@ def producer_registers(consumers: int) -> int:
 
 
 
-def unsupported_scores(spec: AttentionSpec, present: tuple[str, ...]) -> str:
-    """Why the Mosaic kernels cannot compute these scores, or "" when they can."""
+# The operands each role's kernel reads besides q, k and v (the ranges are derived from
+# the segment ids, core.segment_ranges).
+SEGMENTS = ("q_segment_ids", "kv_segment_ids", "key_ranges", "query_ranges")
+OPERANDS = {"forward": ("bias", "alibi_slopes", "sinks", *SEGMENTS),
+            "dq": ("bias", "alibi_slopes", "sinks", *SEGMENTS),
+            "dkdv": ("bias", "alibi_slopes", "sinks", *SEGMENTS),
+            "dbias": ("bias", "alibi_slopes", "sinks")}
+_OPERAND_NAMES = {"bias": "a bias", "alibi_slopes": "ALiBi slopes", "sinks": "sinks",
+                  "q_segment_ids": "segment ids"}
+
+
+def unsupported_scores(spec: AttentionSpec, present: tuple[str, ...], role: str) -> str:
+    """Why the role's Mosaic kernel cannot compute these scores, or "" when it can."""
     if spec.has_dropout:
         return f"no dropout, got dropout_rate={spec.dropout_rate}"
-    others = [name for name in present if name not in ("bias", "alibi_slopes", "sinks")]
+    others = [name for name in present if name not in OPERANDS[role]]
     if others:
-        return (f"they take no operand besides q, k, v, a bias, ALiBi slopes and sinks, got "
-                f"{', '.join(others)}")
+        takes = [_OPERAND_NAMES[name] for name in OPERANDS[role] if name in _OPERAND_NAMES]
+        return (f"it takes no operand besides q, k, v, {', '.join(takes[:-1])} and "
+                f"{takes[-1]}, got {', '.join(others)}")
     if spec.has_bias and 1 in spec.bias_shape[2:]:
         return (f"the bias needs its own entry per query and key, got a bias of shape "
                 f"{spec.bias_shape} (broadcast along queries or keys)")
@@ -78,7 +90,7 @@ def unsupported(dtype: str, spec: AttentionSpec, present: tuple[str, ...], head_
     """Why the role's Mosaic kernel cannot run a problem, or "" when it can."""
     if dtype not in DTYPES:
         return f"inputs must be bfloat16 or float16, got {dtype}"
-    if why := unsupported_scores(spec, present):
+    if why := unsupported_scores(spec, present, role):
         return why
     dims = (padded_head_dim(head_dim), padded_head_dim(value_head_dim))
     if not set(dims) <= set(HEAD_DIMS[role]):

@@ -44,6 +44,9 @@ program runs an item's batch entries one after another as passes (so that no two
 programs add to one tile), the only places where it differs from the compiled
 kernel.
 
+With segment ids, a unit's query tiles narrow to its keys' segments and every step
+compares ids; entries of other segments give exact zeros (`common.tile_gradient`).
+
 Scope: the Mosaic kernels' (`config.unsupported`), and a bias gradient only for a
 bias of shape [B, N, T, S] or [1, N, T, S] in the inputs' dtype
 (`config.fusable_dbias`).
@@ -59,6 +62,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_attn.kernels.core import Problem, TileRanges, run_tile_loops
 from pallas_attn.kernels.mosaic.common import (
+    Segments,
     accumulate,
     head_slope,
     launch,
@@ -83,8 +87,8 @@ STEP_ROWS, UNIT_KEYS = DKV_TILES  # query rows per step, keys per unit
 KEYS_PER_CONSUMER = ROWS_PER_CONSUMER
 
 
-def _kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, bias_ref, slopes_ref, dk_ref, dv_ref,
-            dbias_ref, smem, barriers, *, problem: Problem, programs: int, passes: int,
+def _kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, bias_ref, slopes_ref, segments, dk_ref,
+            dv_ref, dbias_ref, smem, barriers, *, problem: Problem, programs: int, passes: int,
             add_dbias: bool, first_entry: int):
     q_smem, do_smem, stats_smem, k_smem, v_smem = (
         smem[name] for name in ("q", "do", "stats", "k", "v"))
@@ -126,7 +130,9 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, bias_ref, slopes_ref, dk_ref
         k0 = kt * UNIT_KEYS
         valid = idx < items
         ctx = TileRanges(problem, b, kh)
-        first, stop, full_first, full_stop = ctx.query_tiles(k0, k0 + UNIT_KEYS, STEP_ROWS)
+        limits = None if segments is None else segments.span(b, k0, UNIT_KEYS)
+        first, stop, full_first, full_stop = ctx.query_tiles(k0, k0 + UNIT_KEYS, STEP_ROWS,
+                                                             limits)
         # An invalid unit (past the last item) gets an empty band.
         stop, full_first, full_stop = (jnp.where(valid, x, first)
                                        for x in (stop, full_first, full_stop))
@@ -199,7 +205,7 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, bias_ref, slopes_ref, dk_ref
     def _consumer():
         plgpu.set_max_registers(consumer_registers(CONSUMERS), action="increase")
         _consume(problem, wg, unit_of, units, add_dbias, first_entry,
-                 (slopes_ref, dk_ref, dv_ref, dbias_ref),
+                 (slopes_ref, dk_ref, dv_ref, dbias_ref, segments),
                  (q_smem, do_smem, stats_smem, bias_smem,
                   k_smem.at[wg], v_smem.at[wg], smem["p"].at[wg], smem["ds"].at[wg]),
                  (step_loaded, step_consumed, kv_loaded, kv_consumed))
@@ -209,7 +215,7 @@ def _consume(problem: Problem, wg, unit_of, units, add_dbias: bool, first_entry:
              buffers, barriers):
     """A consumer's loop over its program's units: dK and dV of its 64 keys per unit;
     dbias tiles from batch entries first_entry on."""
-    slopes_ref, dk_ref, dv_ref, dbias_ref = refs
+    slopes_ref, dk_ref, dv_ref, dbias_ref, segments = refs
     has_dbias = dbias_ref is not None
     q_smem, do_smem, stats_smem, bias_smem, k_mine, v_mine, p_mine, ds_mine = buffers
     step_loaded, step_consumed, kv_loaded, kv_consumed = barriers
@@ -232,6 +238,7 @@ def _consume(problem: Problem, wg, unit_of, units, add_dbias: bool, first_entry:
             return dbias_ref.at[bb, n, pl.ds(t * STEP_ROWS, STEP_ROWS), pl.ds(k_own, keys_n)]
 
         pl.when(tiles > 0)(lambda: plgpu.barrier_wait(kv_loaded))
+        key_ids = None if segments is None else segments.cols(b, k_own, keys_n)
 
         def step_fn(i, carry, masked: bool, slope):
             """Query tile i of head h (ring step `at`), the head's ALiBi slope."""
@@ -239,6 +246,7 @@ def _consume(problem: Problem, wg, unit_of, units, add_dbias: bool, first_entry:
             slot = lax.rem(at, jnp.int32(stages))
             n = kh * group + h
             row0 = i * STEP_ROWS
+            ids = None if segments is None else (segments.rows(b, row0), key_ids)
             plgpu.barrier_wait(step_loaded.at[slot])
 
             def products(s_ref, dp_ref):
@@ -260,7 +268,7 @@ def _consume(problem: Problem, wg, unit_of, units, add_dbias: bool, first_entry:
             s, dp, residuals, bias = pl.run_scoped(products, plgpu.ACC(shape, jnp.float32),
                                                    plgpu.ACC(shape, jnp.float32))
             prob, ds = tile_gradient(problem, s, dp, bias, residuals, row0, k_own, masked,
-                                     slope)
+                                     slope, ids)
             ds_slot = ds_mine.at[lax.rem(at, 2)]
             if has_dbias and not reduce_in_registers:
                 # The dbias copy issued two steps ago has read this buffer.
@@ -345,13 +353,15 @@ def sums_batch(problem: Problem, bias: jax.Array | None, bias_grad: bool) -> boo
 
 def dkdv(problem: Problem, q: jax.Array, k: jax.Array, v: jax.Array, do: jax.Array,
          stats: jax.Array, bias: jax.Array | None, bias_grad: bool,
-         slopes: jax.Array | None = None, dbias_first: jax.Array | None = None
+         slopes: jax.Array | None = None, dbias_first: jax.Array | None = None,
+         segments: tuple[jax.Array, ...] = ()
          ) -> tuple[jax.Array, jax.Array, jax.Array | None]:
     """(dk, dv, dbias or None) for padded inputs; stats: the row residuals
     (`common.row_residuals`); slopes: ALiBi slopes [B, N] or None. bias_grad: also write
     the gradient of the (present) bias (`config.fusable_dbias`). dbias_first: for a bias
     shared by the batch entries, batch entry 0's part of its gradient
-    (`dq.dq_and_dbias`), to which the kernel adds the others'."""
+    (`dq.dq_and_dbias`), to which the kernel adds the others'. segments: the segment
+    operands (`common.segments_of`, query limits) or ()."""
     name = "mosaic.dkv.dkdv"
     if why := unsupported(problem, "dkdv"):
         raise AssertionError(f"{name} called for an unsupported problem: {why}")
@@ -384,19 +394,21 @@ def dkdv(problem: Problem, q: jax.Array, k: jax.Array, v: jax.Array, do: jax.Arr
     def entry(*refs):
         q_ref, k_ref, v_ref, do_ref, stats_ref, *rest = refs
         bias_ref, slopes_ref, sum_ref = optional_refs(rest, bias, slopes, dbias_sum)
-        dk_ref, dv_ref, *dbias_ref = rest[sum(x is not None for x in (bias, slopes,
-                                                                      dbias_sum)):]
+        rest = rest[sum(x is not None for x in (bias, slopes, dbias_sum)):]
+        segment_refs, (dk_ref, dv_ref, *dbias_ref) = rest[:len(segments)], rest[len(segments):]
         dbias_ref = sum_ref if add_dbias else (dbias_ref[0] if dbias_ref else None)
         scoped(scratch, lambda smem, barriers: _kernel(
-            q_ref, k_ref, v_ref, do_ref, stats_ref, bias_ref, slopes_ref, dk_ref, dv_ref,
-            dbias_ref, smem, barriers, problem=problem, programs=programs, passes=passes,
+            q_ref, k_ref, v_ref, do_ref, stats_ref, bias_ref, slopes_ref,
+            Segments(*segment_refs) if segments else None, dk_ref, dv_ref, dbias_ref, smem,
+            barriers, problem=problem, programs=programs, passes=passes,
             add_dbias=add_dbias, first_entry=first_entry))
 
     programs = problem.plan.programs_for(Sp // UNIT_KEYS * KH * (B // passes))
     out_type = [jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)]
     if bias_grad and not add_dbias:
         out_type.append(jax.ShapeDtypeStruct(bias.shape, bias.dtype))
-    operands = [q, k, v, do, stats] + [x for x in (bias, slopes, dbias_sum) if x is not None]
+    operands = [q, k, v, do, stats, *(x for x in (bias, slopes, dbias_sum) if x is not None),
+                *segments]
     dk, dv, *dbias = launch(entry, out_type, programs, problem.interpret)(*operands)
     if add_dbias:
         return dk, dv, jax.freeze(dbias_sum)

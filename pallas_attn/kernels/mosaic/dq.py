@@ -22,7 +22,9 @@ consumer warpgroups: three, or two with a bias or a local window
   as the forward's do (two turns per key tile).
 
 dQ (times the softmax scale) is stored from registers. Rows that see no key get
-zeros. Scope: the Mosaic kernels' (`config.unsupported`).
+zeros. With segment ids, items and consumers narrow their key tiles to their rows'
+segments and every tile compares ids (`common.Segments`). Scope: the Mosaic kernels'
+(`config.unsupported`).
 
 `dq_and_dbias` also starts the gradient of a bias shared by the batch entries: the
 consumers bulk-copy batch entry 0's dS tiles (already staged in shared memory for
@@ -44,6 +46,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_attn.kernels.core import Problem
 from pallas_attn.kernels.mosaic.common import (
     Band,
+    Segments,
     Walk,
     accumulate,
     head_slope,
@@ -68,14 +71,15 @@ from pallas_attn.kernels.mosaic.config import (
 )
 
 
-def _kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, bias_ref, slopes_ref, dq_ref, dbias_ref,
-            smem, barriers, *, problem: Problem, programs: int, consumers: int):
+def _kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, bias_ref, slopes_ref, segments, dq_ref,
+            dbias_ref, smem, barriers, *, problem: Problem, programs: int, consumers: int):
     rows_loaded, schedule = barriers["rows_loaded"], barriers["schedule"]
     ring = tuple(barriers[name] for name in ("k_loaded", "v_loaded", "k_consumed",
                                               "v_consumed"))
     route = problem.plan.dq
     block_k = route.block_k
-    walk = Walk(problem, programs, block_k, route.num_stages, consumers * ROWS_PER_CONSUMER)
+    walk = Walk(problem, programs, block_k, route.num_stages, consumers * ROWS_PER_CONSUMER,
+                segments)
     wg = lax.axis_index("wg")
     on_item = None
     if dbias_ref is not None:
@@ -140,7 +144,7 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, bias_ref, slopes_ref, dq_ref
             dq = _consume(problem, ctx, tiles, lambda t: walk.slot(step + t - tiles.first),
                           row0, tiles.first + steps, mine, smem["k"], smem["v"], ring,
                           schedule, bias, head_slope(slopes_ref, item.valid, item.b, item.n),
-                          residuals, dbias, row0 >= 0)
+                          residuals, dbias, row0 >= 0, segments, item.b)
             # Every product of this item is done: its rows' buffers are free.
             load_rows(walk.item(r + 1))
 
@@ -159,7 +163,8 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, bias_ref, slopes_ref, dq_ref
 
 
 def _consume(problem: Problem, ctx, tiles, slot_of, row0, stop, mine: dict, k_smem, v_smem,
-             ring, schedule, bias, slope, residuals, dbias, active) -> jax.Array:
+             ring, schedule, bias, slope, residuals, dbias, active,
+             segments: Segments | None, b) -> jax.Array:
     """One consumer warpgroup: dQ / scale of rows [row0, row0 + 64) (float32) over key
     tiles [tiles.first, stop); active false (rows before 0): it only releases the
     tiles. With a `schedule` (two consumers) it takes turns with the other consumer
@@ -169,11 +174,12 @@ def _consume(problem: Problem, ctx, tiles, slot_of, row0, stop, mine: dict, k_sm
 
     dbias: (when, its rows of the dbias) or None; when, the consumer stores its dS
     tiles of the item's band there, running every tile of the band (those outside its
-    own rows' band masked: dS = 0)."""
+    own rows' band masked: dS = 0). segments: the segment ids (of batch entry b) or
+    None."""
     k_loaded, v_loaded, k_consumed, v_consumed = ring
     block_k = problem.plan.dq.block_k
     rows_n = ROWS_PER_CONSUMER
-    own = own_band(ctx, tiles, row0, stop, block_k)
+    own = own_band(ctx, tiles, row0, stop, block_k, segments)
     own = Band(*(jnp.where(active, x, tiles.first)
                  for x in (own.first, own.stop, own.full_first, own.full_stop)))
     if dbias is not None:
@@ -181,10 +187,12 @@ def _consume(problem: Problem, ctx, tiles, slot_of, row0, stop, mine: dict, k_sm
         own = Band(jnp.where(whole, tiles.first, own.first), jnp.where(whole, stop, own.stop),
                    own.full_first, own.full_stop)
     shape = (rows_n, block_k)
+    row_ids = None if segments is None else segments.rows(b, row0)
 
     def step(t, dq, masked: bool):
         slot = slot_of(t)
         tile_bias = None if bias is None else bias.take(t, own.stop)
+        ids = None if segments is None else (row_ids, segments.cols(b, t * block_k, block_k))
         plgpu.barrier_wait(k_loaded.at[slot])
         plgpu.barrier_wait(v_loaded.at[slot])
 
@@ -198,7 +206,7 @@ def _consume(problem: Problem, ctx, tiles, slot_of, row0, stop, mine: dict, k_sm
                               plgpu.ACC(shape, jnp.float32))
         plgpu.barrier_arrive(v_consumed.at[slot])
         _, ds = tile_gradient(problem, s, dp, tile_bias, residuals, row0, t * block_k, masked,
-                              slope)
+                              slope, ids)
         if dbias is not None:
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last dbias copy read ds
         mine["ds"][...] = ds.astype(mine["ds"].dtype)
@@ -224,16 +232,17 @@ def _consume(problem: Problem, ctx, tiles, slot_of, row0, stop, mine: dict, k_sm
 
 
 def dq(problem: Problem, q: jax.Array, k: jax.Array, v: jax.Array, do: jax.Array,
-       stats: jax.Array, bias: jax.Array | None, slopes: jax.Array | None = None
-       ) -> jax.Array:
+       stats: jax.Array, bias: jax.Array | None, slopes: jax.Array | None = None,
+       segments: tuple[jax.Array, ...] = ()) -> jax.Array:
     """dq [B, Tp, N, Hp] for padded inputs; stats: the row residuals
-    (`common.row_residuals`); slopes: ALiBi slopes [B, N] or None."""
-    return _launch(problem, q, k, v, do, stats, bias, slopes, False)[0]
+    (`common.row_residuals`); slopes: ALiBi slopes [B, N] or None; segments: the
+    segment operands (`common.segments_of`, key limits) or ()."""
+    return _launch(problem, q, k, v, do, stats, bias, slopes, segments, False)[0]
 
 
 def dq_and_dbias(problem: Problem, q: jax.Array, k: jax.Array, v: jax.Array, do: jax.Array,
-                 stats: jax.Array, bias: jax.Array, slopes: jax.Array | None = None
-                 ) -> tuple[jax.Array, jax.Array]:
+                 stats: jax.Array, bias: jax.Array, slopes: jax.Array | None = None,
+                 segments: tuple[jax.Array, ...] = ()) -> tuple[jax.Array, jax.Array]:
     """(dq, batch entry 0's part of the gradient of a bias shared by the batch entries)
     for padded inputs: `dq`, with the dS tiles of batch entry 0 stored as a dbias of
     the bias's shape [1, N, Tp, Sp] (and zeros outside the bands). The dK/dV kernel
@@ -242,11 +251,12 @@ def dq_and_dbias(problem: Problem, q: jax.Array, k: jax.Array, v: jax.Array, do:
                          bias_dtype=bias.dtype, dtype=problem.dtype):
         raise AssertionError(f"mosaic.dq.dq_and_dbias cannot write the dbias of a "
                              f"{bias.dtype} bias of shape {bias.shape}")
-    dq_out, dbias = _launch(problem, q, k, v, do, stats, bias, slopes, True)
+    dq_out, dbias = _launch(problem, q, k, v, do, stats, bias, slopes, segments, True)
     return dq_out, dbias
 
 
-def _launch(problem: Problem, q, k, v, do, stats, bias, slopes, with_dbias: bool) -> list:
+def _launch(problem: Problem, q, k, v, do, stats, bias, slopes, segments: tuple,
+            with_dbias: bool) -> list:
     if why := unsupported(problem, "dq"):
         raise AssertionError(f"mosaic.dq.dq called for an unsupported problem: {why}")
     route = problem.plan.dq
@@ -259,15 +269,17 @@ def _launch(problem: Problem, q, k, v, do, stats, bias, slopes, with_dbias: bool
 
     def entry(q_ref, k_ref, v_ref, do_ref, stats_ref, *refs):
         bias_ref, slopes_ref = optional_refs(refs, bias, slopes)
-        dq_ref, *dbias_ref = refs[(bias is not None) + (slopes is not None):]
+        refs = refs[(bias is not None) + (slopes is not None):]
+        segment_refs, (dq_ref, *dbias_ref) = refs[:len(segments)], refs[len(segments):]
         scoped(scratch, lambda smem, barriers: _kernel(
-            q_ref, k_ref, v_ref, do_ref, stats_ref, bias_ref, slopes_ref, dq_ref,
+            q_ref, k_ref, v_ref, do_ref, stats_ref, bias_ref, slopes_ref,
+            Segments(*segment_refs) if segments else None, dq_ref,
             dbias_ref[0] if dbias_ref else None, smem, barriers, problem=problem,
             programs=programs, consumers=consumers))
 
     items = -(-Tp // (consumers * ROWS_PER_CONSUMER)) * B * N
     programs = problem.plan.programs_for(items)
-    operands = [q, k, v, do, stats] + [x for x in (bias, slopes) if x is not None]
+    operands = [q, k, v, do, stats, *(x for x in (bias, slopes) if x is not None), *segments]
     out_type = [jax.ShapeDtypeStruct(q.shape, q.dtype)]
     if with_dbias:
         out_type.append(jax.ShapeDtypeStruct(bias.shape, bias.dtype))

@@ -22,6 +22,9 @@ heaviest causal tile first) with three warpgroups:
   row residuals are stored from registers. At head dim 256 (64-key tiles) the
   output has no room of its own: it is staged in Q's buffer and the next Q loads
   once it has left, and P V accumulates onto the output in place.
+* With segment ids, each item's and each consumer's band narrows to the keys its
+  rows' segments hold (`common.Segments`: chunk limits from core.segment_ranges), and
+  every tile compares the rows' ids (read once per item) with the key tile's.
 * With a bias, each consumer copies its 64 rows of the next key tile's bias into a
   buffer of its own while it works on the current tile (`_consume`), and its
   scores stay in natural units, as in the Triton forward.
@@ -31,8 +34,8 @@ residuals (row reference, +inf for rows that see no key, and log2 of the row
 sum), so the Triton backward kernels consume them unchanged.
 
 Scope (config.unsupported): 16-bit inputs, padded head dims 64, 128 or 256, no operand
-besides q, k, v, a bias with its own entry per query and key and ALiBi slopes (no
-mask, segments, lengths or dropout); causal, local windows in both alignments, soft
+besides q, k, v, a bias with its own entry per query and key, ALiBi slopes, sinks and
+segment ids (no mask, lengths or dropout); causal, local windows in both alignments, soft
 cap (with the fixed row reference where it applies), ALiBi (each consumer reads its
 item's slope), GQA and ragged lengths are covered. With 128-key tiles a float32 bias
 does not fit next to two K/V slots (config.forward_scratch), so the routing table
@@ -67,6 +70,7 @@ from pallas_attn.kernels.mosaic.common import (
     Band,
     BiasTiles,
     Item,
+    Segments,
     Walk,
     accumulate,
     head_slope,
@@ -76,6 +80,7 @@ from pallas_attn.kernels.mosaic.common import (
     release_slot,
     run_band,
     scoped,
+    segments_of,
     take_turn,
     tile_scores,
     unsupported,
@@ -83,6 +88,7 @@ from pallas_attn.kernels.mosaic.common import (
 from pallas_attn.kernels.mosaic.config import (
     CONSUMERS,
     ITEM_ROWS,
+    OPERANDS,
     ROWS_PER_CONSUMER,
     consumer_registers,
     forward_output_staging,
@@ -94,15 +100,16 @@ from pallas_attn.kernels.mosaic.config import (
 IN_PLACE_PV_HEAD_DIM = 256
 
 
-def _kernel(q_ref, k_ref, v_ref, bias_ref, slopes_ref, sinks_ref, out_ref, row_max_ref,
-            log2_sum_ref, smem, barriers, *, problem: Problem, programs: int, staging: str):
+def _kernel(q_ref, k_ref, v_ref, bias_ref, slopes_ref, sinks_ref, segments, out_ref,
+            row_max_ref, log2_sum_ref, smem, barriers, *, problem: Problem, programs: int,
+            staging: str):
     q_smem, k_smem, v_smem, p_smem = (smem[name] for name in ("q", "k", "v", "p"))
     o_smem = smem[staging]  # the output tile: its own buffer, or P's or Q's
     q_loaded, schedule = barriers["q_loaded"], barriers["schedule"]
     ring = tuple(barriers[name] for name in ("k_loaded", "v_loaded", "k_consumed",
                                               "v_consumed"))
     route = problem.plan.forward
-    walk = Walk(problem, programs, route.block_k, route.num_stages)
+    walk = Walk(problem, programs, route.block_k, route.num_stages, segments=segments)
     wg = lax.axis_index("wg")
     walk.produce(wg, k_ref, v_ref, k_smem, v_smem, ring)
 
@@ -135,7 +142,8 @@ def _kernel(q_ref, k_ref, v_ref, bias_ref, slopes_ref, sinks_ref, out_ref, row_m
             acc, m, l_sum = _consume(
                 problem, ctx, tiles, lambda t: walk.slot(step + t - tiles.first), row0,
                 tiles.first + steps, q_mine, k_smem, v_smem, p_mine, o_mine.shape[-1],
-                ring, schedule, bias, head_slope(slopes_ref, item.valid, item.b, item.n))
+                ring, schedule, bias, head_slope(slopes_ref, item.valid, item.b, item.n),
+                segments, item.b)
             if staging != "q":  # every Q K^T of this item is done: q_mine is free
                 load_q(walk.item(r + 1))
 
@@ -171,7 +179,8 @@ def _kernel(q_ref, k_ref, v_ref, bias_ref, slopes_ref, sinks_ref, out_ref, row_m
 
 def _consume(problem: Problem, ctx: TileRanges, tiles: Band, slot_of, row0, stop,
              q_smem, k_smem, v_smem, p_smem, hv: int, ring, schedule,
-             bias: BiasTiles | None, slope) -> tuple[Any, Any, Any]:
+             bias: BiasTiles | None, slope, segments: Segments | None, b
+             ) -> tuple[Any, Any, Any]:
     """One consumer warpgroup: (acc, row reference, row sum) of rows [row0, row0 + 64)
     against key tiles [tiles.first, stop) (stop = tiles.first for no work).
 
@@ -184,18 +193,21 @@ def _consume(problem: Problem, ctx: TileRanges, tiles: Band, slot_of, row0, stop
 
     bias: None, or this consumer's bias stream (`BiasTiles`); scores with a bias stay
     in natural units (Problem.exp2_factor), as in the Triton forward. slope: the
-    head's ALiBi slope or None.
+    head's ALiBi slope or None. segments: the segment ids (batch entry b's rows are
+    read once, each key tile's ids per step) or None.
     """
     k_loaded, v_loaded, k_consumed, v_consumed = ring
     block_k = problem.plan.forward.block_k
     rows_n = ROWS_PER_CONSUMER
     dtype = q_smem.dtype
-    own = own_band(ctx, tiles, row0, stop, block_k)
+    own = own_band(ctx, tiles, row0, stop, block_k, segments)
+    row_ids = None if segments is None else segments.rows(b, row0)
 
     def step(t, carry, masked: bool):
         acc, m_prev, l_prev = carry
         slot = slot_of(t)
         tile_bias = None if bias is None else bias.take(t, own.stop)
+        ids = None if segments is None else (row_ids, segments.cols(b, t * block_k, block_k))
         plgpu.barrier_wait(k_loaded.at[slot])
 
         def qk(acc_ref):
@@ -205,7 +217,8 @@ def _consume(problem: Problem, ctx: TileRanges, tiles: Band, slot_of, row0, stop
 
         s = pl.run_scoped(qk, plgpu.ACC((rows_n, block_k), jnp.float32))
         plgpu.barrier_arrive(k_consumed.at[slot])
-        s, _ = tile_scores(problem, s, row0, t * block_k, masked, bias=tile_bias, slope=slope)
+        s, _ = tile_scores(problem, s, row0, t * block_k, masked, bias=tile_bias, slope=slope,
+                           segments=ids)
         prob, m_next, l_next, alpha = softmax_step(
             problem, s, m_prev, l_prev, rows=lambda x: lax.broadcast_in_dim(x, s.shape, [0]))
         p_smem[...] = prob.astype(dtype)
@@ -242,7 +255,7 @@ def forward(problem: Problem, q: jax.Array, k: jax.Array, v: jax.Array,
             optional: dict[str, jax.Array]) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
     """(out [B, Tp, N, Hvp], (row_max, log2_sum) [B, N, Tp]) for padded inputs."""
     route = problem.plan.forward
-    if (set(optional) - {"bias", "alibi_slopes", "sinks"} or unsupported(problem, "forward")
+    if (set(optional) - set(OPERANDS["forward"]) or unsupported(problem, "forward")
             or route.block_q != ITEM_ROWS):
         raise AssertionError(f"mosaic.fwd.forward called for an unsupported problem: "
                              f"{unsupported(problem, 'forward') or route}")
@@ -252,6 +265,7 @@ def forward(problem: Problem, q: jax.Array, k: jax.Array, v: jax.Array,
     row = jax.ShapeDtypeStruct((B, N, Tp), jnp.float32)
     out_type = (jax.ShapeDtypeStruct((B, Tp, N, hvp), dtype), row, row)
     bias, slopes, sinks = (optional.get(x) for x in ("bias", "alibi_slopes", "sinks"))
+    segments = segments_of(optional, "key_ranges")
     bias_dtype = None if bias is None else bias.dtype
     staging = forward_output_staging(hp, hvp, route.block_k, route.num_stages, dtype,
                                      bias_dtype, problem.plan.device.max_shared_memory_per_block)
@@ -260,12 +274,14 @@ def forward(problem: Problem, q: jax.Array, k: jax.Array, v: jax.Array,
 
     def entry(q_ref, k_ref, v_ref, *refs):
         bias_ref, slopes_ref, sinks_ref = optional_refs(refs, bias, slopes, sinks)
+        segment_refs = refs[-3 - len(segments):-3]
         out_ref, row_max_ref, log2_sum_ref = refs[-3:]
         scoped(scratch, lambda smem, barriers: _kernel(
-            q_ref, k_ref, v_ref, bias_ref, slopes_ref, sinks_ref, out_ref, row_max_ref,
+            q_ref, k_ref, v_ref, bias_ref, slopes_ref, sinks_ref,
+            Segments(*segment_refs) if segments else None, out_ref, row_max_ref,
             log2_sum_ref, smem, barriers, problem=problem, programs=programs, staging=staging))
 
     programs = problem.plan.programs_for(Tp // ITEM_ROWS * B * N)
     out, row_max, log2_sum = launch(entry, out_type, programs, problem.interpret)(
-        q, k, v, *(x for x in (bias, slopes, sinks) if x is not None))
+        q, k, v, *(x for x in (bias, slopes, sinks) if x is not None), *segments)
     return out, (row_max, log2_sum)
