@@ -275,6 +275,7 @@ def feature_shapes() -> list[Shape]:
         Shape(**base, features=(("packed", 4),)),
         Shape(**base, features=(("packed", 16),)),
         Shape(**base, features=(("sinks", None),)),
+        Shape(**base, features=(("lengths", 0),)),  # every key valid: the cost alone
         Shape(**dict(base, batch=2, q_len=8192, kv_len=8192)),
         Shape(**dict(base, batch=2, q_len=8192, kv_len=8192), features=(("window", 512),)),
         Shape(**dict(base, kv_heads=2)),
@@ -395,6 +396,8 @@ def check_shapes(on_device: bool) -> list[Shape]:
                                                 ("softcap", 20.0)), dtype="bfloat16"),
         Shape(2, 1024, 1024, 4, 4, 64, False, (("dropout", 0.2), ("mask", None)),
               dtype="bfloat16"),
+        # Key lengths in the Mosaic forward (keys past them zeroed before it), ragged.
+        Shape(2, 1000, 1100, 4, 2, 128, True, (("lengths", 300),), dtype="bfloat16"),
         # Packed documents in the Mosaic kernels (each tile narrowed to its documents).
         Shape(2, 1024, 1024, 8, 2, 128, True, (("packed", 4),), dtype="float16"),
         Shape(2, 1024, 1024, 4, 4, 128, True, (("window", 256), ("segments", None)),

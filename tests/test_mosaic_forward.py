@@ -101,6 +101,16 @@ CASES = [
      dict(is_causal=True, q_segment_ids=np.repeat([[0, 1, 2, 3, 4]], 66, axis=1).repeat(
          2, axis=0).reshape(2, 330) * np.array([[1], [2]]),
           alibi_slopes=jnp.array([0.3, 0.05])), {}),
+    # Sequence lengths: ragged per batch entry (one of them past the padded tiles'
+    # first key tile, one row of queries whose length is 0), causal bottom-right,
+    # with segments too.
+    ("lengths_causal_bottom_right", dict(B=3, T=200, S=260, N=2, H=64),
+     dict(is_causal=True, causal_alignment="bottom_right",
+          query_seq_lengths=np.array([200, 70, 0]), key_value_seq_lengths=np.array([5, 260, 131])),
+     {}),
+    ("lengths_segments_window", dict(B=2, T=260, S=260, N=2, H=64),
+     dict(local_window_size=(50, 20), key_value_seq_lengths=np.array([190, 64]),
+          q_segment_ids=np.repeat(np.arange(4), 65)[None].repeat(2, 0)), dict(block_k=128)),
     ("segments_unsorted_bias_T<S", dict(B=2, T=140, S=260, N=2, H=64),
      dict(q_segment_ids=np.random.default_rng(1).integers(0, 3, (2, 140)),
           kv_segment_ids=np.random.default_rng(2).integers(0, 3, (2, 260)),
@@ -223,8 +233,8 @@ def test_gradients_through_the_mosaic_forward_match_the_triton_forward():
 # ----------------------------------------------------------------- what it refuses
 @pytest.mark.parametrize("kwargs,match", [
     (dict(dtype=jnp.float32), "bfloat16 or float16"),
-    (dict(mask=True), ("no operand besides q, k, v, a bias, ALiBi slopes, sinks and segment ids, "
-                    "got mask")),
+    (dict(mask=True), ("no operand besides q, k, v, a bias, ALiBi slopes, sinks, segment "
+                       "ids and sequence lengths, got mask")),
     (dict(bias=(1, 1, 1, 16)), r"broadcast along queries or keys"),
     (dict(bias=(1, 1, 16, 1)), r"broadcast along queries or keys"),
     (dict(dropout_rate=0.1, dropout_rng=jax.random.key(0)), "no dropout"),

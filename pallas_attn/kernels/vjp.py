@@ -36,7 +36,7 @@ from pallas_attn.kernels.triton import fwd as triton_fwd
 from pallas_attn.kernels.triton.context import backward_inputs
 from pallas_attn.plan import Plan
 from pallas_attn.primals import first_order_only, is_perturbed, primal_values
-from pallas_attn.semantics import scores
+from pallas_attn.semantics import reference, scores
 from pallas_attn.sharding import per_shard
 from pallas_attn.spec import OPTIONAL_INPUTS, AttentionSpec, Operands
 
@@ -51,6 +51,11 @@ def _pad_axis(x: jax.Array, axis: int, size: int, value: Any = 0) -> jax.Array:
 
 def prepare(spec: AttentionSpec, ops: Operands, plan: Plan):
     """(problem, q, k, v, differentiable, optional): padded operands and their Problem."""
+    if plan.forward.backend == "mosaic" and (ops.query_seq_lengths is not None
+                                             or ops.key_value_seq_lengths is not None):
+        # The Mosaic forward bulk-copies whole tiles, so positions past a length are
+        # zeroed here (fused with the padding), as the Triton kernels zero them in tiles.
+        ops = reference.hide_past_lengths(ops)
     q, k, v = ops.query, ops.key, ops.value
     B, T, N, H = q.shape
     S, K, Hv = k.shape[1], k.shape[2], v.shape[-1]

@@ -153,6 +153,7 @@ class Walk:
     stages: int
     item_rows: int = ITEM_ROWS
     segments: Segments | None = None
+    lengths: tuple[Any, Any] = (None, None)  # query and key length refs [B] or None
 
     @property
     def consumers(self) -> int:
@@ -182,7 +183,10 @@ class Walk:
 
     def band(self, item: Item) -> tuple[TileRanges, Band, Any]:
         """(context, key tiles, ring steps) of an item; no steps for an invalid one."""
-        ctx = TileRanges(self.problem, item.b, item.n)
+        q_lengths, kv_lengths = self.lengths
+        ctx = TileRanges(self.problem, item.b, item.n,
+                         q_length=None if q_lengths is None else q_lengths[item.b],
+                         kv_length=None if kv_lengths is None else kv_lengths[item.b])
         limits = (None if self.segments is None
                   else self.segments.span(item.b, item.q0, self.item_rows))
         tiles = Band(*ctx.key_tiles(jnp.maximum(item.q0, 0), item.q0 + self.item_rows,
@@ -333,7 +337,7 @@ def take_turn(schedule) -> None:
 def tile_scores(problem: Problem, s: jax.Array, row0, k0, masked: bool, *,
                 bias: jax.Array | None = None, slope: Any = None,
                 row_shift: jax.Array | None = None,
-                segments: tuple[jax.Array, jax.Array] | None = None
+                segments: tuple[jax.Array, jax.Array] | None = None, kv_length: Any = None
                 ) -> tuple[jax.Array, jax.Array | None]:
     """(scores, t = tanh(logits / cap) or None) of a [rows, keys] tile in the WGMMA
     layout from the raw products s = Q K^T: common.logit_scores, then the band masks
@@ -341,7 +345,8 @@ def tile_scores(problem: Problem, s: jax.Array, row0, k0, masked: bool, *,
     invisible entries at -inf. bias: the tile's bias (float32) or None; slope: the
     head's ALiBi slope (a scalar) or None; row_shift: `common.logit_scores`';
     segments: the rows' and the keys' segment ids (`Segments.rows` / `cols`) or None,
-    compared on every tile. The Mosaic kernels' one score rule."""
+    compared on every tile; kv_length: the batch entry's key length (masked tiles).
+    The Mosaic kernels' one score rule."""
     def iota(dim):
         return plgpu.broadcasted_iota(jnp.int32, s.shape, dim, layout=plgpu.Layout.WGMMA)
 
@@ -362,7 +367,7 @@ def tile_scores(problem: Problem, s: jax.Array, row0, k0, masked: bool, *,
     if masked:
         rows, cols = row0 + iota(0), k0 + iota(1)
         visible = scores.visibility(
-            rows, cols, problem.spec, problem.offset,
+            rows, cols, problem.spec, problem.offset, kv_length=kv_length,
             kv_bound=problem.kv_len if problem.kv_pad != problem.kv_len else None)
         if visible is not None:
             s = jnp.where(visible, s, -jnp.inf)

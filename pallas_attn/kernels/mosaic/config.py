@@ -62,12 +62,13 @@ def producer_registers(consumers: int) -> int:
 # The operands each role's kernel reads besides q, k and v (the ranges are derived from
 # the segment ids, core.segment_ranges).
 SEGMENTS = ("q_segment_ids", "kv_segment_ids", "key_ranges", "query_ranges")
-OPERANDS = {"forward": ("bias", "alibi_slopes", "sinks", *SEGMENTS),
+LENGTHS = ("query_seq_lengths", "key_value_seq_lengths")
+OPERANDS = {"forward": ("bias", "alibi_slopes", "sinks", *SEGMENTS, *LENGTHS),
             "dq": ("bias", "alibi_slopes", "sinks", *SEGMENTS),
             "dkdv": ("bias", "alibi_slopes", "sinks", *SEGMENTS),
             "dbias": ("bias", "alibi_slopes", "sinks")}
 _OPERAND_NAMES = {"bias": "a bias", "alibi_slopes": "ALiBi slopes", "sinks": "sinks",
-                  "q_segment_ids": "segment ids"}
+                  "q_segment_ids": "segment ids", "query_seq_lengths": "sequence lengths"}
 
 
 def unsupported_scores(spec: AttentionSpec, present: tuple[str, ...], role: str) -> str:

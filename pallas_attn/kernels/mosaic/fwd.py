@@ -34,8 +34,9 @@ residuals (row reference, +inf for rows that see no key, and log2 of the row
 sum), so the Triton backward kernels consume them unchanged.
 
 Scope (config.unsupported): 16-bit inputs, padded head dims 64, 128 or 256, no operand
-besides q, k, v, a bias with its own entry per query and key, ALiBi slopes, sinks and
-segment ids (no mask, lengths or dropout); causal, local windows in both alignments, soft
+besides q, k, v, a bias with its own entry per query and key, ALiBi slopes, sinks,
+segment ids and sequence lengths (no mask or dropout; positions past the lengths are
+zeroed before the call, vjp.prepare); causal, local windows in both alignments, soft
 cap (with the fixed row reference where it applies), ALiBi (each consumer reads its
 item's slope), GQA and ragged lengths are covered. With 128-key tiles a float32 bias
 does not fit next to two K/V slots (config.forward_scratch), so the routing table
@@ -88,6 +89,7 @@ from pallas_attn.kernels.mosaic.common import (
 from pallas_attn.kernels.mosaic.config import (
     CONSUMERS,
     ITEM_ROWS,
+    LENGTHS,
     OPERANDS,
     ROWS_PER_CONSUMER,
     consumer_registers,
@@ -100,7 +102,7 @@ from pallas_attn.kernels.mosaic.config import (
 IN_PLACE_PV_HEAD_DIM = 256
 
 
-def _kernel(q_ref, k_ref, v_ref, bias_ref, slopes_ref, sinks_ref, segments, out_ref,
+def _kernel(q_ref, k_ref, v_ref, bias_ref, slopes_ref, sinks_ref, lengths, segments, out_ref,
             row_max_ref, log2_sum_ref, smem, barriers, *, problem: Problem, programs: int,
             staging: str):
     q_smem, k_smem, v_smem, p_smem = (smem[name] for name in ("q", "k", "v", "p"))
@@ -109,7 +111,8 @@ def _kernel(q_ref, k_ref, v_ref, bias_ref, slopes_ref, sinks_ref, segments, out_
     ring = tuple(barriers[name] for name in ("k_loaded", "v_loaded", "k_consumed",
                                               "v_consumed"))
     route = problem.plan.forward
-    walk = Walk(problem, programs, route.block_k, route.num_stages, segments=segments)
+    walk = Walk(problem, programs, route.block_k, route.num_stages, segments=segments,
+                lengths=lengths)
     wg = lax.axis_index("wg")
     walk.produce(wg, k_ref, v_ref, k_smem, v_smem, ring)
 
@@ -157,6 +160,8 @@ def _kernel(q_ref, k_ref, v_ref, bias_ref, slopes_ref, sinks_ref, segments, out_
                 rows = row0 + plgpu.broadcasted_iota(jnp.int32, (rows_n,), 0,
                                                      layout=plgpu.Layout.WGMMA.reduce(1))
                 valid = (l_sum != 0.0) & (rows < problem.q_len)  # NaN shows
+                if ctx.q_length is not None:
+                    valid = valid & (rows < ctx.q_length)
                 inv = jnp.where(valid, 1.0 / jnp.where(valid, l_sum, 1.0), 0.0)
                 o_mine[...] = (acc * lax.broadcast_in_dim(inv, acc.shape, [0])).astype(
                     o_mine.dtype)
@@ -218,7 +223,7 @@ def _consume(problem: Problem, ctx: TileRanges, tiles: Band, slot_of, row0, stop
         s = pl.run_scoped(qk, plgpu.ACC((rows_n, block_k), jnp.float32))
         plgpu.barrier_arrive(k_consumed.at[slot])
         s, _ = tile_scores(problem, s, row0, t * block_k, masked, bias=tile_bias, slope=slope,
-                           segments=ids)
+                           segments=ids, kv_length=ctx.kv_length)
         prob, m_next, l_next, alpha = softmax_step(
             problem, s, m_prev, l_prev, rows=lambda x: lax.broadcast_in_dim(x, s.shape, [0]))
         p_smem[...] = prob.astype(dtype)
@@ -266,6 +271,7 @@ def forward(problem: Problem, q: jax.Array, k: jax.Array, v: jax.Array,
     out_type = (jax.ShapeDtypeStruct((B, Tp, N, hvp), dtype), row, row)
     bias, slopes, sinks = (optional.get(x) for x in ("bias", "alibi_slopes", "sinks"))
     segments = segments_of(optional, "key_ranges")
+    lengths = tuple(optional.get(name) for name in LENGTHS)
     bias_dtype = None if bias is None else bias.dtype
     staging = forward_output_staging(hp, hvp, route.block_k, route.num_stages, dtype,
                                      bias_dtype, problem.plan.device.max_shared_memory_per_block)
@@ -273,15 +279,16 @@ def forward(problem: Problem, q: jax.Array, k: jax.Array, v: jax.Array,
                               staging=staging)
 
     def entry(q_ref, k_ref, v_ref, *refs):
-        bias_ref, slopes_ref, sinks_ref = optional_refs(refs, bias, slopes, sinks)
+        bias_ref, slopes_ref, sinks_ref, *length_refs = optional_refs(refs, bias, slopes, sinks,
+                                                                      *lengths)
         segment_refs = refs[-3 - len(segments):-3]
         out_ref, row_max_ref, log2_sum_ref = refs[-3:]
         scoped(scratch, lambda smem, barriers: _kernel(
-            q_ref, k_ref, v_ref, bias_ref, slopes_ref, sinks_ref,
+            q_ref, k_ref, v_ref, bias_ref, slopes_ref, sinks_ref, tuple(length_refs),
             Segments(*segment_refs) if segments else None, out_ref, row_max_ref,
             log2_sum_ref, smem, barriers, problem=problem, programs=programs, staging=staging))
 
     programs = problem.plan.programs_for(Tp // ITEM_ROWS * B * N)
     out, row_max, log2_sum = launch(entry, out_type, programs, problem.interpret)(
-        q, k, v, *(x for x in (bias, slopes, sinks) if x is not None), *segments)
+        q, k, v, *(x for x in (bias, slopes, sinks, *lengths) if x is not None), *segments)
     return out, (row_max, log2_sum)
