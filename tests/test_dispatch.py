@@ -121,7 +121,7 @@ TABLE = {
     "segments": (call(has_segments=True, present=("q_segment_ids", "kv_segment_ids")), "sm90",
                  ("mosaic", "triton", "triton", None)),
     "lengths": (call(has_kv_lengths=True, present=("key_value_seq_lengths",)), "sm90",
-                ("mosaic", "triton", "triton", None)),
+                ("mosaic", "mosaic", "mosaic", None)),
     "dropout": (call(dropout_rate=0.1), "sm90", ("triton", "triton", "triton", None)),
     "bias_sm80_per_batch": (call(bias_shape=(4, 16, 4096, 4096)), "sm80",
                             ("triton", "triton", "triton", "triton-fused")),

@@ -170,15 +170,16 @@ def test_nan_in_a_visible_key_shows_in_every_row_that_sees_it(backend):
     assert np.isfinite(out[1]).all() and np.isfinite(lse[1]).all()
 
 
-@pytest.mark.parametrize("backend", ("xla", "xla_chunked", "triton", "mosaic_forward"))
+@pytest.mark.parametrize("backend", ("xla", "xla_chunked", "triton", "mosaic_forward",
+                                     "mosaic"))
 def test_nan_past_the_lengths_never_reaches_a_result(backend):
     """Keys and values past key_value_seq_lengths and queries past query_seq_lengths
     hold NaN (unwritten cache memory): the output, logsumexp and every gradient equal
-    those of clean inputs, bit for bit where nothing is hidden. The Mosaic forward
-    (16-bit inputs) reads whole tiles: the positions past the lengths are zeroed
-    before it."""
+    those of clean inputs, bit for bit where nothing is hidden. The Mosaic kernels
+    (16-bit inputs) read whole tiles: the positions past the lengths are zeroed
+    before them, dO's too."""
     shapes = dict(B=2, T=130, S=140, N=2, H=64)
-    dtype = jnp.bfloat16 if backend == "mosaic_forward" else jnp.float32
+    dtype = jnp.bfloat16 if backend.startswith("mosaic") else jnp.float32
     inputs = make_inputs(12, dtype=dtype, **shapes)
     arrays = {"query_seq_lengths": jnp.array([100, 130], jnp.int32),
               "key_value_seq_lengths": jnp.array([140, 61], jnp.int32)}

@@ -128,12 +128,13 @@ CASES = {
         kv_segment_ids=jnp.zeros((2, 384), jnp.int32),
         block_sizes=pallas_attn.BlockSizes(forward_backend="mosaic", dq_backend="mosaic",
                                            dkv_backend="mosaic")),
-    # Sequence lengths in the Mosaic forward (a band that stops at the key length).
-    "mosaic_forward_lengths_window": dict(
+    # Sequence lengths in every Mosaic role (bands that stop at the key length).
+    "mosaic_lengths_window": dict(
         T=256, S=384, N=8, K=2, H=128, local_window_size=(100, 0),
         query_seq_lengths=jnp.full((2,), 200, jnp.int32),
         key_value_seq_lengths=jnp.full((2,), 300, jnp.int32),
-        block_sizes=pallas_attn.BlockSizes(forward_backend="mosaic")),
+        block_sizes=pallas_attn.BlockSizes(forward_backend="mosaic", dq_backend="mosaic",
+                                           dkv_backend="mosaic")),
     "mosaic_dkv_h80_one_slot": dict(T=200, S=300, N=8, K=2, H=80, Hv=64, is_causal=True,
                                     block_sizes=pallas_attn.BlockSizes(
                                         **dict(_MOSAIC_DKV, num_stages_dkv=1))),

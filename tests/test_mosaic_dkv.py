@@ -36,7 +36,7 @@ from kernel_helpers import (  # no_mosaic_races: an autouse fixture
 
 import pallas_attn
 from pallas_attn.kernels.mosaic import dkv as mosaic_dkv
-from pallas_attn.kernels.mosaic.common import segments_of
+from pallas_attn.kernels.mosaic.common import lengths_of, segments_of
 from pallas_attn.kernels.triton import dbias as triton_dbias
 from pallas_attn.kernels.triton import dkdv as triton_dkdv
 from pallas_attn.spec import normalize
@@ -68,6 +68,11 @@ CASES = [
     # per-batch bias's gradient (tiles outside them zero); unsorted ids under GQA.
     ("segments_packed_causal_bias", dict(B=2, T=330, S=330, N=2), (2, 2),
      dict(is_causal=True, q_segment_ids=np.repeat(np.arange(5), 66)[None].repeat(2, 0)), {}),
+    # Sequence lengths: ragged, a batch entry with no key (its dK and dV zero), one
+    # whose queries end inside the first step; a per-batch bias's gradient.
+    ("lengths_causal_bias", dict(B=3, T=200, S=260, N=2), (3, 2),
+     dict(is_causal=True, query_seq_lengths=np.array([200, 30, 150]),
+          key_value_seq_lengths=np.array([0, 260, 131])), {}),
     ("segments_unsorted_gqa", dict(B=2, T=140, S=200, N=4, K=2), None,
      dict(q_segment_ids=np.random.default_rng(3).integers(0, 3, (2, 140)),
           kv_segment_ids=np.random.default_rng(4).integers(0, 3, (2, 200))), {}),
@@ -85,7 +90,8 @@ def _kernel_outputs(dtype: str, shapes: dict, bias_shape: tuple | None, kwargs: 
     bias = x.operands.get("bias")
     mosaic = mosaic_dkv.dkdv(x.problem, x.q, x.k, x.v, x.do, x.stats, bias, bias_grad,
                              x.operands.get("alibi_slopes"),
-                             segments=segments_of(x.operands, "query_ranges"))
+                             segments=segments_of(x.operands, "query_ranges"),
+                             lengths=lengths_of(x.operands))
     triton_args = x.triton(**TRITON_TILES)
     triton = (*triton_dkdv.dkdv(*triton_args)[:2],
               triton_dbias.dbias(*triton_args, bias) if bias_grad else None)
@@ -206,8 +212,8 @@ def test_batch_shared_dbias_under_vmap(blocks):
 
 @pytest.mark.parametrize("kwargs,match", [
     (dict(mask=True),
-     ("dkv_backend='mosaic'.*no operand besides q, k, v, a bias, ALiBi slopes, sinks "
-      "and segment ids, got mask")),
+     ("dkv_backend='mosaic'.*no operand besides q, k, v, a bias, ALiBi slopes, sinks, "
+      "segment ids and sequence lengths, got mask")),
     (dict(dropout_rate=0.1, dropout_rng=jax.random.key(0)), "dkv_backend='mosaic'.*no dropout"),
     (dict(dtype=jnp.float32), "dkv_backend='mosaic'.*bfloat16 or float16"),
     (dict(H=256), "dkv_backend='mosaic'.*head dims must pad to"),

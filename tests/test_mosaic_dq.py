@@ -35,7 +35,7 @@ from kernel_helpers import (  # no_mosaic_races: an autouse fixture
 import pallas_attn
 from pallas_attn.kernels.core import Problem, logit_scores
 from pallas_attn.kernels.mosaic import dq as mosaic_dq
-from pallas_attn.kernels.mosaic.common import segments_of
+from pallas_attn.kernels.mosaic.common import lengths_of, segments_of
 from pallas_attn.kernels.triton import dbias as triton_dbias
 from pallas_attn.kernels.triton import dq as triton_dq
 
@@ -58,6 +58,15 @@ CASES = [
     # (every tile compared).
     ("segments_packed_causal", dict(B=2, T=250, S=250, N=2), None,
      dict(is_causal=True, q_segment_ids=np.repeat(np.arange(5), 50)[None].repeat(2, 0)), {}),
+    # Sequence lengths: ragged, one batch entry with no query and one whose keys end
+    # inside the first tile; with packed documents too.
+    ("lengths_causal_bottom_right", dict(B=3, T=200, S=150, N=2), None,
+     dict(is_causal=True, causal_alignment="bottom_right",
+          query_seq_lengths=np.array([200, 0, 77]), key_value_seq_lengths=np.array([5, 150, 99])),
+     {}),
+    ("lengths_segments_bias", dict(B=2, T=250, S=250, N=2), (1, 2),
+     dict(key_value_seq_lengths=np.array([180, 250]), query_seq_lengths=np.array([250, 120]),
+          q_segment_ids=np.repeat(np.arange(5), 50)[None].repeat(2, 0)), {}),
     ("segments_unsorted_bias", dict(B=2, T=140, S=200, N=2), (1, 2),
      dict(q_segment_ids=np.random.default_rng(3).integers(0, 3, (2, 140)),
           kv_segment_ids=np.random.default_rng(4).integers(0, 3, (2, 200))), {}),
@@ -71,7 +80,8 @@ def _kernel_outputs(dtype: str, shapes: dict, bias_shape: tuple | None, kwargs: 
     x = kernel_backward(dtype, shapes, bias_shape, kwargs,
                         dataclasses.replace(MOSAIC_DQ, **blocks))
     mosaic = mosaic_dq.dq(x.problem, x.q, x.k, x.v, x.do, x.stats, x.operands.get("bias"),
-                          x.operands.get("alibi_slopes"), segments_of(x.operands, "key_ranges"))
+                          x.operands.get("alibi_slopes"), segments_of(x.operands, "key_ranges"),
+                          lengths_of(x.operands))
     triton = triton_dq.dq(*x.triton(block_q_dq=32, block_k_dq=32, dq_backend="triton"))
     assert mosaic.shape == x.q.shape and mosaic.dtype == x.q.dtype
     return np.asarray(mosaic, np.float32), np.asarray(triton, np.float32), x.T
@@ -181,8 +191,8 @@ def test_gradients_with_the_mosaic_dq_against_reference_and_float64(shapes, bias
 
 @pytest.mark.parametrize("kwargs,match", [
     (dict(mask=True),
-     ("dq_backend='mosaic'.*no operand besides q, k, v, a bias, ALiBi slopes, sinks "
-      "and segment ids, got mask")),
+     ("dq_backend='mosaic'.*no operand besides q, k, v, a bias, ALiBi slopes, sinks, "
+      "segment ids and sequence lengths, got mask")),
     (dict(dropout_rate=0.1, dropout_rng=jax.random.key(0)), "dq_backend='mosaic'.*no dropout"),
     (dict(dtype=jnp.float32), "dq_backend='mosaic'.*bfloat16 or float16"),
     (dict(H=256), "dq_backend='mosaic'.*head dims must pad to"),

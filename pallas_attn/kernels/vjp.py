@@ -27,7 +27,7 @@ from pallas_attn.kernels.mosaic import dbias as mosaic_dbias
 from pallas_attn.kernels.mosaic import dkv as mosaic_dkv
 from pallas_attn.kernels.mosaic import dq as mosaic_dq
 from pallas_attn.kernels.mosaic import fwd as mosaic_fwd
-from pallas_attn.kernels.mosaic.common import row_residuals, segments_of
+from pallas_attn.kernels.mosaic.common import lengths_of, row_residuals, segments_of
 from pallas_attn.kernels.triton import dbias as triton_dbias
 from pallas_attn.kernels.triton import decode as triton_decode
 from pallas_attn.kernels.triton import dkdv as triton_dkdv
@@ -51,10 +51,10 @@ def _pad_axis(x: jax.Array, axis: int, size: int, value: Any = 0) -> jax.Array:
 
 def prepare(spec: AttentionSpec, ops: Operands, plan: Plan):
     """(problem, q, k, v, differentiable, optional): padded operands and their Problem."""
-    if plan.forward.backend == "mosaic" and (ops.query_seq_lengths is not None
-                                             or ops.key_value_seq_lengths is not None):
-        # The Mosaic forward bulk-copies whole tiles, so positions past a length are
-        # zeroed here (fused with the padding), as the Triton kernels zero them in tiles.
+    if _mosaic_roles(plan) and (ops.query_seq_lengths is not None
+                                or ops.key_value_seq_lengths is not None):
+        # The Mosaic kernels bulk-copy whole tiles, so positions past a length are zeroed
+        # here (fused with the padding), as the Triton kernels zero them in tiles.
         ops = reference.hide_past_lengths(ops)
     q, k, v = ops.query, ops.key, ops.value
     B, T, N, H = q.shape
@@ -172,12 +172,16 @@ def _run_forward(problem: Problem, q, k, v, operands: dict):
     return backend.forward(problem, q, k, v, operands)
 
 
+def _mosaic_roles(plan: Plan) -> bool:
+    """Whether any role of the plan runs a Mosaic kernel."""
+    routes = (plan.forward, plan.dq, plan.dkdv, plan.dbias)
+    return any(r is not None and r.backend == "mosaic" for r in routes)
+
+
 def _interprets_mosaic(problem: Problem) -> bool:
     """The Mosaic GPU interpreter simulates barriers with ordered host callbacks, which
     a custom partitioning cannot lower: interpreted Mosaic kernels run unpartitioned."""
-    plan = problem.plan
-    routes = (plan.forward, plan.dq, plan.dkdv, plan.dbias)
-    return problem.interpret and any(r is not None and r.backend == "mosaic" for r in routes)
+    return problem.interpret and _mosaic_roles(problem.plan)
 
 
 _forward = per_shard(
@@ -254,6 +258,11 @@ def _run_backward(static: tuple[Problem, bool], q, k, v, operands: dict, row_sta
                     plan.dbias.backend if separate_dbias else None]
     stats = row_residuals(row_stats, delta) if "mosaic" in mosaic_roles else None
     slopes = operands.get("alibi_slopes")
+    lengths = lengths_of(operands)
+    if lengths[0] is not None and "mosaic" in (plan.dq.backend, plan.dkdv.backend):
+        # dO too: the Mosaic kernels read whole tiles of it (P = 0 past the length).
+        rows = jnp.arange(do.shape[1], dtype=jnp.int32)
+        do = jnp.where((rows[None, :] < lengths[0][:, None])[:, :, None, None], do, 0)
     dq_segments = segments_of(operands, "key_ranges") if plan.dq.backend == "mosaic" else ()
     dkv_segments = (segments_of(operands, "query_ranges") if plan.dkdv.backend == "mosaic"
                     else ())
@@ -264,14 +273,14 @@ def _run_backward(static: tuple[Problem, bool], q, k, v, operands: dict, row_sta
     if plan.dq.backend == "mosaic":
         if plan.dkdv.backend == "mosaic" and mosaic_dkv.sums_batch(problem, bias, fused):
             dq, dbias_first = mosaic_dq.dq_and_dbias(problem, q, k, v, do, stats, bias, slopes,
-                                                     dq_segments)
+                                                     dq_segments, lengths)
         else:
-            dq = mosaic_dq.dq(problem, q, k, v, do, stats, bias, slopes, dq_segments)
+            dq = mosaic_dq.dq(problem, q, k, v, do, stats, bias, slopes, dq_segments, lengths)
     else:
         dq = triton_dq.dq(problem, names, inputs)
     if plan.dkdv.backend == "mosaic":
         dk, dv, dbias = mosaic_dkv.dkdv(problem, q, k, v, do, stats, bias, fused, slopes,
-                                        dbias_first, dkv_segments)
+                                        dbias_first, dkv_segments, lengths)
     else:
         dk, dv, dbias = triton_dkdv.dkdv(problem, names, inputs, bias if fused else None)
     if separate_dbias and plan.dbias.backend == "mosaic":

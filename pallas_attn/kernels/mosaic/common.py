@@ -125,6 +125,11 @@ def chunk_limits(ranges: jax.Array) -> jax.Array:
     return jnp.stack([chunks[:, 0].min(axis=-1), chunks[:, 1].max(axis=-1)], axis=1)
 
 
+def lengths_of(operands: dict[str, Any]) -> tuple[jax.Array | None, jax.Array | None]:
+    """The query and key lengths [B] among a kernel's operands (None where absent)."""
+    return tuple(operands.get(name) for name in config.LENGTHS)
+
+
 def segments_of(operands: dict[str, Any], limits: str) -> tuple[jax.Array, ...]:
     """The segment operands of a Mosaic kernel, () without segment ids: the ids and the
     chunk limits of `limits` ("key_ranges" or "query_ranges")."""
@@ -387,13 +392,13 @@ def same_segment(segments: tuple[jax.Array, jax.Array], shape: tuple[int, ...]) 
 def tile_gradient(problem: Problem, s: jax.Array, dp: jax.Array, bias: jax.Array | None,
                   residuals: tuple[jax.Array, jax.Array, jax.Array], row0, k0,
                   masked: bool, slope: Any = None,
-                  segments: tuple[jax.Array, jax.Array] | None = None
+                  segments: tuple[jax.Array, jax.Array] | None = None, kv_length: Any = None
                   ) -> tuple[jax.Array, jax.Array]:
     """(P, dS) of a [rows, keys] tile in the WGMMA layout, float32, from the raw
     products s = Q K^T and dp = dO V^T, the tile's bias (or None), the head's ALiBi
     slope (or None) and its rows' residuals (row reference, log2 row sum, delta;
     WGMMA.reduce(1) layout). masked applies the band masks (causal, window, padded
-    keys) of rows from row0 and keys from k0; segments: `tile_scores`'."""
+    keys) of rows from row0 and keys from k0; segments, kv_length: `tile_scores`'."""
     row_max, log2_sum, delta = residuals
 
     def rows_of(x):
@@ -409,7 +414,7 @@ def tile_gradient(problem: Problem, s: jax.Array, dp: jax.Array, bias: jax.Array
     shifted = slope is not None and log2_units
     s, cap_tanh = tile_scores(problem, s, row0, k0, masked, bias=bias, slope=slope,
                               row_shift=rows_of(row_max + log2_sum) if shifted else None,
-                              segments=segments)
+                              segments=segments, kv_length=kv_length)
     if cap_tanh is not None:  # dS picks up the cap's derivative 1 - t^2
         dp = dp * scores.soft_cap_slope(cap_tanh)
     prob = (jnp.exp2(s) if shifted

@@ -64,8 +64,8 @@ def producer_registers(consumers: int) -> int:
 SEGMENTS = ("q_segment_ids", "kv_segment_ids", "key_ranges", "query_ranges")
 LENGTHS = ("query_seq_lengths", "key_value_seq_lengths")
 OPERANDS = {"forward": ("bias", "alibi_slopes", "sinks", *SEGMENTS, *LENGTHS),
-            "dq": ("bias", "alibi_slopes", "sinks", *SEGMENTS),
-            "dkdv": ("bias", "alibi_slopes", "sinks", *SEGMENTS),
+            "dq": ("bias", "alibi_slopes", "sinks", *SEGMENTS, *LENGTHS),
+            "dkdv": ("bias", "alibi_slopes", "sinks", *SEGMENTS, *LENGTHS),
             "dbias": ("bias", "alibi_slopes", "sinks")}
 _OPERAND_NAMES = {"bias": "a bias", "alibi_slopes": "ALiBi slopes", "sinks": "sinks",
                   "q_segment_ids": "segment ids", "query_seq_lengths": "sequence lengths"}

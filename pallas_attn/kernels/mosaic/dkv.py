@@ -45,7 +45,9 @@ programs add to one tile), the only places where it differs from the compiled
 kernel.
 
 With segment ids, a unit's query tiles narrow to its keys' segments and every step
-compares ids; entries of other segments give exact zeros (`common.tile_gradient`).
+compares ids; entries of other segments give exact zeros (`common.tile_gradient`). With
+sequence lengths, keys past the length are masked and units past it have no steps
+(positions past the lengths are zeroed in q, k, v and dO before the call).
 
 Scope: the Mosaic kernels' (`config.unsupported`), and a bias gradient only for a
 bias of shape [B, N, T, S] or [1, N, T, S] in the inputs' dtype
@@ -53,6 +55,8 @@ bias of shape [B, N, T, S] or [1, N, T, S] in the inputs' dtype
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -87,9 +91,9 @@ STEP_ROWS, UNIT_KEYS = DKV_TILES  # query rows per step, keys per unit
 KEYS_PER_CONSUMER = ROWS_PER_CONSUMER
 
 
-def _kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, bias_ref, slopes_ref, segments, dk_ref,
-            dv_ref, dbias_ref, smem, barriers, *, problem: Problem, programs: int, passes: int,
-            add_dbias: bool, first_entry: int):
+def _kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, bias_ref, slopes_ref, lengths, segments,
+            dk_ref, dv_ref, dbias_ref, smem, barriers, *, problem: Problem, programs: int,
+            passes: int, add_dbias: bool, first_entry: int):
     q_smem, do_smem, stats_smem, k_smem, v_smem = (
         smem[name] for name in ("q", "do", "stats", "k", "v"))
     bias_smem, zero_tile = smem["bias"], smem["zeros"]
@@ -106,9 +110,10 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, bias_ref, slopes_ref, segmen
     has_bias = bias_ref is not None
 
     def unit_of(u):
-        """(valid, b, kh, k0, first, stop, full_first, full_stop) of unit u of this
-        program (its item's pass u % passes): query tiles [first, stop) of the band,
-        [full_first, full_stop) without band masks."""
+        """(valid, b, kh, k0, first, stop, full_first, full_stop, kv_length) of unit u
+        of this program (its item's pass u % passes): query tiles [first, stop) of the
+        band, [full_first, full_stop) without band masks; the batch entry's key length
+        or None."""
         # Round r gives program pid item r * programs + pid, the lanes reversed on odd
         # rounds. Under causal masking items run key tiles slowest, the first (the
         # heaviest) first, so heavy and light items even out over the rounds; else
@@ -129,14 +134,17 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, bias_ref, slopes_ref, segmen
         b = lax.rem(rest, batch_items) * passes + p
         k0 = kt * UNIT_KEYS
         valid = idx < items
-        ctx = TileRanges(problem, b, kh)
+        q_lengths, kv_lengths = lengths
+        ctx = TileRanges(problem, b, kh,
+                         q_length=None if q_lengths is None else q_lengths[b],
+                         kv_length=None if kv_lengths is None else kv_lengths[b])
         limits = None if segments is None else segments.span(b, k0, UNIT_KEYS)
         first, stop, full_first, full_stop = ctx.query_tiles(k0, k0 + UNIT_KEYS, STEP_ROWS,
                                                              limits)
         # An invalid unit (past the last item) gets an empty band.
         stop, full_first, full_stop = (jnp.where(valid, x, first)
                                        for x in (stop, full_first, full_stop))
-        return valid, b, kh, k0, first, stop, full_first, full_stop
+        return valid, b, kh, k0, first, stop, full_first, full_stop, ctx.kv_length
 
     @pl.when(wg == CONSUMERS)
     def _producer():
@@ -147,7 +155,7 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, bias_ref, slopes_ref, segmen
 
         def stream(u, carry):
             step, loaded_units = carry
-            valid, b, kh, k0, first, stop, _, _ = unit_of(u)
+            valid, b, kh, k0, first, stop, _, _, _ = unit_of(u)
             tiles = stop - first
             steps = tiles * group
             if zero_tile is not None:
@@ -229,7 +237,7 @@ def _consume(problem: Problem, wg, unit_of, units, add_dbias: bool, first_entry:
     reduce_in_registers = problem.interpret  # the interpreter has no reduce-add copies
 
     def unit(u, step):
-        valid, b, kh, k0, first, stop, full_first, full_stop = unit_of(u)
+        valid, b, kh, k0, first, stop, full_first, full_stop, kv_length = unit_of(u)
         k_own = k0 + wg * keys_n
         tiles = stop - first
         bb = b if dbias_ref is not None and dbias_ref.shape[0] > 1 else 0
@@ -268,7 +276,7 @@ def _consume(problem: Problem, wg, unit_of, units, add_dbias: bool, first_entry:
             s, dp, residuals, bias = pl.run_scoped(products, plgpu.ACC(shape, jnp.float32),
                                                    plgpu.ACC(shape, jnp.float32))
             prob, ds = tile_gradient(problem, s, dp, bias, residuals, row0, k_own, masked,
-                                     slope, ids)
+                                     slope, ids, kv_length)
             ds_slot = ds_mine.at[lax.rem(at, 2)]
             if has_dbias and not reduce_in_registers:
                 # The dbias copy issued two steps ago has read this buffer.
@@ -354,14 +362,15 @@ def sums_batch(problem: Problem, bias: jax.Array | None, bias_grad: bool) -> boo
 def dkdv(problem: Problem, q: jax.Array, k: jax.Array, v: jax.Array, do: jax.Array,
          stats: jax.Array, bias: jax.Array | None, bias_grad: bool,
          slopes: jax.Array | None = None, dbias_first: jax.Array | None = None,
-         segments: tuple[jax.Array, ...] = ()
+         segments: tuple[jax.Array, ...] = (), lengths: tuple[Any, Any] = (None, None)
          ) -> tuple[jax.Array, jax.Array, jax.Array | None]:
     """(dk, dv, dbias or None) for padded inputs; stats: the row residuals
     (`common.row_residuals`); slopes: ALiBi slopes [B, N] or None. bias_grad: also write
     the gradient of the (present) bias (`config.fusable_dbias`). dbias_first: for a bias
     shared by the batch entries, batch entry 0's part of its gradient
     (`dq.dq_and_dbias`), to which the kernel adds the others'. segments: the segment
-    operands (`common.segments_of`, query limits) or ()."""
+    operands (`common.segments_of`, query limits) or (); lengths: the query and key
+    lengths (`common.lengths_of`), positions past them zeroed in q, k, v and do."""
     name = "mosaic.dkv.dkdv"
     if why := unsupported(problem, "dkdv"):
         raise AssertionError(f"{name} called for an unsupported problem: {why}")
@@ -393,12 +402,13 @@ def dkdv(problem: Problem, q: jax.Array, k: jax.Array, v: jax.Array, do: jax.Arr
 
     def entry(*refs):
         q_ref, k_ref, v_ref, do_ref, stats_ref, *rest = refs
-        bias_ref, slopes_ref, sum_ref = optional_refs(rest, bias, slopes, dbias_sum)
-        rest = rest[sum(x is not None for x in (bias, slopes, dbias_sum)):]
+        bias_ref, slopes_ref, sum_ref, *length_refs = optional_refs(rest, bias, slopes,
+                                                                    dbias_sum, *lengths)
+        rest = rest[sum(x is not None for x in (bias, slopes, dbias_sum, *lengths)):]
         segment_refs, (dk_ref, dv_ref, *dbias_ref) = rest[:len(segments)], rest[len(segments):]
         dbias_ref = sum_ref if add_dbias else (dbias_ref[0] if dbias_ref else None)
         scoped(scratch, lambda smem, barriers: _kernel(
-            q_ref, k_ref, v_ref, do_ref, stats_ref, bias_ref, slopes_ref,
+            q_ref, k_ref, v_ref, do_ref, stats_ref, bias_ref, slopes_ref, tuple(length_refs),
             Segments(*segment_refs) if segments else None, dk_ref, dv_ref, dbias_ref, smem,
             barriers, problem=problem, programs=programs, passes=passes,
             add_dbias=add_dbias, first_entry=first_entry))
@@ -407,8 +417,8 @@ def dkdv(problem: Problem, q: jax.Array, k: jax.Array, v: jax.Array, do: jax.Arr
     out_type = [jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)]
     if bias_grad and not add_dbias:
         out_type.append(jax.ShapeDtypeStruct(bias.shape, bias.dtype))
-    operands = [q, k, v, do, stats, *(x for x in (bias, slopes, dbias_sum) if x is not None),
-                *segments]
+    operands = [q, k, v, do, stats,
+                *(x for x in (bias, slopes, dbias_sum, *lengths) if x is not None), *segments]
     dk, dv, *dbias = launch(entry, out_type, programs, problem.interpret)(*operands)
     if add_dbias:
         return dk, dv, jax.freeze(dbias_sum)

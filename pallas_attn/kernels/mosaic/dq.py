@@ -23,8 +23,9 @@ consumer warpgroups: three, or two with a bias or a local window
 
 dQ (times the softmax scale) is stored from registers. Rows that see no key get
 zeros. With segment ids, items and consumers narrow their key tiles to their rows'
-segments and every tile compares ids (`common.Segments`). Scope: the Mosaic kernels'
-(`config.unsupported`).
+segments and every tile compares ids (`common.Segments`); with sequence lengths, bands
+stop at the key length (positions past the lengths are zeroed in q, k, v and dO before
+the call). Scope: the Mosaic kernels' (`config.unsupported`).
 
 `dq_and_dbias` also starts the gradient of a bias shared by the batch entries: the
 consumers bulk-copy batch entry 0's dS tiles (already staged in shared memory for
@@ -36,6 +37,8 @@ no zeroed buffer and entry 0's tiles are written, not added.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -71,15 +74,16 @@ from pallas_attn.kernels.mosaic.config import (
 )
 
 
-def _kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, bias_ref, slopes_ref, segments, dq_ref,
-            dbias_ref, smem, barriers, *, problem: Problem, programs: int, consumers: int):
+def _kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, bias_ref, slopes_ref, lengths, segments,
+            dq_ref, dbias_ref, smem, barriers, *, problem: Problem, programs: int,
+            consumers: int):
     rows_loaded, schedule = barriers["rows_loaded"], barriers["schedule"]
     ring = tuple(barriers[name] for name in ("k_loaded", "v_loaded", "k_consumed",
                                               "v_consumed"))
     route = problem.plan.dq
     block_k = route.block_k
     walk = Walk(problem, programs, block_k, route.num_stages, consumers * ROWS_PER_CONSUMER,
-                segments)
+                segments, lengths)
     wg = lax.axis_index("wg")
     on_item = None
     if dbias_ref is not None:
@@ -206,7 +210,7 @@ def _consume(problem: Problem, ctx, tiles, slot_of, row0, stop, mine: dict, k_sm
                               plgpu.ACC(shape, jnp.float32))
         plgpu.barrier_arrive(v_consumed.at[slot])
         _, ds = tile_gradient(problem, s, dp, tile_bias, residuals, row0, t * block_k, masked,
-                              slope, ids)
+                              slope, ids, ctx.kv_length)
         if dbias is not None:
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last dbias copy read ds
         mine["ds"][...] = ds.astype(mine["ds"].dtype)
@@ -233,16 +237,19 @@ def _consume(problem: Problem, ctx, tiles, slot_of, row0, stop, mine: dict, k_sm
 
 def dq(problem: Problem, q: jax.Array, k: jax.Array, v: jax.Array, do: jax.Array,
        stats: jax.Array, bias: jax.Array | None, slopes: jax.Array | None = None,
-       segments: tuple[jax.Array, ...] = ()) -> jax.Array:
+       segments: tuple[jax.Array, ...] = (), lengths: tuple[Any, Any] = (None, None)
+       ) -> jax.Array:
     """dq [B, Tp, N, Hp] for padded inputs; stats: the row residuals
     (`common.row_residuals`); slopes: ALiBi slopes [B, N] or None; segments: the
-    segment operands (`common.segments_of`, key limits) or ()."""
-    return _launch(problem, q, k, v, do, stats, bias, slopes, segments, False)[0]
+    segment operands (`common.segments_of`, key limits) or (); lengths: the query and
+    key lengths (`common.lengths_of`), positions past them zeroed in q, k, v and do."""
+    return _launch(problem, q, k, v, do, stats, bias, slopes, segments, lengths, False)[0]
 
 
 def dq_and_dbias(problem: Problem, q: jax.Array, k: jax.Array, v: jax.Array, do: jax.Array,
                  stats: jax.Array, bias: jax.Array, slopes: jax.Array | None = None,
-                 segments: tuple[jax.Array, ...] = ()) -> tuple[jax.Array, jax.Array]:
+                 segments: tuple[jax.Array, ...] = (), lengths: tuple[Any, Any] = (None, None)
+                 ) -> tuple[jax.Array, jax.Array]:
     """(dq, batch entry 0's part of the gradient of a bias shared by the batch entries)
     for padded inputs: `dq`, with the dS tiles of batch entry 0 stored as a dbias of
     the bias's shape [1, N, Tp, Sp] (and zeros outside the bands). The dK/dV kernel
@@ -251,12 +258,13 @@ def dq_and_dbias(problem: Problem, q: jax.Array, k: jax.Array, v: jax.Array, do:
                          bias_dtype=bias.dtype, dtype=problem.dtype):
         raise AssertionError(f"mosaic.dq.dq_and_dbias cannot write the dbias of a "
                              f"{bias.dtype} bias of shape {bias.shape}")
-    dq_out, dbias = _launch(problem, q, k, v, do, stats, bias, slopes, segments, True)
+    dq_out, dbias = _launch(problem, q, k, v, do, stats, bias, slopes, segments, lengths,
+                            True)
     return dq_out, dbias
 
 
 def _launch(problem: Problem, q, k, v, do, stats, bias, slopes, segments: tuple,
-            with_dbias: bool) -> list:
+            lengths: tuple, with_dbias: bool) -> list:
     if why := unsupported(problem, "dq"):
         raise AssertionError(f"mosaic.dq.dq called for an unsupported problem: {why}")
     route = problem.plan.dq
@@ -268,18 +276,19 @@ def _launch(problem: Problem, q, k, v, do, stats, bias, slopes, segments: tuple,
                          None if bias is None else bias.dtype, dbias=with_dbias)
 
     def entry(q_ref, k_ref, v_ref, do_ref, stats_ref, *refs):
-        bias_ref, slopes_ref = optional_refs(refs, bias, slopes)
-        refs = refs[(bias is not None) + (slopes is not None):]
+        bias_ref, slopes_ref, *length_refs = optional_refs(refs, bias, slopes, *lengths)
+        refs = refs[sum(x is not None for x in (bias, slopes, *lengths)):]
         segment_refs, (dq_ref, *dbias_ref) = refs[:len(segments)], refs[len(segments):]
         scoped(scratch, lambda smem, barriers: _kernel(
-            q_ref, k_ref, v_ref, do_ref, stats_ref, bias_ref, slopes_ref,
+            q_ref, k_ref, v_ref, do_ref, stats_ref, bias_ref, slopes_ref, tuple(length_refs),
             Segments(*segment_refs) if segments else None, dq_ref,
             dbias_ref[0] if dbias_ref else None, smem, barriers, problem=problem,
             programs=programs, consumers=consumers))
 
     items = -(-Tp // (consumers * ROWS_PER_CONSUMER)) * B * N
     programs = problem.plan.programs_for(items)
-    operands = [q, k, v, do, stats, *(x for x in (bias, slopes) if x is not None), *segments]
+    operands = [q, k, v, do, stats, *(x for x in (bias, slopes, *lengths) if x is not None),
+                *segments]
     out_type = [jax.ShapeDtypeStruct(q.shape, q.dtype)]
     if with_dbias:
         out_type.append(jax.ShapeDtypeStruct(bias.shape, bias.dtype))
