@@ -398,6 +398,11 @@ def check_shapes(on_device: bool) -> list[Shape]:
               dtype="bfloat16"),
         # Key lengths in the Mosaic forward (keys past them zeroed before it), ragged.
         Shape(2, 1000, 1100, 4, 2, 128, True, (("lengths", 300),), dtype="bfloat16"),
+        # Dropout in the Mosaic kernels: per-head masks under causal GQA, and with a
+        # per-batch bias whose gradient the dK/dV kernel writes.
+        Shape(2, 1000, 1100, 8, 2, 128, True, (("dropout", 0.2),), dtype="bfloat16"),
+        Shape(2, 1024, 1024, 4, 4, 128, False, (("bias_per_batch", None), ("dropout", 0.1)),
+              dtype="float16"),
         # Packed documents in the Mosaic kernels (each tile narrowed to its documents).
         Shape(2, 1024, 1024, 8, 2, 128, True, (("packed", 4),), dtype="float16"),
         Shape(2, 1024, 1024, 4, 4, 128, True, (("window", 256), ("segments", None)),

@@ -122,7 +122,10 @@ TABLE = {
                  ("mosaic", "triton", "triton", None)),
     "lengths": (call(has_kv_lengths=True, present=("key_value_seq_lengths",)), "sm90",
                 ("mosaic", "mosaic", "mosaic", None)),
-    "dropout": (call(dropout_rate=0.1), "sm90", ("triton", "triton", "triton", None)),
+    "dropout": (call(dropout_rate=0.1), "sm90", ("mosaic", "mosaic", "mosaic", None)),
+    # The separate Mosaic dbias kernel takes no dropout.
+    "dropout_bias_shared_by_heads": (call(dropout_rate=0.1, bias_shape=(1, 1, 4096, 4096)),
+                                     "sm90", ("mosaic", "mosaic", "mosaic", "triton")),
     "bias_sm80_per_batch": (call(bias_shape=(4, 16, 4096, 4096)), "sm80",
                             ("triton", "triton", "triton", "triton-fused")),
     # Fewer dK/dV programs (2 key tiles x 4 x 4) than SMs: the separate dbias kernel.
@@ -177,7 +180,10 @@ def test_reasons_name_what_refuses():
     dq_reasons = dict(dispatch.plan(TABLE["d256"][0], device=H100).dq.declined)
     assert "head dims must pad to (64, 128)" in dq_reasons["mosaic"]
     assert "bfloat16 or float16" in reasons["float32"]
-    assert "mask" in reasons["mask"] and "no dropout" in reasons["dropout"]
+    assert "mask" in reasons["mask"]
+    dbias = dict(dispatch.plan(TABLE["dropout_bias_shared_by_heads"][0], device=H100)
+                 .dbias.declined)
+    assert "no dropout" in dbias["mosaic"]
     assert "fewer query rows (100)" in reasons["short"]
     assert "232448" in reasons["bias_float32"]  # its buffers do not fit
 

@@ -135,6 +135,12 @@ CASES = {
         key_value_seq_lengths=jnp.full((2,), 300, jnp.int32),
         block_sizes=pallas_attn.BlockSizes(forward_backend="mosaic", dq_backend="mosaic",
                                            dkv_backend="mosaic")),
+    # Dropout in every Mosaic role (the keep hash in uint32 on WGMMA tiles), GQA.
+    "mosaic_dropout_causal_gqa": dict(
+        T=256, S=384, N=8, K=2, H=128, is_causal=True, dropout_rate=0.1,
+        dropout_rng=jax.random.key(0),
+        block_sizes=pallas_attn.BlockSizes(forward_backend="mosaic", dq_backend="mosaic",
+                                           dkv_backend="mosaic")),
     "mosaic_dkv_h80_one_slot": dict(T=200, S=300, N=8, K=2, H=80, Hv=64, is_causal=True,
                                     block_sizes=pallas_attn.BlockSizes(
                                         **dict(_MOSAIC_DKV, num_stages_dkv=1))),

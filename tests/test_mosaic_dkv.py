@@ -73,6 +73,12 @@ CASES = [
     ("lengths_causal_bias", dict(B=3, T=200, S=260, N=2), (3, 2),
      dict(is_causal=True, query_seq_lengths=np.array([200, 30, 150]),
           key_value_seq_lengths=np.array([0, 260, 131])), {}),
+    # Dropout: per (batch entry, head) masks under causal GQA; one shared mask with a
+    # batch-shared bias's gradient (dS with the kept dP).
+    ("dropout_causal_gqa", dict(B=2, T=200, S=260, N=4, K=2), None,
+     dict(is_causal=True, dropout_rate=0.2, dropout_rng=jax.random.key(3)), {}),
+    ("dropout_shared_mask_bias_grad", dict(B=2, T=130, S=200, N=2), (1, 2),
+     dict(dropout_rate=0.3, dropout_rng=jax.random.key(4), broadcast_dropout=True), {}),
     ("segments_unsorted_gqa", dict(B=2, T=140, S=200, N=4, K=2), None,
      dict(q_segment_ids=np.random.default_rng(3).integers(0, 3, (2, 140)),
           kv_segment_ids=np.random.default_rng(4).integers(0, 3, (2, 200))), {}),
@@ -91,7 +97,8 @@ def _kernel_outputs(dtype: str, shapes: dict, bias_shape: tuple | None, kwargs: 
     mosaic = mosaic_dkv.dkdv(x.problem, x.q, x.k, x.v, x.do, x.stats, bias, bias_grad,
                              x.operands.get("alibi_slopes"),
                              segments=segments_of(x.operands, "query_ranges"),
-                             lengths=lengths_of(x.operands))
+                             lengths=lengths_of(x.operands),
+                             dropout_keys=x.operands.get("dropout_keys"))
     triton_args = x.triton(**TRITON_TILES)
     triton = (*triton_dkdv.dkdv(*triton_args)[:2],
               triton_dbias.dbias(*triton_args, bias) if bias_grad else None)
@@ -214,7 +221,6 @@ def test_batch_shared_dbias_under_vmap(blocks):
     (dict(mask=True),
      ("dkv_backend='mosaic'.*no operand besides q, k, v, a bias, ALiBi slopes, sinks, "
       "segment ids and sequence lengths, got mask")),
-    (dict(dropout_rate=0.1, dropout_rng=jax.random.key(0)), "dkv_backend='mosaic'.*no dropout"),
     (dict(dtype=jnp.float32), "dkv_backend='mosaic'.*bfloat16 or float16"),
     (dict(H=256), "dkv_backend='mosaic'.*head dims must pad to"),
     (dict(bias=(2, 1, 16, 16), fuse_dbias=True), "fuse_dbias=True with the Mosaic dK/dV"),

@@ -67,6 +67,12 @@ CASES = [
     ("lengths_segments_bias", dict(B=2, T=250, S=250, N=2), (1, 2),
      dict(key_value_seq_lengths=np.array([180, 250]), query_seq_lengths=np.array([250, 120]),
           q_segment_ids=np.repeat(np.arange(5), 50)[None].repeat(2, 0)), {}),
+    # Dropout: per (batch entry, head) masks under causal GQA (three consumers); one
+    # shared mask with a bias (two consumers).
+    ("dropout_causal_gqa", dict(B=2, T=250, S=150, N=4, K=2), None,
+     dict(is_causal=True, dropout_rate=0.2, dropout_rng=jax.random.key(3)), {}),
+    ("dropout_shared_bias", dict(B=2, T=140, S=200, N=2), (2, 2),
+     dict(dropout_rate=0.3, dropout_rng=jax.random.key(4), broadcast_dropout=True), {}),
     ("segments_unsorted_bias", dict(B=2, T=140, S=200, N=2), (1, 2),
      dict(q_segment_ids=np.random.default_rng(3).integers(0, 3, (2, 140)),
           kv_segment_ids=np.random.default_rng(4).integers(0, 3, (2, 200))), {}),
@@ -81,7 +87,7 @@ def _kernel_outputs(dtype: str, shapes: dict, bias_shape: tuple | None, kwargs: 
                         dataclasses.replace(MOSAIC_DQ, **blocks))
     mosaic = mosaic_dq.dq(x.problem, x.q, x.k, x.v, x.do, x.stats, x.operands.get("bias"),
                           x.operands.get("alibi_slopes"), segments_of(x.operands, "key_ranges"),
-                          lengths_of(x.operands))
+                          lengths_of(x.operands), x.operands.get("dropout_keys"))
     triton = triton_dq.dq(*x.triton(block_q_dq=32, block_k_dq=32, dq_backend="triton"))
     assert mosaic.shape == x.q.shape and mosaic.dtype == x.q.dtype
     return np.asarray(mosaic, np.float32), np.asarray(triton, np.float32), x.T
@@ -193,7 +199,6 @@ def test_gradients_with_the_mosaic_dq_against_reference_and_float64(shapes, bias
     (dict(mask=True),
      ("dq_backend='mosaic'.*no operand besides q, k, v, a bias, ALiBi slopes, sinks, "
       "segment ids and sequence lengths, got mask")),
-    (dict(dropout_rate=0.1, dropout_rng=jax.random.key(0)), "dq_backend='mosaic'.*no dropout"),
     (dict(dtype=jnp.float32), "dq_backend='mosaic'.*bfloat16 or float16"),
     (dict(H=256), "dq_backend='mosaic'.*head dims must pad to"),
 ])

@@ -111,6 +111,15 @@ CASES = [
     ("lengths_segments_window", dict(B=2, T=260, S=260, N=2, H=64),
      dict(local_window_size=(50, 20), key_value_seq_lengths=np.array([190, 64]),
           q_segment_ids=np.repeat(np.arange(4), 65)[None].repeat(2, 0)), dict(block_k=128)),
+    # Dropout: per (batch entry, head) masks under causal GQA with ragged lengths; one
+    # mask shared by every head with a bias, a soft cap and segments.
+    ("dropout_causal_gqa_lengths", dict(B=2, T=200, S=150, N=4, K=2, H=64),
+     dict(is_causal=True, dropout_rate=0.2, dropout_rng=jax.random.key(3),
+          key_value_seq_lengths=np.array([150, 90])), {}),
+    ("dropout_shared_bias_soft_cap_segments", dict(B=2, T=260, S=260, N=2, H=64),
+     dict(dropout_rate=0.3, dropout_rng=jax.random.key(4), broadcast_dropout=True,
+          bias=((1, 2, 260, 260), None), logits_soft_cap=5.0,
+          q_segment_ids=np.repeat(np.arange(4), 65)[None].repeat(2, 0)), dict(block_k=128)),
     ("segments_unsorted_bias_T<S", dict(B=2, T=140, S=260, N=2, H=64),
      dict(q_segment_ids=np.random.default_rng(1).integers(0, 3, (2, 140)),
           kv_segment_ids=np.random.default_rng(2).integers(0, 3, (2, 260)),
@@ -134,6 +143,18 @@ def _with_bias(kwargs: dict, dtype: str) -> dict:
     return dict(kwargs, bias=jnp.asarray(bias, DTYPES[bias_dtype or dtype]))
 
 
+def _with_keep_mask(kwargs: dict, shapes: dict) -> dict:
+    """The oracle's kwargs: dropout's rng replaced by the keep mask it draws."""
+    if "dropout_rng" not in kwargs:
+        return kwargs
+    kwargs = dict(kwargs)
+    keep = pallas_attn.dropout_keep_mask(
+        kwargs.pop("dropout_rng"), batch=shapes["B"], num_heads=shapes["N"],
+        q_len=shapes["T"], kv_len=shapes["S"], rate=kwargs["dropout_rate"],
+        broadcast_batch_heads=kwargs.get("broadcast_dropout", False))
+    return dict(kwargs, keep=np.asarray(keep))
+
+
 @pytest.mark.parametrize("dtype,shapes,kwargs,blocks", alternate_dtypes(CASES))
 def test_mosaic_forward_against_reference_and_float64(dtype, shapes, kwargs, blocks):
     inputs = make_inputs(sum(shapes.values()), dtype=DTYPES[dtype], **shapes)
@@ -144,7 +165,7 @@ def test_mosaic_forward_against_reference_and_float64(dtype, shapes, kwargs, blo
     # (kernel_helpers.make_runner).
     kernel, reference = pallas_and_reference(inputs, dtypes=dtypes, block_sizes=block_sizes,
                                              split="eager", **kwargs)
-    exact = oracle(inputs, **kwargs)
+    exact = oracle(inputs, **_with_keep_mask(kwargs, shapes))
     assert dtypes["out"] == DTYPES[dtype] and dtypes["lse"] == jnp.float32
     assert_fa_rule(kernel, reference, exact, DTYPES[dtype])
     assert_results_close(kernel, reference, DTYPES[dtype], label="vs reference: ")
@@ -237,7 +258,6 @@ def test_gradients_through_the_mosaic_forward_match_the_triton_forward():
                        "ids and sequence lengths, got mask")),
     (dict(bias=(1, 1, 1, 16)), r"broadcast along queries or keys"),
     (dict(bias=(1, 1, 16, 1)), r"broadcast along queries or keys"),
-    (dict(dropout_rate=0.1, dropout_rng=jax.random.key(0)), "no dropout"),
     (dict(H=32), "head dims must pad to"),
 ])
 def test_unsupported_problems_name_the_reason(kwargs, match):

@@ -27,7 +27,12 @@ from pallas_attn.kernels.mosaic import dbias as mosaic_dbias
 from pallas_attn.kernels.mosaic import dkv as mosaic_dkv
 from pallas_attn.kernels.mosaic import dq as mosaic_dq
 from pallas_attn.kernels.mosaic import fwd as mosaic_fwd
-from pallas_attn.kernels.mosaic.common import lengths_of, row_residuals, segments_of
+from pallas_attn.kernels.mosaic.common import (
+    dropout_of,
+    lengths_of,
+    row_residuals,
+    segments_of,
+)
 from pallas_attn.kernels.triton import dbias as triton_dbias
 from pallas_attn.kernels.triton import decode as triton_decode
 from pallas_attn.kernels.triton import dkdv as triton_dkdv
@@ -259,6 +264,7 @@ def _run_backward(static: tuple[Problem, bool], q, k, v, operands: dict, row_sta
     stats = row_residuals(row_stats, delta) if "mosaic" in mosaic_roles else None
     slopes = operands.get("alibi_slopes")
     lengths = lengths_of(operands)
+    dropout_keys = dropout_of(operands)
     if lengths[0] is not None and "mosaic" in (plan.dq.backend, plan.dkdv.backend):
         # dO too: the Mosaic kernels read whole tiles of it (P = 0 past the length).
         rows = jnp.arange(do.shape[1], dtype=jnp.int32)
@@ -273,14 +279,15 @@ def _run_backward(static: tuple[Problem, bool], q, k, v, operands: dict, row_sta
     if plan.dq.backend == "mosaic":
         if plan.dkdv.backend == "mosaic" and mosaic_dkv.sums_batch(problem, bias, fused):
             dq, dbias_first = mosaic_dq.dq_and_dbias(problem, q, k, v, do, stats, bias, slopes,
-                                                     dq_segments, lengths)
+                                                     dq_segments, lengths, dropout_keys)
         else:
-            dq = mosaic_dq.dq(problem, q, k, v, do, stats, bias, slopes, dq_segments, lengths)
+            dq = mosaic_dq.dq(problem, q, k, v, do, stats, bias, slopes, dq_segments, lengths,
+                              dropout_keys)
     else:
         dq = triton_dq.dq(problem, names, inputs)
     if plan.dkdv.backend == "mosaic":
         dk, dv, dbias = mosaic_dkv.dkdv(problem, q, k, v, do, stats, bias, fused, slopes,
-                                        dbias_first, dkv_segments, lengths)
+                                        dbias_first, dkv_segments, lengths, dropout_keys)
     else:
         dk, dv, dbias = triton_dkdv.dkdv(problem, names, inputs, bias if fused else None)
     if separate_dbias and plan.dbias.backend == "mosaic":

@@ -95,7 +95,11 @@ def keep(row_key: jax.Array, cols: jax.Array, rate: float) -> jax.Array:
     if row_key.ndim != 1 or jnp.ndim(cols) != 1:
         raise ValueError(f"keep takes 1-D row keys and columns, got shapes {row_key.shape} "
                          f"and {jnp.shape(cols)}")
-    h = row_key[:, None] * col_multipliers(cols)[None, :]
+    return keep_words(row_key[:, None] * col_multipliers(cols)[None, :], rate)
+
+
+def keep_words(h: jax.Array, rate: float) -> jax.Array:
+    """Keep decisions from the hash words h (row key times column multiplier)."""
     # NOTE: one unsigned compare on the whole word, the same as comparing its top
     # _KEEP_BITS bits with the threshold.
     return h >= jnp.uint32(keep_threshold(rate) << (32 - _KEEP_BITS))

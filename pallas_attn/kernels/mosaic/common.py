@@ -48,6 +48,7 @@ from pallas_attn.kernels.mosaic.config import (
     Scratch,
     producer_registers,
 )
+from pallas_attn.semantics import dropout as dropout_lib
 from pallas_attn.semantics import scores
 
 
@@ -117,6 +118,39 @@ class Segments:
         return lo, hi
 
 
+@dataclasses.dataclass(frozen=True)
+class Dropout:
+    """Dropout's keep decisions on WGMMA tiles (semantics/dropout.py's hash): the
+    program keys in global memory ([B, N] uint32, or [1, 1] for one shared mask)."""
+
+    keys: Any
+    rate: float
+
+    def row_keys(self, b, n, row0, size: int = ROWS_PER_CONSUMER) -> jax.Array:
+        """The hash keys of rows [row0, row0 + size) of head n, batch entry b, along a
+        WGMMA tile's rows."""
+        shared = self.keys.shape[0] == 1 and self.keys.shape[1] == 1
+        # An invalid work item's head may lie past the keys: it reads the last one.
+        key = self.keys[0 if shared else b,
+                        0 if shared else jnp.minimum(n, self.keys.shape[1] - 1)]
+        rows = row0 + plgpu.broadcasted_iota(jnp.int32, (size,), 0,
+                                             layout=plgpu.Layout.WGMMA.reduce(1))
+        return dropout_lib.row_keys(key, rows)
+
+    def multipliers(self, k0, size: int) -> jax.Array:
+        """The hash multipliers of keys [k0, k0 + size) along a WGMMA tile's columns."""
+        cols = k0 + plgpu.broadcasted_iota(jnp.int32, (size,), 0,
+                                           layout=plgpu.Layout.WGMMA.reduce(0))
+        return dropout_lib.col_multipliers(cols)
+
+    def keep(self, row_keys: jax.Array, multipliers: jax.Array) -> jax.Array:
+        """The tile's keep decisions from its rows' keys and its keys' multipliers."""
+        shape = (row_keys.shape[0], multipliers.shape[0])
+        return dropout_lib.keep_words(lax.broadcast_in_dim(row_keys, shape, [0])
+                                      * lax.broadcast_in_dim(multipliers, shape, [1]),
+                                      self.rate)
+
+
 def chunk_limits(ranges: jax.Array) -> jax.Array:
     """[B, 2, n / 64] int32 from per-position ranges [B, 2, n] (core.segment_ranges):
     per chunk of 64 positions, the lowest start and the highest stop of its ranges."""
@@ -128,6 +162,11 @@ def chunk_limits(ranges: jax.Array) -> jax.Array:
 def lengths_of(operands: dict[str, Any]) -> tuple[jax.Array | None, jax.Array | None]:
     """The query and key lengths [B] among a kernel's operands (None where absent)."""
     return tuple(operands.get(name) for name in config.LENGTHS)
+
+
+def dropout_of(operands: dict[str, Any]) -> jax.Array | None:
+    """The dropout keys among a kernel's operands, or None."""
+    return operands.get("dropout_keys")
 
 
 def segments_of(operands: dict[str, Any], limits: str) -> tuple[jax.Array, ...]:
@@ -392,13 +431,15 @@ def same_segment(segments: tuple[jax.Array, jax.Array], shape: tuple[int, ...]) 
 def tile_gradient(problem: Problem, s: jax.Array, dp: jax.Array, bias: jax.Array | None,
                   residuals: tuple[jax.Array, jax.Array, jax.Array], row0, k0,
                   masked: bool, slope: Any = None,
-                  segments: tuple[jax.Array, jax.Array] | None = None, kv_length: Any = None
-                  ) -> tuple[jax.Array, jax.Array]:
+                  segments: tuple[jax.Array, jax.Array] | None = None, kv_length: Any = None,
+                  keep: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """(P, dS) of a [rows, keys] tile in the WGMMA layout, float32, from the raw
     products s = Q K^T and dp = dO V^T, the tile's bias (or None), the head's ALiBi
     slope (or None) and its rows' residuals (row reference, log2 row sum, delta;
     WGMMA.reduce(1) layout). masked applies the band masks (causal, window, padded
-    keys) of rows from row0 and keys from k0; segments, kv_length: `tile_scores`'."""
+    keys) of rows from row0 and keys from k0; segments, kv_length: `tile_scores`'.
+    keep: dropout's keep decisions or None; then P is the dropped P (kept entries
+    scaled by 1 / (1 - rate), for dV) and dS uses dP scaled likewise (the true dS)."""
     row_max, log2_sum, delta = residuals
 
     def rows_of(x):
@@ -407,6 +448,8 @@ def tile_gradient(problem: Problem, s: jax.Array, dp: jax.Array, bias: jax.Array
     # NOTE: ptxas schedules this math by the order of its steps: delta after P only in
     # log2 units, where it measured faster (docs/decisions.md, "tile_gradient delta order").
     log2_units = log2_row_shift(problem, bias)
+    if keep is not None:
+        dp = jnp.where(keep, dp * problem.dropout_scale, 0.0)
     if not log2_units:
         dp = dp - rows_of(delta)
     # ALiBi in log2 units: the row reference goes in with the scale's multiply, before
@@ -422,6 +465,8 @@ def tile_gradient(problem: Problem, s: jax.Array, dp: jax.Array, bias: jax.Array
     if log2_units:
         dp = dp - rows_of(delta)
     ds = prob * dp
+    if keep is not None:
+        prob = jnp.where(keep, prob * problem.dropout_scale, 0.0)
     if segments is not None:
         # A row of another segment may carry NaN residuals (its own keys were NaN): its
         # hidden entries must still give exact zeros to these keys' dK and dV.

@@ -63,17 +63,18 @@ def producer_registers(consumers: int) -> int:
 # the segment ids, core.segment_ranges).
 SEGMENTS = ("q_segment_ids", "kv_segment_ids", "key_ranges", "query_ranges")
 LENGTHS = ("query_seq_lengths", "key_value_seq_lengths")
-OPERANDS = {"forward": ("bias", "alibi_slopes", "sinks", *SEGMENTS, *LENGTHS),
-            "dq": ("bias", "alibi_slopes", "sinks", *SEGMENTS, *LENGTHS),
-            "dkdv": ("bias", "alibi_slopes", "sinks", *SEGMENTS, *LENGTHS),
+OPERANDS = {"forward": ("bias", "alibi_slopes", "sinks", *SEGMENTS, *LENGTHS, "dropout_keys"),
+            "dq": ("bias", "alibi_slopes", "sinks", *SEGMENTS, *LENGTHS, "dropout_keys"),
+            "dkdv": ("bias", "alibi_slopes", "sinks", *SEGMENTS, *LENGTHS, "dropout_keys"),
             "dbias": ("bias", "alibi_slopes", "sinks")}
 _OPERAND_NAMES = {"bias": "a bias", "alibi_slopes": "ALiBi slopes", "sinks": "sinks",
-                  "q_segment_ids": "segment ids", "query_seq_lengths": "sequence lengths"}
+                  "q_segment_ids": "segment ids", "query_seq_lengths": "sequence lengths",
+                  "dropout_keys": "dropout"}
 
 
 def unsupported_scores(spec: AttentionSpec, present: tuple[str, ...], role: str) -> str:
     """Why the role's Mosaic kernel cannot compute these scores, or "" when it can."""
-    if spec.has_dropout:
+    if spec.has_dropout and "dropout_keys" not in OPERANDS[role]:
         return f"no dropout, got dropout_rate={spec.dropout_rate}"
     others = [name for name in present if name not in OPERANDS[role]]
     if others:

@@ -66,6 +66,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_attn.kernels.core import Problem, TileRanges, run_tile_loops
 from pallas_attn.kernels.mosaic.common import (
+    Dropout,
     Segments,
     accumulate,
     head_slope,
@@ -92,8 +93,8 @@ KEYS_PER_CONSUMER = ROWS_PER_CONSUMER
 
 
 def _kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, bias_ref, slopes_ref, lengths, segments,
-            dk_ref, dv_ref, dbias_ref, smem, barriers, *, problem: Problem, programs: int,
-            passes: int, add_dbias: bool, first_entry: int):
+            dropout, dk_ref, dv_ref, dbias_ref, smem, barriers, *, problem: Problem,
+            programs: int, passes: int, add_dbias: bool, first_entry: int):
     q_smem, do_smem, stats_smem, k_smem, v_smem = (
         smem[name] for name in ("q", "do", "stats", "k", "v"))
     bias_smem, zero_tile = smem["bias"], smem["zeros"]
@@ -213,7 +214,7 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, bias_ref, slopes_ref, length
     def _consumer():
         plgpu.set_max_registers(consumer_registers(CONSUMERS), action="increase")
         _consume(problem, wg, unit_of, units, add_dbias, first_entry,
-                 (slopes_ref, dk_ref, dv_ref, dbias_ref, segments),
+                 (slopes_ref, dk_ref, dv_ref, dbias_ref, segments, dropout),
                  (q_smem, do_smem, stats_smem, bias_smem,
                   k_smem.at[wg], v_smem.at[wg], smem["p"].at[wg], smem["ds"].at[wg]),
                  (step_loaded, step_consumed, kv_loaded, kv_consumed))
@@ -223,7 +224,7 @@ def _consume(problem: Problem, wg, unit_of, units, add_dbias: bool, first_entry:
              buffers, barriers):
     """A consumer's loop over its program's units: dK and dV of its 64 keys per unit;
     dbias tiles from batch entries first_entry on."""
-    slopes_ref, dk_ref, dv_ref, dbias_ref, segments = refs
+    slopes_ref, dk_ref, dv_ref, dbias_ref, segments, dropout = refs
     has_dbias = dbias_ref is not None
     q_smem, do_smem, stats_smem, bias_smem, k_mine, v_mine, p_mine, ds_mine = buffers
     step_loaded, step_consumed, kv_loaded, kv_consumed = barriers
@@ -247,6 +248,7 @@ def _consume(problem: Problem, wg, unit_of, units, add_dbias: bool, first_entry:
 
         pl.when(tiles > 0)(lambda: plgpu.barrier_wait(kv_loaded))
         key_ids = None if segments is None else segments.cols(b, k_own, keys_n)
+        multipliers = None if dropout is None else dropout.multipliers(k_own, keys_n)
 
         def step_fn(i, carry, masked: bool, slope):
             """Query tile i of head h (ring step `at`), the head's ALiBi slope."""
@@ -255,6 +257,8 @@ def _consume(problem: Problem, wg, unit_of, units, add_dbias: bool, first_entry:
             n = kh * group + h
             row0 = i * STEP_ROWS
             ids = None if segments is None else (segments.rows(b, row0), key_ids)
+            keep = (None if dropout is None
+                    else dropout.keep(dropout.row_keys(b, n, row0, STEP_ROWS), multipliers))
             plgpu.barrier_wait(step_loaded.at[slot])
 
             def products(s_ref, dp_ref):
@@ -276,7 +280,7 @@ def _consume(problem: Problem, wg, unit_of, units, add_dbias: bool, first_entry:
             s, dp, residuals, bias = pl.run_scoped(products, plgpu.ACC(shape, jnp.float32),
                                                    plgpu.ACC(shape, jnp.float32))
             prob, ds = tile_gradient(problem, s, dp, bias, residuals, row0, k_own, masked,
-                                     slope, ids, kv_length)
+                                     slope, ids, kv_length, keep)
             ds_slot = ds_mine.at[lax.rem(at, 2)]
             if has_dbias and not reduce_in_registers:
                 # The dbias copy issued two steps ago has read this buffer.
@@ -362,7 +366,8 @@ def sums_batch(problem: Problem, bias: jax.Array | None, bias_grad: bool) -> boo
 def dkdv(problem: Problem, q: jax.Array, k: jax.Array, v: jax.Array, do: jax.Array,
          stats: jax.Array, bias: jax.Array | None, bias_grad: bool,
          slopes: jax.Array | None = None, dbias_first: jax.Array | None = None,
-         segments: tuple[jax.Array, ...] = (), lengths: tuple[Any, Any] = (None, None)
+         segments: tuple[jax.Array, ...] = (), lengths: tuple[Any, Any] = (None, None),
+         dropout_keys: jax.Array | None = None
          ) -> tuple[jax.Array, jax.Array, jax.Array | None]:
     """(dk, dv, dbias or None) for padded inputs; stats: the row residuals
     (`common.row_residuals`); slopes: ALiBi slopes [B, N] or None. bias_grad: also write
@@ -370,7 +375,8 @@ def dkdv(problem: Problem, q: jax.Array, k: jax.Array, v: jax.Array, do: jax.Arr
     shared by the batch entries, batch entry 0's part of its gradient
     (`dq.dq_and_dbias`), to which the kernel adds the others'. segments: the segment
     operands (`common.segments_of`, query limits) or (); lengths: the query and key
-    lengths (`common.lengths_of`), positions past them zeroed in q, k, v and do."""
+    lengths (`common.lengths_of`), positions past them zeroed in q, k, v and do;
+    dropout_keys: dropout's program keys or None."""
     name = "mosaic.dkv.dkdv"
     if why := unsupported(problem, "dkdv"):
         raise AssertionError(f"{name} called for an unsupported problem: {why}")
@@ -402,23 +408,26 @@ def dkdv(problem: Problem, q: jax.Array, k: jax.Array, v: jax.Array, do: jax.Arr
 
     def entry(*refs):
         q_ref, k_ref, v_ref, do_ref, stats_ref, *rest = refs
-        bias_ref, slopes_ref, sum_ref, *length_refs = optional_refs(rest, bias, slopes,
-                                                                    dbias_sum, *lengths)
-        rest = rest[sum(x is not None for x in (bias, slopes, dbias_sum, *lengths)):]
+        bias_ref, slopes_ref, sum_ref, keys_ref, *length_refs = optional_refs(
+            rest, bias, slopes, dbias_sum, dropout_keys, *lengths)
+        rest = rest[sum(x is not None
+                        for x in (bias, slopes, dbias_sum, dropout_keys, *lengths)):]
         segment_refs, (dk_ref, dv_ref, *dbias_ref) = rest[:len(segments)], rest[len(segments):]
         dbias_ref = sum_ref if add_dbias else (dbias_ref[0] if dbias_ref else None)
         scoped(scratch, lambda smem, barriers: _kernel(
             q_ref, k_ref, v_ref, do_ref, stats_ref, bias_ref, slopes_ref, tuple(length_refs),
-            Segments(*segment_refs) if segments else None, dk_ref, dv_ref, dbias_ref, smem,
-            barriers, problem=problem, programs=programs, passes=passes,
-            add_dbias=add_dbias, first_entry=first_entry))
+            Segments(*segment_refs) if segments else None,
+            None if dropout_keys is None else Dropout(keys_ref, problem.spec.dropout_rate),
+            dk_ref, dv_ref, dbias_ref, smem, barriers, problem=problem, programs=programs,
+            passes=passes, add_dbias=add_dbias, first_entry=first_entry))
 
     programs = problem.plan.programs_for(Sp // UNIT_KEYS * KH * (B // passes))
     out_type = [jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)]
     if bias_grad and not add_dbias:
         out_type.append(jax.ShapeDtypeStruct(bias.shape, bias.dtype))
     operands = [q, k, v, do, stats,
-                *(x for x in (bias, slopes, dbias_sum, *lengths) if x is not None), *segments]
+                *(x for x in (bias, slopes, dbias_sum, dropout_keys, *lengths)
+                  if x is not None), *segments]
     dk, dv, *dbias = launch(entry, out_type, programs, problem.interpret)(*operands)
     if add_dbias:
         return dk, dv, jax.freeze(dbias_sum)

@@ -49,6 +49,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_attn.kernels.core import Problem
 from pallas_attn.kernels.mosaic.common import (
     Band,
+    Dropout,
     Segments,
     Walk,
     accumulate,
@@ -75,7 +76,7 @@ from pallas_attn.kernels.mosaic.config import (
 
 
 def _kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, bias_ref, slopes_ref, lengths, segments,
-            dq_ref, dbias_ref, smem, barriers, *, problem: Problem, programs: int,
+            dropout, dq_ref, dbias_ref, smem, barriers, *, problem: Problem, programs: int,
             consumers: int):
     rows_loaded, schedule = barriers["rows_loaded"], barriers["schedule"]
     ring = tuple(barriers[name] for name in ("k_loaded", "v_loaded", "k_consumed",
@@ -148,7 +149,7 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, bias_ref, slopes_ref, length
             dq = _consume(problem, ctx, tiles, lambda t: walk.slot(step + t - tiles.first),
                           row0, tiles.first + steps, mine, smem["k"], smem["v"], ring,
                           schedule, bias, head_slope(slopes_ref, item.valid, item.b, item.n),
-                          residuals, dbias, row0 >= 0, segments, item.b)
+                          residuals, dbias, row0 >= 0, segments, dropout, item.b, item.n)
             # Every product of this item is done: its rows' buffers are free.
             load_rows(walk.item(r + 1))
 
@@ -168,7 +169,7 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, bias_ref, slopes_ref, length
 
 def _consume(problem: Problem, ctx, tiles, slot_of, row0, stop, mine: dict, k_smem, v_smem,
              ring, schedule, bias, slope, residuals, dbias, active,
-             segments: Segments | None, b) -> jax.Array:
+             segments: Segments | None, dropout: Dropout | None, b, n) -> jax.Array:
     """One consumer warpgroup: dQ / scale of rows [row0, row0 + 64) (float32) over key
     tiles [tiles.first, stop); active false (rows before 0): it only releases the
     tiles. With a `schedule` (two consumers) it takes turns with the other consumer
@@ -179,7 +180,7 @@ def _consume(problem: Problem, ctx, tiles, slot_of, row0, stop, mine: dict, k_sm
     dbias: (when, its rows of the dbias) or None; when, the consumer stores its dS
     tiles of the item's band there, running every tile of the band (those outside its
     own rows' band masked: dS = 0). segments: the segment ids (of batch entry b) or
-    None."""
+    None; dropout: head n's keep decisions or None."""
     k_loaded, v_loaded, k_consumed, v_consumed = ring
     block_k = problem.plan.dq.block_k
     rows_n = ROWS_PER_CONSUMER
@@ -192,6 +193,7 @@ def _consume(problem: Problem, ctx, tiles, slot_of, row0, stop, mine: dict, k_sm
                    own.full_first, own.full_stop)
     shape = (rows_n, block_k)
     row_ids = None if segments is None else segments.rows(b, row0)
+    row_keys = None if dropout is None else dropout.row_keys(b, n, row0)
 
     def step(t, dq, masked: bool):
         slot = slot_of(t)
@@ -209,8 +211,10 @@ def _consume(problem: Problem, ctx, tiles, slot_of, row0, stop, mine: dict, k_sm
         s, dp = pl.run_scoped(products, plgpu.ACC(shape, jnp.float32),
                               plgpu.ACC(shape, jnp.float32))
         plgpu.barrier_arrive(v_consumed.at[slot])
+        keep = (None if dropout is None
+                else dropout.keep(row_keys, dropout.multipliers(t * block_k, block_k)))
         _, ds = tile_gradient(problem, s, dp, tile_bias, residuals, row0, t * block_k, masked,
-                              slope, ids, ctx.kv_length)
+                              slope, ids, ctx.kv_length, keep)
         if dbias is not None:
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last dbias copy read ds
         mine["ds"][...] = ds.astype(mine["ds"].dtype)
@@ -237,19 +241,21 @@ def _consume(problem: Problem, ctx, tiles, slot_of, row0, stop, mine: dict, k_sm
 
 def dq(problem: Problem, q: jax.Array, k: jax.Array, v: jax.Array, do: jax.Array,
        stats: jax.Array, bias: jax.Array | None, slopes: jax.Array | None = None,
-       segments: tuple[jax.Array, ...] = (), lengths: tuple[Any, Any] = (None, None)
-       ) -> jax.Array:
+       segments: tuple[jax.Array, ...] = (), lengths: tuple[Any, Any] = (None, None),
+       dropout_keys: jax.Array | None = None) -> jax.Array:
     """dq [B, Tp, N, Hp] for padded inputs; stats: the row residuals
     (`common.row_residuals`); slopes: ALiBi slopes [B, N] or None; segments: the
     segment operands (`common.segments_of`, key limits) or (); lengths: the query and
-    key lengths (`common.lengths_of`), positions past them zeroed in q, k, v and do."""
-    return _launch(problem, q, k, v, do, stats, bias, slopes, segments, lengths, False)[0]
+    key lengths (`common.lengths_of`), positions past them zeroed in q, k, v and do;
+    dropout_keys: dropout's program keys or None."""
+    return _launch(problem, q, k, v, do, stats, bias, slopes, segments, lengths,
+                   dropout_keys, False)[0]
 
 
 def dq_and_dbias(problem: Problem, q: jax.Array, k: jax.Array, v: jax.Array, do: jax.Array,
                  stats: jax.Array, bias: jax.Array, slopes: jax.Array | None = None,
-                 segments: tuple[jax.Array, ...] = (), lengths: tuple[Any, Any] = (None, None)
-                 ) -> tuple[jax.Array, jax.Array]:
+                 segments: tuple[jax.Array, ...] = (), lengths: tuple[Any, Any] = (None, None),
+                 dropout_keys: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """(dq, batch entry 0's part of the gradient of a bias shared by the batch entries)
     for padded inputs: `dq`, with the dS tiles of batch entry 0 stored as a dbias of
     the bias's shape [1, N, Tp, Sp] (and zeros outside the bands). The dK/dV kernel
@@ -259,12 +265,12 @@ def dq_and_dbias(problem: Problem, q: jax.Array, k: jax.Array, v: jax.Array, do:
         raise AssertionError(f"mosaic.dq.dq_and_dbias cannot write the dbias of a "
                              f"{bias.dtype} bias of shape {bias.shape}")
     dq_out, dbias = _launch(problem, q, k, v, do, stats, bias, slopes, segments, lengths,
-                            True)
+                            dropout_keys, True)
     return dq_out, dbias
 
 
 def _launch(problem: Problem, q, k, v, do, stats, bias, slopes, segments: tuple,
-            lengths: tuple, with_dbias: bool) -> list:
+            lengths: tuple, keys, with_dbias: bool) -> list:
     if why := unsupported(problem, "dq"):
         raise AssertionError(f"mosaic.dq.dq called for an unsupported problem: {why}")
     route = problem.plan.dq
@@ -276,19 +282,21 @@ def _launch(problem: Problem, q, k, v, do, stats, bias, slopes, segments: tuple,
                          None if bias is None else bias.dtype, dbias=with_dbias)
 
     def entry(q_ref, k_ref, v_ref, do_ref, stats_ref, *refs):
-        bias_ref, slopes_ref, *length_refs = optional_refs(refs, bias, slopes, *lengths)
-        refs = refs[sum(x is not None for x in (bias, slopes, *lengths)):]
+        bias_ref, slopes_ref, keys_ref, *length_refs = optional_refs(refs, bias, slopes, keys,
+                                                                     *lengths)
+        refs = refs[sum(x is not None for x in (bias, slopes, keys, *lengths)):]
         segment_refs, (dq_ref, *dbias_ref) = refs[:len(segments)], refs[len(segments):]
         scoped(scratch, lambda smem, barriers: _kernel(
             q_ref, k_ref, v_ref, do_ref, stats_ref, bias_ref, slopes_ref, tuple(length_refs),
-            Segments(*segment_refs) if segments else None, dq_ref,
+            Segments(*segment_refs) if segments else None,
+            None if keys is None else Dropout(keys_ref, problem.spec.dropout_rate), dq_ref,
             dbias_ref[0] if dbias_ref else None, smem, barriers, problem=problem,
             programs=programs, consumers=consumers))
 
     items = -(-Tp // (consumers * ROWS_PER_CONSUMER)) * B * N
     programs = problem.plan.programs_for(items)
-    operands = [q, k, v, do, stats, *(x for x in (bias, slopes, *lengths) if x is not None),
-                *segments]
+    operands = [q, k, v, do, stats,
+                *(x for x in (bias, slopes, keys, *lengths) if x is not None), *segments]
     out_type = [jax.ShapeDtypeStruct(q.shape, q.dtype)]
     if with_dbias:
         out_type.append(jax.ShapeDtypeStruct(bias.shape, bias.dtype))

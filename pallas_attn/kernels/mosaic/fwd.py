@@ -25,6 +25,9 @@ heaviest causal tile first) with three warpgroups:
 * With segment ids, each item's and each consumer's band narrows to the keys its
   rows' segments hold (`common.Segments`: chunk limits from core.segment_ranges), and
   every tile compares the rows' ids (read once per item) with the key tile's.
+* With dropout, P V takes the kept probabilities (`common.Dropout`: the keep hash
+  of semantics/dropout.py on each tile) while the row sum takes all of them; the
+  output is scaled by 1 / (1 - rate) once per row.
 * With a bias, each consumer copies its 64 rows of the next key tile's bias into a
   buffer of its own while it works on the current tile (`_consume`), and its
   scores stay in natural units, as in the Triton forward.
@@ -35,8 +38,8 @@ sum), so the Triton backward kernels consume them unchanged.
 
 Scope (config.unsupported): 16-bit inputs, padded head dims 64, 128 or 256, no operand
 besides q, k, v, a bias with its own entry per query and key, ALiBi slopes, sinks,
-segment ids and sequence lengths (no mask or dropout; positions past the lengths are
-zeroed before the call, vjp.prepare); causal, local windows in both alignments, soft
+segment ids, sequence lengths and dropout keys (no mask; positions past the lengths
+are zeroed before the call, vjp.prepare); causal, local windows in both alignments, soft
 cap (with the fixed row reference where it applies), ALiBi (each consumer reads its
 item's slope), GQA and ragged lengths are covered. With 128-key tiles a float32 bias
 does not fit next to two K/V slots (config.forward_scratch), so the routing table
@@ -70,12 +73,14 @@ from pallas_attn.kernels.core import (
 from pallas_attn.kernels.mosaic.common import (
     Band,
     BiasTiles,
+    Dropout,
     Item,
     Segments,
     Walk,
     accumulate,
     head_slope,
     launch,
+    lengths_of,
     optional_refs,
     own_band,
     release_slot,
@@ -89,7 +94,6 @@ from pallas_attn.kernels.mosaic.common import (
 from pallas_attn.kernels.mosaic.config import (
     CONSUMERS,
     ITEM_ROWS,
-    LENGTHS,
     OPERANDS,
     ROWS_PER_CONSUMER,
     consumer_registers,
@@ -102,9 +106,9 @@ from pallas_attn.kernels.mosaic.config import (
 IN_PLACE_PV_HEAD_DIM = 256
 
 
-def _kernel(q_ref, k_ref, v_ref, bias_ref, slopes_ref, sinks_ref, lengths, segments, out_ref,
-            row_max_ref, log2_sum_ref, smem, barriers, *, problem: Problem, programs: int,
-            staging: str):
+def _kernel(q_ref, k_ref, v_ref, bias_ref, slopes_ref, sinks_ref, lengths, segments, dropout,
+            out_ref, row_max_ref, log2_sum_ref, smem, barriers, *, problem: Problem,
+            programs: int, staging: str):
     q_smem, k_smem, v_smem, p_smem = (smem[name] for name in ("q", "k", "v", "p"))
     o_smem = smem[staging]  # the output tile: its own buffer, or P's or Q's
     q_loaded, schedule = barriers["q_loaded"], barriers["schedule"]
@@ -146,7 +150,7 @@ def _kernel(q_ref, k_ref, v_ref, bias_ref, slopes_ref, sinks_ref, lengths, segme
                 problem, ctx, tiles, lambda t: walk.slot(step + t - tiles.first), row0,
                 tiles.first + steps, q_mine, k_smem, v_smem, p_mine, o_mine.shape[-1],
                 ring, schedule, bias, head_slope(slopes_ref, item.valid, item.b, item.n),
-                segments, item.b)
+                segments, dropout, item.b, item.n)
             if staging != "q":  # every Q K^T of this item is done: q_mine is free
                 load_q(walk.item(r + 1))
 
@@ -162,7 +166,9 @@ def _kernel(q_ref, k_ref, v_ref, bias_ref, slopes_ref, sinks_ref, lengths, segme
                 valid = (l_sum != 0.0) & (rows < problem.q_len)  # NaN shows
                 if ctx.q_length is not None:
                     valid = valid & (rows < ctx.q_length)
-                inv = jnp.where(valid, 1.0 / jnp.where(valid, l_sum, 1.0), 0.0)
+                # Kept weights are scaled by 1 / (1 - rate) here, once per row.
+                inv = jnp.where(valid, problem.dropout_scale / jnp.where(valid, l_sum, 1.0),
+                                0.0)
                 o_mine[...] = (acc * lax.broadcast_in_dim(inv, acc.shape, [0])).astype(
                     o_mine.dtype)
                 plgpu.commit_smem()
@@ -184,8 +190,8 @@ def _kernel(q_ref, k_ref, v_ref, bias_ref, slopes_ref, sinks_ref, lengths, segme
 
 def _consume(problem: Problem, ctx: TileRanges, tiles: Band, slot_of, row0, stop,
              q_smem, k_smem, v_smem, p_smem, hv: int, ring, schedule,
-             bias: BiasTiles | None, slope, segments: Segments | None, b
-             ) -> tuple[Any, Any, Any]:
+             bias: BiasTiles | None, slope, segments: Segments | None,
+             dropout: Dropout | None, b, n) -> tuple[Any, Any, Any]:
     """One consumer warpgroup: (acc, row reference, row sum) of rows [row0, row0 + 64)
     against key tiles [tiles.first, stop) (stop = tiles.first for no work).
 
@@ -199,7 +205,8 @@ def _consume(problem: Problem, ctx: TileRanges, tiles: Band, slot_of, row0, stop
     bias: None, or this consumer's bias stream (`BiasTiles`); scores with a bias stay
     in natural units (Problem.exp2_factor), as in the Triton forward. slope: the
     head's ALiBi slope or None. segments: the segment ids (batch entry b's rows are
-    read once, each key tile's ids per step) or None.
+    read once, each key tile's ids per step) or None. dropout: P V takes the kept
+    probabilities (head n's mask), the row sum all of them; or None.
     """
     k_loaded, v_loaded, k_consumed, v_consumed = ring
     block_k = problem.plan.forward.block_k
@@ -207,6 +214,7 @@ def _consume(problem: Problem, ctx: TileRanges, tiles: Band, slot_of, row0, stop
     dtype = q_smem.dtype
     own = own_band(ctx, tiles, row0, stop, block_k, segments)
     row_ids = None if segments is None else segments.rows(b, row0)
+    row_keys = None if dropout is None else dropout.row_keys(b, n, row0)
 
     def step(t, carry, masked: bool):
         acc, m_prev, l_prev = carry
@@ -226,6 +234,9 @@ def _consume(problem: Problem, ctx: TileRanges, tiles: Band, slot_of, row0, stop
                            segments=ids, kv_length=ctx.kv_length)
         prob, m_next, l_next, alpha = softmax_step(
             problem, s, m_prev, l_prev, rows=lambda x: lax.broadcast_in_dim(x, s.shape, [0]))
+        if dropout is not None:
+            prob = jnp.where(dropout.keep(row_keys, dropout.multipliers(t * block_k, block_k)),
+                             prob, 0.0)
         p_smem[...] = prob.astype(dtype)
         plgpu.commit_smem()
         plgpu.barrier_arrive(schedule)  # this softmax is done
@@ -271,7 +282,8 @@ def forward(problem: Problem, q: jax.Array, k: jax.Array, v: jax.Array,
     out_type = (jax.ShapeDtypeStruct((B, Tp, N, hvp), dtype), row, row)
     bias, slopes, sinks = (optional.get(x) for x in ("bias", "alibi_slopes", "sinks"))
     segments = segments_of(optional, "key_ranges")
-    lengths = tuple(optional.get(name) for name in LENGTHS)
+    lengths = lengths_of(optional)
+    keys = optional.get("dropout_keys")
     bias_dtype = None if bias is None else bias.dtype
     staging = forward_output_staging(hp, hvp, route.block_k, route.num_stages, dtype,
                                      bias_dtype, problem.plan.device.max_shared_memory_per_block)
@@ -279,16 +291,19 @@ def forward(problem: Problem, q: jax.Array, k: jax.Array, v: jax.Array,
                               staging=staging)
 
     def entry(q_ref, k_ref, v_ref, *refs):
-        bias_ref, slopes_ref, sinks_ref, *length_refs = optional_refs(refs, bias, slopes, sinks,
-                                                                      *lengths)
+        bias_ref, slopes_ref, sinks_ref, keys_ref, *length_refs = optional_refs(
+            refs, bias, slopes, sinks, keys, *lengths)
         segment_refs = refs[-3 - len(segments):-3]
         out_ref, row_max_ref, log2_sum_ref = refs[-3:]
         scoped(scratch, lambda smem, barriers: _kernel(
             q_ref, k_ref, v_ref, bias_ref, slopes_ref, sinks_ref, tuple(length_refs),
-            Segments(*segment_refs) if segments else None, out_ref, row_max_ref,
+            Segments(*segment_refs) if segments else None,
+            None if keys is None else Dropout(keys_ref, problem.spec.dropout_rate),
+            out_ref, row_max_ref,
             log2_sum_ref, smem, barriers, problem=problem, programs=programs, staging=staging))
 
     programs = problem.plan.programs_for(Tp // ITEM_ROWS * B * N)
     out, row_max, log2_sum = launch(entry, out_type, programs, problem.interpret)(
-        q, k, v, *(x for x in (bias, slopes, sinks, *lengths) if x is not None), *segments)
+        q, k, v, *(x for x in (bias, slopes, sinks, keys, *lengths) if x is not None),
+        *segments)
     return out, (row_max, log2_sum)
