@@ -25,7 +25,8 @@ dQ (times the softmax scale) is stored from registers. Rows that see no key get
 zeros. With segment ids, items and consumers narrow their key tiles to their rows'
 segments and every tile compares ids (`common.Segments`); with sequence lengths, bands
 stop at the key length (positions past the lengths are zeroed in q, k, v and dO before
-the call). Scope: the Mosaic kernels' (`config.unsupported`).
+the call); with dropout, dS takes the kept dP (`common.Dropout`). Scope: the Mosaic
+kernels' (`config.unsupported`).
 
 `dq_and_dbias` also starts the gradient of a bias shared by the batch entries: the
 consumers bulk-copy batch entry 0's dS tiles (already staged in shared memory for
