@@ -145,7 +145,8 @@ class Route:
             return f"{self.backend} (written by the dK/dV kernel)"
         text = f"{self.backend} {self.block_q}x{self.block_k}"
         if self.backend == "mosaic":
-            return f"{text}, {self.num_stages} slots, {self.consumers} consumer warpgroups"
+            slots = "1 slot" if self.num_stages == 1 else f"{self.num_stages} slots"
+            return f"{text}, {slots}, {self.consumers} consumer warpgroups"
         text = f"{text}, {self.num_warps} warps, {self.num_stages} stages"
         return f"{text}, {self.splits} key splits" if self.backend == "decode" else text
 

@@ -220,7 +220,7 @@ def test_batch_shared_dbias_under_vmap(blocks):
 @pytest.mark.parametrize("kwargs,match", [
     (dict(mask=True),
      ("dkv_backend='mosaic'.*no operand besides q, k, v, a bias, ALiBi slopes, sinks, "
-      "segment ids and sequence lengths, got mask")),
+      "segment ids, sequence lengths and dropout, got mask")),
     (dict(dtype=jnp.float32), "dkv_backend='mosaic'.*bfloat16 or float16"),
     (dict(H=256), "dkv_backend='mosaic'.*head dims must pad to"),
     (dict(bias=(2, 1, 16, 16), fuse_dbias=True), "fuse_dbias=True with the Mosaic dK/dV"),

@@ -198,7 +198,7 @@ def test_gradients_with_the_mosaic_dq_against_reference_and_float64(shapes, bias
 @pytest.mark.parametrize("kwargs,match", [
     (dict(mask=True),
      ("dq_backend='mosaic'.*no operand besides q, k, v, a bias, ALiBi slopes, sinks, "
-      "segment ids and sequence lengths, got mask")),
+      "segment ids, sequence lengths and dropout, got mask")),
     (dict(dtype=jnp.float32), "dq_backend='mosaic'.*bfloat16 or float16"),
     (dict(H=256), "dq_backend='mosaic'.*head dims must pad to"),
 ])

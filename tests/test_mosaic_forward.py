@@ -255,7 +255,7 @@ def test_gradients_through_the_mosaic_forward_match_the_triton_forward():
 @pytest.mark.parametrize("kwargs,match", [
     (dict(dtype=jnp.float32), "bfloat16 or float16"),
     (dict(mask=True), ("no operand besides q, k, v, a bias, ALiBi slopes, sinks, segment "
-                       "ids and sequence lengths, got mask")),
+                       "ids, sequence lengths and dropout, got mask")),
     (dict(bias=(1, 1, 1, 16)), r"broadcast along queries or keys"),
     (dict(bias=(1, 1, 16, 1)), r"broadcast along queries or keys"),
     (dict(H=32), "head dims must pad to"),
