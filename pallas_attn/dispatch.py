@@ -45,6 +45,11 @@ PREFER_CHUNKED_ELEMENTS = 2**20
 DECODE_MAX_ROWS = 64
 DECODE_PROGRAMS_PER_SM = 2
 DECODE_TILES = (64, 4, 2)  # block_k, warps, stages
+# With sequence lengths the Mosaic kernels need the positions past them zeroed in one
+# pass over q, k and v first (vjp.prepare): about 400 / (T x group) of the forward's
+# time on an H100, so below this many query rows per kv head the Triton kernels (which
+# zero in their tiles) run instead (docs/decisions.md, "Sequence lengths in the Mosaic").
+MOSAIC_LENGTHS_MIN_ROWS = 2048
 
 
 @dataclasses.dataclass(frozen=True)
@@ -252,6 +257,14 @@ def _mosaic_route(role: str, call: Call, device: DeviceInfo, overrides: BlockSiz
     if automatic and role in ("forward", "dq") and 64 in dims:
         return (f"head dims padding to {sorted(dims)}: the Triton {ROLE_LABELS[role]} kernel "
                 f"measured faster there (docs/decisions.md)")
+    rows = call.q_len * (call.num_heads // call.num_kv_heads)
+    lengths = [name for name in ("query_seq_lengths", "key_value_seq_lengths")
+               if name in call.present]
+    if automatic and lengths and rows < MOSAIC_LENGTHS_MIN_ROWS:
+        return (f"with {lengths[0]} the Mosaic kernels need a pass that zeroes the "
+                f"positions past the lengths, which costs more than they save below "
+                f"{MOSAIC_LENGTHS_MIN_ROWS} query rows per kv head (T x group = {rows}; "
+                f"docs/decisions.md)")
     if automatic and role in ("dq", "dkdv") and "q_segment_ids" in call.present:
         return (f"segment ids: the Triton {ROLE_LABELS[role]} kernel (finer tiles to skip) "
                 f"measured faster with them (docs/decisions.md)")

@@ -122,6 +122,11 @@ TABLE = {
                  ("mosaic", "triton", "triton", None)),
     "lengths": (call(has_kv_lengths=True, present=("key_value_seq_lengths",)), "sm90",
                 ("mosaic", "mosaic", "mosaic", None)),
+    # A prefill chunk against a long cache: the pass that zeroes past the lengths would
+    # cost more than the Mosaic kernels save (dispatch.MOSAIC_LENGTHS_MIN_ROWS).
+    "lengths_prefill_chunk": (call(q_len=256, kv_len=65536, heads=32, kv_heads=8,
+                                   has_kv_lengths=True, present=("key_value_seq_lengths",)),
+                              "sm90", ("triton", "triton", "triton", None)),
     "dropout": (call(dropout_rate=0.1), "sm90", ("mosaic", "mosaic", "mosaic", None)),
     # The separate Mosaic dbias kernel takes no dropout.
     "dropout_bias_shared_by_heads": (call(dropout_rate=0.1, bias_shape=(1, 1, 4096, 4096)),
