@@ -267,8 +267,7 @@ def _run_backward(static: tuple[Problem, bool], q, k, v, operands: dict, row_sta
     dropout_keys = dropout_of(operands)
     if lengths[0] is not None and "mosaic" in (plan.dq.backend, plan.dkdv.backend):
         # dO too: the Mosaic kernels read whole tiles of it (P = 0 past the length).
-        rows = jnp.arange(do.shape[1], dtype=jnp.int32)
-        do = jnp.where((rows[None, :] < lengths[0][:, None])[:, :, None, None], do, 0)
+        do = reference.hide_past(do, lengths[0])
     dq_segments = segments_of(operands, "key_ranges") if plan.dq.backend == "mosaic" else ()
     dkv_segments = (segments_of(operands, "query_ranges") if plan.dkdv.backend == "mosaic"
                     else ())

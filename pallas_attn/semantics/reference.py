@@ -22,21 +22,23 @@ from pallas_attn.semantics import scores
 from pallas_attn.spec import AttentionSpec, Operands
 
 
+def hide_past(x: jax.Array, lengths: jax.Array | None, start: Any = 0) -> jax.Array:
+    """x [B, L, ...] with the positions (start + index along axis 1) at or past each
+    batch entry's length zeroed; x itself when lengths is None."""
+    if lengths is None:
+        return x
+    positions = start + jnp.arange(x.shape[1], dtype=jnp.int32)
+    keep = positions[None, :] < lengths[:, None]
+    return jnp.where(keep.reshape(keep.shape + (1,) * (x.ndim - 2)), x, jnp.zeros_like(x))
+
+
 def hide_past_lengths(ops: Operands) -> Operands:
     """Queries and keys/values past their lengths zeroed: hidden, they never meet a
     product (where 0 * NaN would poison the visible rows) and get zero gradients."""
     q0, k0 = (0, 0) if ops.origin is None else (ops.origin[0], ops.origin[1])
-
-    def hide(x, lengths, start):
-        if lengths is None:
-            return x
-        positions = start + jnp.arange(x.shape[1], dtype=jnp.int32)
-        keep = positions[None, :] < lengths[:, None]
-        return jnp.where(keep[:, :, None, None], x, jnp.zeros_like(x))
-
-    return ops._replace(query=hide(ops.query, ops.query_seq_lengths, q0),
-                        key=hide(ops.key, ops.key_value_seq_lengths, k0),
-                        value=hide(ops.value, ops.key_value_seq_lengths, k0))
+    return ops._replace(query=hide_past(ops.query, ops.query_seq_lengths, q0),
+                        key=hide_past(ops.key, ops.key_value_seq_lengths, k0),
+                        value=hide_past(ops.value, ops.key_value_seq_lengths, k0))
 
 
 def logits_and_visibility(spec: AttentionSpec, ops: Operands) -> tuple[jax.Array, Any]:
