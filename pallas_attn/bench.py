@@ -392,6 +392,13 @@ def check_shapes(on_device: bool) -> list[Shape]:
         # buffer), with a bias tile per consumer and a soft cap, ragged, GQA.
         Shape(2, 1000, 1100, 4, 2, 256, True, (("bias", None), ("softcap", 20.0)),
               dtype="bfloat16"),
+        # The wide Mosaic dK/dV kernel (head dim 256, consumers sharing each unit):
+        # writing a per-batch bias's gradient with dropout under causal masking, and
+        # with key lengths and a soft cap (GQA, ragged, float16).
+        Shape(2, 1024, 1024, 4, 4, 256, True, (("bias_per_batch", None), ("dropout", 0.1)),
+              dtype="bfloat16"),
+        Shape(2, 1000, 1100, 8, 2, 256, False, (("lengths", 300), ("softcap", 20.0)),
+              dtype="float16"),
         Shape(2, 1024, 1024, 4, 4, 128, True, (("bias", None), ("alibi", None),
                                                 ("softcap", 20.0)), dtype="bfloat16"),
         Shape(2, 1024, 1024, 4, 4, 64, False, (("dropout", 0.2), ("mask", None)),

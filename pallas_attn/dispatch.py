@@ -9,10 +9,10 @@ taken; the backends only say what they can run (kernels/*/config.py).
 Order of preference per role: the warp-specialised Mosaic GPU kernel (sm90), then
 Triton's (sm80 and newer, and the interpreter). Mosaic runs a role where it can and
 where it measured faster (docs/decisions.md): every role at head dims padding to
-128, dK/dV and dbias at 64 too, the forward at 256; the Triton kernels were faster
-for the forward and dQ at 64. Tiles: the caller's `BlockSizes`, then the tile cache (`python -m
-pallas_attn tune`), then the first rung of a ladder that fits the device's shared
-memory.
+128, dK/dV and dbias at 64 too, the forward and dK/dV at 256; the Triton kernels
+were faster for the forward and dQ at 64. Tiles: the caller's `BlockSizes`, then the
+tile cache (`python -m pallas_attn tune`), then the first rung of a ladder that fits
+the device's shared memory.
 """
 
 from __future__ import annotations
@@ -284,13 +284,16 @@ def _mosaic_route(role: str, call: Call, device: DeviceInfo, overrides: BlockSiz
         need = mosaic.forward_scratch(hp, hvp, route.block_k, route.num_stages, call.dtype,
                                       call.bias_dtype, staging=staging).bytes
     elif role == "dkdv":
-        wrong = (block_q not in (None, mosaic.DKV_TILES[0])
-                 or block_k not in (None, mosaic.DKV_TILES[1]))
-        rule = f"(block_q_dkv, block_k_dkv) = {mosaic.DKV_TILES}"
-        route = Route("mosaic", *mosaic.DKV_TILES, 0, stages or mosaic.DKV_STAGES,
-                      mosaic.CONSUMERS)
-        need = mosaic.dkv_scratch(hp, hvp, route.num_stages, call.dtype, call.bias_dtype,
-                                  zeros=spec.has_bias).bytes
+        dkv_tiles = mosaic.dkv_tiles(hp, hvp)
+        wrong = block_q not in (None, dkv_tiles[0]) or block_k not in (None, dkv_tiles[1])
+        rule = f"(block_q_dkv, block_k_dkv) = {dkv_tiles}"
+        options = (stages,) if stages is not None else mosaic.dkv_stage_options(hp, hvp)
+        needs = {s: mosaic.dkv_scratch(hp, hvp, s, call.dtype, call.bias_dtype,
+                                       zeros=spec.has_bias).bytes for s in options}
+        stages = next((s for s in options if needs[s] <= device.max_shared_memory_per_block),
+                      options[-1])
+        route = Route("mosaic", *dkv_tiles, 0, stages, mosaic.CONSUMERS)
+        need = needs[stages]
     elif role == "dq":
         wrong = (block_q not in (None, mosaic.DQ_TILES[0])
                  or block_k not in (None, mosaic.DQ_TILES[1])

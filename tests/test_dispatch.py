@@ -86,13 +86,13 @@ TABLE = {
     # Triton's forward and dQ measured faster at d64; Mosaic's dK/dV did not.
     "d64": (call(64), "sm90", ("triton", "triton", "mosaic", None)),
     "d128_Hv64": (call(128, value_head_dim=64), "sm90", ("triton", "triton", "mosaic", None)),
-    # d256: the Mosaic forward (64-key tiles); the backward kernels' accumulators do not
-    # fit a consumer's registers there.
-    "d256": (call(256), "sm90", ("mosaic", "triton", "triton", None)),
+    # d256: the Mosaic forward (64-key tiles) and the wide Mosaic dK/dV kernel (its
+    # consumers sharing each unit), with one slot where a bias leaves no room for two.
+    "d256": (call(256), "sm90", ("mosaic", "triton", "mosaic", None)),
     "d256_causal_bias": (call(256, is_causal=True, bias_shape=(1, 16, 4096, 4096)), "sm90",
-                         ("mosaic", "triton", "triton", "triton")),
+                         ("mosaic", "triton", "mosaic", "mosaic-fused")),
     "d256_bias_float32": (call(256, bias_shape=(1, 16, 4096, 4096), bias_dtype="float32"),
-                          "sm90", ("triton", "triton", "triton", "triton")),
+                          "sm90", ("triton", "triton", "mosaic", "triton")),
     "d32": (call(32), "sm90", ("triton", "triton", "triton", None)),
     "float32": (call(dtype="float32"), "sm90", ("triton", "triton", "triton", None)),
     "short": (call(q_len=100), "sm90", ("triton", "triton", "triton", None)),

@@ -46,6 +46,7 @@ MOSAIC_DKV = pallas_attn.BlockSizes(32, 32, 64, 128, 32, 32, block_q_dbias=32,
                                     block_k_dbias=32, num_stages_dkv=2,
                                     dkv_backend="mosaic")
 TRITON_TILES = dict(block_q_dkv=32, block_k_dkv=32, dkv_backend="triton")
+WIDE = dict(block_k_dkv=64)  # the wide kernel's (64, 64) tiles at a head dim of 256
 
 # (id, shapes, bias shape as (Bb, Nb) or None, kwargs, tiles)
 CASES = [
@@ -82,6 +83,17 @@ CASES = [
     ("segments_unsorted_gqa", dict(B=2, T=140, S=200, N=4, K=2), None,
      dict(q_segment_ids=np.random.default_rng(3).integers(0, 3, (2, 140)),
           kv_segment_ids=np.random.default_rng(4).integers(0, 3, (2, 200))), {}),
+    # Head dim 256: units of 64 keys that the consumers share (`config.dkv_wide`), each
+    # with half of S, dP and the head dims; the whole dS tile copied as dbias.
+    ("wide_H256_per_batch_bias_causal", dict(B=2, T=130, S=200, N=2, H=256), (2, 2),
+     dict(is_causal=True), WIDE),
+    ("wide_H192_Hv64_gqa_window_soft_cap_shared_bias",
+     dict(B=2, T=100, S=140, N=4, K=2, H=192, Hv=64), (1, 4),
+     dict(local_window_size=(40, 10), logits_soft_cap=5.0), WIDE),
+    ("wide_Hv256_lengths_dropout_alibi", dict(B=2, T=130, S=200, N=2, H=64, Hv=256), None,
+     dict(is_causal=True, query_seq_lengths=np.array([130, 70]),
+          key_value_seq_lengths=np.array([150, 200]), dropout_rate=0.2,
+          dropout_rng=jax.random.key(5), alibi_slopes=jnp.array([0.3, 0.05])), WIDE),
 ]
 
 
@@ -180,11 +192,18 @@ def test_dbias_first_only_starts_a_batch_shared_sum_of_its_shape(bias_shape, fir
     (dict(B=2, T=200, S=260, N=2, H=64), None,
      dict(q_segment_ids=np.repeat(np.arange(4), 50)[None].repeat(2, 0),
           kv_segment_ids=np.repeat(np.arange(4), 65)[None].repeat(2, 0))),
+    (dict(B=2, T=200, S=260, N=4, K=2, H=256), (1, 4),
+     dict(is_causal=True, q_segment_ids=np.repeat(np.arange(4), 50)[None].repeat(2, 0),
+          kv_segment_ids=np.repeat(np.arange(4), 65)[None].repeat(2, 0))),
 ], ids=["batch_shared_causal_mqa", "per_batch_window_soft_cap_H48", "no_bias_H80_Hv64",
-        "alibi_batch_shared_bias_bottom_right", "packed_cross_attention"])
+        "alibi_batch_shared_bias_bottom_right", "packed_cross_attention",
+        "wide_H256_packed_gqa_shared_bias"])
 def test_gradients_with_the_mosaic_dkv_against_reference_and_float64(shapes, bias_shape,
                                                                      kwargs):
-    check_kernel_gradients(jnp.bfloat16, shapes, bias_shape, kwargs, MOSAIC_DKV)
+    blocks = MOSAIC_DKV
+    if max(shapes["H"], shapes.get("Hv", 0)) > 128:
+        blocks = dataclasses.replace(MOSAIC_DKV, **WIDE)
+    check_kernel_gradients(jnp.bfloat16, shapes, bias_shape, kwargs, blocks)
 
 
 @pytest.mark.parametrize("blocks", [
@@ -222,7 +241,7 @@ def test_batch_shared_dbias_under_vmap(blocks):
      ("dkv_backend='mosaic'.*no operand besides q, k, v, a bias, ALiBi slopes, sinks, "
       "segment ids, sequence lengths and dropout, got mask")),
     (dict(dtype=jnp.float32), "dkv_backend='mosaic'.*bfloat16 or float16"),
-    (dict(H=256), "dkv_backend='mosaic'.*head dims must pad to"),
+    (dict(H=32), "dkv_backend='mosaic'.*head dims must pad to"),
     (dict(bias=(2, 1, 16, 16), fuse_dbias=True), "fuse_dbias=True with the Mosaic dK/dV"),
     (dict(bias_dtype=jnp.float32, fuse_dbias=True), "Mosaic dK/dV kernel needs a bias"),
 ])

@@ -58,11 +58,12 @@ def unsupported(problem: Problem, role: str) -> str:
                               problem.value_head_dim, role)
 
 
-def smem_tiles(shape: tuple[int, ...], dtype: Any) -> Any:
-    # 128-byte swizzled tiles (64 16-bit elements): the wgmma operand layout.
-    row = 128 // jnp.dtype(dtype).itemsize
+def smem_tiles(shape: tuple[int, ...], dtype: Any, swizzle: int = 128) -> Any:
+    # Swizzled tiles of 8 rows of `swizzle` bytes: the wgmma operand layout (both
+    # operands of one wgmma share the swizzle).
+    row = swizzle // jnp.dtype(dtype).itemsize
     return plgpu.SMEM(shape, dtype, transforms=(plgpu.TilingTransform((8, row)),
-                                                plgpu.SwizzleTransform(128)))
+                                                plgpu.SwizzleTransform(swizzle)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -542,8 +543,8 @@ def scoped(scratch: Scratch, body: Callable[[dict[str, Any], dict[str, Any]], No
     warpgroup and runs body(buffers, barriers), dicts of refs by name (None: absent)."""
     buffers = [(name, b) for name, b in scratch.buffers if b is not None]
     barriers = [(name, b) for name, b in scratch.barriers if b is not None]
-    kinds = [smem_tiles(b.shape, b.dtype) if b.swizzled else plgpu.SMEM(b.shape, b.dtype)
-             for _, b in buffers]
+    kinds = [smem_tiles(b.shape, b.dtype, b.swizzle) if b.swizzle
+             else plgpu.SMEM(b.shape, b.dtype) for _, b in buffers]
     kinds += [plgpu.Barrier(num_arrivals=b.arrivals, num_barriers=b.count)
               for _, b in barriers]
 

@@ -25,8 +25,10 @@ CONSUMERS = ITEM_ROWS // ROWS_PER_CONSUMER
 FORWARD_BLOCK_K = (64, 128)
 # Head dims padding to 256 take 64-key tiles: two slots of 128 keys would not fit.
 WIDE_HEAD_DIM = 256
-# The dK/dV kernel: steps of 64 query rows, units of 128 keys (64 per consumer).
+# The dK/dV kernel: steps of 64 query rows, units of 128 keys (64 per consumer); at
+# head dim 256 units of 64 keys that both consumers share (`dkv_wide`).
 DKV_TILES = (64, 128)
+DKV_WIDE_TILES = (64, 64)
 # The dQ kernel: block_q is the padding of the query rows, 64-key tiles.
 DQ_TILES = (ITEM_ROWS, 64)
 DBIAS_BLOCK_K = (64, 128)
@@ -45,9 +47,29 @@ _REGISTERS = {2: (232, 40), 3: (160, 24)}
 
 # Padded head dims per role: the backward kernels' two float32 accumulators per
 # consumer leave no registers for head dims of 256.
-HEAD_DIMS = {"forward": (64, 128, 256), "dq": (64, 128), "dkdv": (64, 128),
+HEAD_DIMS = {"forward": (64, 128, 256), "dq": (64, 128), "dkdv": (64, 128, 256),
              "dbias": (64, 128)}
 DTYPES = ("bfloat16", "float16")
+
+
+def dkv_wide(hp: int, hvp: int) -> bool:
+    """Whether the dK/dV kernel splits its work between the consumers (a padded head
+    dim of 256): each computes S and dP for half of a unit's 64 keys and holds dK and
+    dV for half of the head dims, the two exchanging P and dS through shared memory.
+    One consumer's dK and dV over 256 dims would need every register it has."""
+    return WIDE_HEAD_DIM in (hp, hvp)
+
+
+def dkv_tiles(hp: int, hvp: int) -> tuple[int, int]:
+    """(query rows per step, keys per unit) of the dK/dV kernel."""
+    return DKV_WIDE_TILES if dkv_wide(hp, hvp) else DKV_TILES
+
+
+def dkv_stage_options(hp: int, hvp: int) -> tuple[int, ...]:
+    """The dK/dV kernel's slots to try, the first that fits: at head dim 256 one slot
+    where two do not (a bias), the Triton dK/dV kernel being far slower there; else
+    two (one measured slower than the Triton kernel, docs/decisions.md)."""
+    return (DKV_STAGES, 1) if dkv_wide(hp, hvp) else (DKV_STAGES,)
 
 
 def consumer_registers(consumers: int) -> int:
@@ -114,10 +136,12 @@ def fusable_dbias(bias_shape: tuple[int, ...], *, batch: int, num_heads: int,
 # ----------------------------------------------------------------------- scratch
 @dataclasses.dataclass(frozen=True)
 class Buffer:
-    """A shared-memory buffer: 128-byte swizzled wgmma tiles, or plain (swizzled False)."""
+    """A shared-memory buffer: wgmma tiles of rows `swizzle` bytes wide, swizzled (the
+    kernels use 128; 64 where a consumer writes half of a 64-column tile), or plain
+    (swizzle 0)."""
     shape: tuple[int, ...]
     dtype: str
-    swizzled: bool = True
+    swizzle: int = 128
 
     @property
     def bytes(self) -> int:
@@ -199,7 +223,7 @@ def dq_scratch(hp: int, hvp: int, block_k: int, stages: int, consumers: int, dty
     return Scratch(
         buffers=(("q", Buffer((c, rows, hp), dtype)),
                  ("do", Buffer((c, rows, hvp), dtype)),
-                 ("stats", Buffer((c, 3, rows), "float32", swizzled=False)),
+                 ("stats", Buffer((c, 3, rows), "float32", swizzle=0)),
                  ("k", Buffer((stages, block_k, hp), dtype)),
                  ("v", Buffer((stages, block_k, hvp), dtype)),
                  ("ds", Buffer((c, rows, block_k), dtype)),
@@ -218,26 +242,35 @@ def dq_scratch(hp: int, hvp: int, block_k: int, stages: int, consumers: int, dty
 def dkv_scratch(hp: int, hvp: int, stages: int, dtype: Any, bias_dtype: Any = None,
                 zeros: bool = False) -> Scratch:
     """The dK/dV kernel: per slot Q, dO, the three float32 row residuals and the bias
-    tile of each consumer; each consumer's K and V; P and two dS buffers per consumer;
-    the zeroed dbias tile. Barriers: loaded and consumed per slot, K/V's two."""
-    rows, keys, c = DKV_TILES[0], ROWS_PER_CONSUMER, CONSUMERS
+    tile of each consumer; the K and V of each consumer's keys; per consumer P and
+    two dS buffers, or (`dkv_wide`) a P and two dS tiles of the unit's keys that both
+    consumers fill; the zeroed dbias tile. Barriers: loaded and consumed per slot,
+    K/V's two, and the wide consumers' exchange."""
+    rows, unit = dkv_tiles(hp, hvp)
+    wide = dkv_wide(hp, hvp)
+    c = CONSUMERS
+    keys = unit // c  # each consumer's keys of S and dP
+    swizzle = 64 if wide else 128
     dtype = _name(dtype)
     copies = 3 + (c if bias_dtype is not None else 0)  # Q, dO, residuals, bias tiles
+    tiles = (rows, unit) if wide else (c, rows, keys)  # P and dS: shared or per consumer
     return Scratch(
-        buffers=(("q", Buffer((stages, rows, hp), dtype)),
-                 ("do", Buffer((stages, rows, hvp), dtype)),
-                 ("stats", Buffer((stages, 3, rows), "float32", swizzled=False)),
+        buffers=(("q", Buffer((stages, rows, hp), dtype, swizzle)),
+                 ("do", Buffer((stages, rows, hvp), dtype, swizzle)),
+                 ("stats", Buffer((stages, 3, rows), "float32", swizzle=0)),
                  ("bias", None if bias_dtype is None
-                  else Buffer((stages, c, rows, keys), _name(bias_dtype))),
-                 ("k", Buffer((c, keys, hp), dtype)),
-                 ("v", Buffer((c, keys, hvp), dtype)),
-                 ("p", Buffer((c, rows, keys), dtype)),
-                 ("ds", Buffer((c, 2, rows, keys), dtype)),
-                 ("zeros", Buffer((rows, keys), dtype) if zeros else None)),
+                  else Buffer((stages, c, rows, keys), _name(bias_dtype), swizzle)),
+                 ("k", Buffer((c, keys, hp), dtype, swizzle)),
+                 ("v", Buffer((c, keys, hvp), dtype, swizzle)),
+                 ("p", Buffer(tiles, dtype, swizzle)),
+                 ("ds", Buffer((2, *tiles) if wide else (c, 2, rows, keys), dtype, swizzle)),
+                 ("zeros", Buffer((rows, unit if wide else keys), dtype, swizzle)
+                  if zeros else None)),
         barriers=(("step_loaded", Barriers(stages, copies)),
                   ("step_consumed", Barriers(stages, c)),
                   ("kv_loaded", Barriers(1, 2 * c)),  # K and V of each consumer
-                  ("kv_consumed", Barriers(1, c))))
+                  ("kv_consumed", Barriers(1, c)),
+                  ("exchange", Barriers(1, c) if wide else None)))
 
 
 def dbias_scratch(hp: int, hvp: int, block_k: int, stages: int, dtype: Any,
@@ -252,7 +285,7 @@ def dbias_scratch(hp: int, hvp: int, block_k: int, stages: int, dtype: Any,
                  ("k", Buffer((stages, block_k, hp), dtype)),
                  ("do", Buffer((stages, c, rows, hvp), dtype)),
                  ("v", Buffer((stages, block_k, hvp), dtype)),
-                 ("stats", Buffer((stages, c, 3, rows), "float32", swizzled=False)),
+                 ("stats", Buffer((stages, c, 3, rows), "float32", swizzle=0)),
                  ("bias", Buffer((c, rows, block_k), _name(bias_dtype)))),
         barriers=(("qk_loaded", Barriers(stages, c + 1)),  # Q halves, K
                   ("qk_consumed", Barriers(stages, c)),

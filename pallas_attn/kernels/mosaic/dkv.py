@@ -1,10 +1,10 @@
 """dK/dV kernel for Hopper (Pallas, Mosaic GPU backend): warp-specialised, persistent,
 with the gradient of a bias written from the dS tiles it computes anyway.
 
-A unit of work is the dK and dV rows of UNIT_KEYS keys of one (batch entry, KV
+A unit of work is the dK and dV rows of a unit's keys (128) of one (batch entry, KV
 head), summed over the group's query heads and every visible query tile. The two
 consumer warpgroups each own 64 of the keys (the wgmma M dimension) and keep their
-dK and dV in registers. Per step (the STEP_ROWS query rows of one tile, one head):
+dK and dV in registers. Per step (the 64 query rows of one tile, one head):
 
 * S = Q K^T and dP = dO V^T with wgmma ([64 queries, 64 keys] per consumer);
 * P and dS from the forward's row residuals and the shared score rules
@@ -13,6 +13,14 @@ dK and dV in registers. Per step (the STEP_ROWS query rows of one tile, one head
   as transposed wgmma operands;
 * with a bias that needs a gradient, the dS tile in shared memory is also the
   bias's gradient for that (query tile, key tile, head): a bulk copy stores it.
+
+At a padded head dim of 256 one consumer's dK and dV would take every register it
+has, so the consumers split the work of units of 64 keys (`config.dkv_wide`): each
+computes S and dP for 32 of the keys (over the whole head dim) and writes its half
+of the unit's P and dS tiles; after an exchange (a barrier both consumers pass twice
+per step: before writing, once the other consumer's products have read the
+buffers, and after) each adds P^T dO and dS^T Q for its half of the head dims. The
+buffers use 64-byte swizzled tiles, so that half of a 64-key tile is whole tiles.
 
 The producer warpgroup streams each step's Q, dO, row residuals and bias tile
 into a ring of the route's slots ("loaded" / "consumed" barriers, the ring
@@ -39,7 +47,7 @@ dbias summed by concurrent programs").
 
 The Pallas interpreter has neither reduce-add copies nor accumulators initialised
 from registers: interpreted, the kernel adds dbias tiles and each step's dK/dV
-products through registers (`_store_dbias`, `common.accumulate`), and one
+products through registers (`_add_dbias_in_registers`, `common.accumulate`), and one
 program runs an item's batch entries one after another as passes (so that no two
 programs add to one tile), the only places where it differs from the compiled
 kernel.
@@ -56,6 +64,7 @@ bias of shape [B, N, T, S] or [1, N, T, S] in the inputs' dtype
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import jax
@@ -73,6 +82,7 @@ from pallas_attn.kernels.mosaic.common import (
     launch,
     optional_refs,
     scoped,
+    take_turn,
     tile_gradient,
     unsupported,
     zero_tile_init,
@@ -80,21 +90,42 @@ from pallas_attn.kernels.mosaic.common import (
 )
 from pallas_attn.kernels.mosaic.config import (
     CONSUMERS,
-    DKV_TILES,
-    ROWS_PER_CONSUMER,
     consumer_registers,
     dkv_scratch,
+    dkv_tiles,
+    dkv_wide,
     fusable_dbias,
     producer_registers,
 )
 
-STEP_ROWS, UNIT_KEYS = DKV_TILES  # query rows per step, keys per unit
-KEYS_PER_CONSUMER = ROWS_PER_CONSUMER
+
+@dataclasses.dataclass(frozen=True)
+class _Tiles:
+    """The kernel's geometry: query rows per step, keys per unit, and whether the
+    consumers share each unit's keys (`config.dkv_wide`)."""
+
+    rows: int
+    unit: int
+    wide: bool
+
+    @staticmethod
+    def of(hp: int, hvp: int) -> _Tiles:
+        return _Tiles(*dkv_tiles(hp, hvp), dkv_wide(hp, hvp))
+
+    @property
+    def keys(self) -> int:
+        """Each consumer's keys of S and dP."""
+        return self.unit // CONSUMERS
+
+    @property
+    def dbias_keys(self) -> int:
+        """The keys of one dbias tile copy: the unit's (wide) or a consumer's."""
+        return self.unit if self.wide else self.keys
 
 
 def _kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, bias_ref, slopes_ref, lengths, segments,
             dropout, dk_ref, dv_ref, dbias_ref, smem, barriers, *, problem: Problem,
-            programs: int, passes: int, add_dbias: bool, first_entry: int):
+            tiles_of: _Tiles, programs: int, passes: int, add_dbias: bool, first_entry: int):
     q_smem, do_smem, stats_smem, k_smem, v_smem = (
         smem[name] for name in ("q", "do", "stats", "k", "v"))
     bias_smem, zero_tile = smem["bias"], smem["zeros"]
@@ -103,7 +134,8 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, bias_ref, slopes_ref, length
                                     "kv_consumed"))
     stages = q_smem.shape[0]
     group = problem.group
-    k_tiles = problem.kv_pad // UNIT_KEYS
+    rows_n, unit_n, keys_n = tiles_of.rows, tiles_of.unit, tiles_of.keys
+    k_tiles = problem.kv_pad // unit_n
     batch_items = problem.batch // passes
     items = k_tiles * problem.num_kv_heads * batch_items
     units = -(-items // programs) * passes
@@ -133,15 +165,14 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, bias_ref, slopes_ref, length
             kt, rest = lax.rem(idx, k_tiles), lax.div(idx, k_tiles)
         kh = lax.div(rest, batch_items)
         b = lax.rem(rest, batch_items) * passes + p
-        k0 = kt * UNIT_KEYS
+        k0 = kt * unit_n
         valid = idx < items
         q_lengths, kv_lengths = lengths
         ctx = TileRanges(problem, b, kh,
                          q_length=None if q_lengths is None else q_lengths[b],
                          kv_length=None if kv_lengths is None else kv_lengths[b])
-        limits = None if segments is None else segments.span(b, k0, UNIT_KEYS)
-        first, stop, full_first, full_stop = ctx.query_tiles(k0, k0 + UNIT_KEYS, STEP_ROWS,
-                                                             limits)
+        limits = None if segments is None else segments.span(b, k0, unit_n)
+        first, stop, full_first, full_stop = ctx.query_tiles(k0, k0 + unit_n, rows_n, limits)
         # An invalid unit (past the last item) gets an empty band.
         stop, full_first, full_stop = (jnp.where(valid, x, first)
                                        for x in (stop, full_first, full_stop))
@@ -160,8 +191,8 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, bias_ref, slopes_ref, length
             tiles = stop - first
             steps = tiles * group
             if zero_tile is not None:
-                _zeros_outside_band(zero_tile, dbias_ref, valid, b, kh, k0, first, stop,
-                                    group)
+                _zeros_outside_band(zero_tile, dbias_ref, tiles_of, valid, b, kh, k0, first,
+                                    stop, group)
 
             @pl.when(steps > 0)
             def _load_kv():
@@ -170,14 +201,14 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, bias_ref, slopes_ref, length
                     plgpu.barrier_wait(kv_consumed)
 
                 for c in range(CONSUMERS):
-                    keys = pl.ds(k0 + c * KEYS_PER_CONSUMER, KEYS_PER_CONSUMER)
+                    keys = pl.ds(k0 + c * keys_n, keys_n)
                     plgpu.copy_gmem_to_smem(k_ref.at[b, keys, kh], k_smem.at[c], kv_loaded)
                     plgpu.copy_gmem_to_smem(v_ref.at[b, keys, kh], v_smem.at[c], kv_loaded)
 
             @pl.loop(0, steps)
             def _load(i):
                 n = kh * group + lax.div(i, tiles)
-                rows = pl.ds((first + lax.rem(i, tiles)) * STEP_ROWS, STEP_ROWS)
+                rows = pl.ds((first + lax.rem(i, tiles)) * rows_n, rows_n)
                 slot = lax.rem(step + i, jnp.int32(stages))
 
                 @pl.when(step + i >= stages)
@@ -193,7 +224,7 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, bias_ref, slopes_ref, length
                     bb = b if bias_ref.shape[0] > 1 else 0
                     nb = n if bias_ref.shape[1] > 1 else 0  # a bias shared by the heads
                     for c in range(CONSUMERS):
-                        keys = pl.ds(k0 + c * KEYS_PER_CONSUMER, KEYS_PER_CONSUMER)
+                        keys = pl.ds(k0 + c * keys_n, keys_n)
                         plgpu.copy_gmem_to_smem(bias_ref.at[bb, nb, rows, keys],
                                                 bias_smem.at[slot, c], loaded)
 
@@ -213,29 +244,50 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, bias_ref, slopes_ref, length
     @pl.when(wg < CONSUMERS)
     def _consumer():
         plgpu.set_max_registers(consumer_registers(CONSUMERS), action="increase")
-        _consume(problem, wg, unit_of, units, add_dbias, first_entry,
+        # P and dS: the unit's tiles that both consumers fill (wide), else their own.
+        p_tiles, ds_tiles = ((smem["p"], smem["ds"]) if tiles_of.wide
+                             else (smem["p"].at[wg], smem["ds"].at[wg]))
+        _consume(problem, tiles_of, wg, unit_of, units, add_dbias, first_entry,
                  (slopes_ref, dk_ref, dv_ref, dbias_ref, segments, dropout),
                  (q_smem, do_smem, stats_smem, bias_smem,
-                  k_smem.at[wg], v_smem.at[wg], smem["p"].at[wg], smem["ds"].at[wg]),
-                 (step_loaded, step_consumed, kv_loaded, kv_consumed))
+                  k_smem.at[wg], v_smem.at[wg], p_tiles, ds_tiles),
+                 (step_loaded, step_consumed, kv_loaded, kv_consumed, barriers["exchange"]))
 
 
-def _consume(problem: Problem, wg, unit_of, units, add_dbias: bool, first_entry: int, refs,
-             buffers, barriers):
-    """A consumer's loop over its program's units: dK and dV of its 64 keys per unit;
-    dbias tiles from batch entries first_entry on."""
+def _consume(problem: Problem, tiles_of: _Tiles, wg, unit_of, units, add_dbias: bool,
+             first_entry: int, refs, buffers, barriers):
+    """A consumer's loop over its program's units: dK and dV of its 64 keys per unit
+    (wide: of the unit's 64 keys, its half of the head dims); dbias tiles from batch
+    entries first_entry on."""
     slopes_ref, dk_ref, dv_ref, dbias_ref, segments, dropout = refs
     has_dbias = dbias_ref is not None
-    q_smem, do_smem, stats_smem, bias_smem, k_mine, v_mine, p_mine, ds_mine = buffers
-    step_loaded, step_consumed, kv_loaded, kv_consumed = barriers
+    q_smem, do_smem, stats_smem, bias_smem, k_mine, v_mine, p_tiles, ds_tiles = buffers
+    step_loaded, step_consumed, kv_loaded, kv_consumed, exchange = barriers
     stages = q_smem.shape[0]
     group = problem.group
     dtype = q_smem.dtype
-    keys_n = KEYS_PER_CONSUMER
+    rows_n, keys_n, wide = tiles_of.rows, tiles_of.keys, tiles_of.wide
     hp, hvp = k_mine.shape[-1], v_mine.shape[-1]
+    # The head dims of this consumer's dK and dV: all, or its half (wide).
+    dk_dims, dv_dims = (hp // CONSUMERS, hvp // CONSUMERS) if wide else (hp, hvp)
+    dk_cols, dv_cols = ((pl.ds(wg * dk_dims, dk_dims), pl.ds(wg * dv_dims, dv_dims)) if wide
+                        else (slice(None), slice(None)))
     row_layout = plgpu.Layout.WGMMA.reduce(1)
-    shape = (STEP_ROWS, keys_n)
+    shape = (rows_n, keys_n)
     reduce_in_registers = problem.interpret  # the interpreter has no reduce-add copies
+    # dbias tiles by bulk copy, each whole dS tile by one consumer (wide: both fill it).
+    copies_dbias = has_dbias and not reduce_in_registers
+    copier = wg == 0 if wide else None
+
+    def as_copier(body):
+        if copier is None:
+            body()
+        else:
+            pl.when(copier)(body)
+
+    def half(ref):
+        """This consumer's keys of a unit's P or dS tile (wide), else the whole tile."""
+        return ref.at[:, pl.ds(wg * keys_n, keys_n)] if wide else ref
 
     def unit(u, step):
         valid, b, kh, k0, first, stop, full_first, full_stop, kv_length = unit_of(u)
@@ -243,8 +295,8 @@ def _consume(problem: Problem, wg, unit_of, units, add_dbias: bool, first_entry:
         tiles = stop - first
         bb = b if dbias_ref is not None and dbias_ref.shape[0] > 1 else 0
 
-        def dbias_tile(n, t):
-            return dbias_ref.at[bb, n, pl.ds(t * STEP_ROWS, STEP_ROWS), pl.ds(k_own, keys_n)]
+        def dbias_tile(n, t, k_start, size):
+            return dbias_ref.at[bb, n, pl.ds(t * rows_n, rows_n), pl.ds(k_start, size)]
 
         pl.when(tiles > 0)(lambda: plgpu.barrier_wait(kv_loaded))
         key_ids = None if segments is None else segments.cols(b, k_own, keys_n)
@@ -255,10 +307,10 @@ def _consume(problem: Problem, wg, unit_of, units, add_dbias: bool, first_entry:
             dk, dv, at, h = carry
             slot = lax.rem(at, jnp.int32(stages))
             n = kh * group + h
-            row0 = i * STEP_ROWS
+            row0 = i * rows_n
             ids = None if segments is None else (segments.rows(b, row0), key_ids)
             keep = (None if dropout is None
-                    else dropout.keep(dropout.row_keys(b, n, row0, STEP_ROWS), multipliers))
+                    else dropout.keep(dropout.row_keys(b, n, row0, rows_n), multipliers))
             plgpu.barrier_wait(step_loaded.at[slot])
 
             def products(s_ref, dp_ref):
@@ -281,22 +333,31 @@ def _consume(problem: Problem, wg, unit_of, units, add_dbias: bool, first_entry:
                                                    plgpu.ACC(shape, jnp.float32))
             prob, ds = tile_gradient(problem, s, dp, bias, residuals, row0, k_own, masked,
                                      slope, ids, kv_length, keep)
-            ds_slot = ds_mine.at[lax.rem(at, 2)]
-            if has_dbias and not reduce_in_registers:
-                # The dbias copy issued two steps ago has read this buffer.
-                plgpu.wait_smem_to_gmem(1, wait_read_only=True)
-            p_mine[...] = prob.astype(dtype)
-            ds_slot[...] = ds.astype(dtype)
+            ds_tile = ds_tiles.at[lax.rem(at, 2)]
+            if copies_dbias:  # the dbias copy issued two steps ago has read this buffer
+                as_copier(lambda: plgpu.wait_smem_to_gmem(1, wait_read_only=True))
+            # Wide: the other consumer's products of the last step have read P and dS.
+            take_turn(exchange)
+            half(p_tiles)[...] = prob.astype(dtype)
+            half(ds_tile)[...] = ds.astype(dtype)
             plgpu.commit_smem()
+            take_turn(exchange)  # wide: the other consumer's halves are in too
 
-            dv, dk = accumulate(((dv, ((p_mine.transpose((1, 0)), do_smem.at[slot]),)),
-                                 (dk, ((ds_slot.transpose((1, 0)), q_smem.at[slot]),))),
-                                problem.interpret)
+            dv, dk = accumulate(
+                ((dv, ((p_tiles.transpose((1, 0)), do_smem.at[slot, :, dv_cols]),)),
+                 (dk, ((ds_tile.transpose((1, 0)), q_smem.at[slot, :, dk_cols]),))),
+                problem.interpret)
             plgpu.barrier_arrive(step_consumed.at[slot])
             if has_dbias:
                 def store():
-                    _store_dbias(ds_slot, dbias_tile(n, i), ds, add_dbias,
-                                 reduce_in_registers)
+                    if reduce_in_registers:  # each consumer its keys, from registers
+                        _add_dbias_in_registers(dbias_tile(n, i, k_own, keys_n), ds,
+                                                add_dbias)
+                    else:
+                        as_copier(lambda: plgpu.copy_smem_to_gmem(
+                            ds_tile, dbias_tile(n, i, k0 if wide else k_own,
+                                                tiles_of.dbias_keys),
+                            reduction_op="add" if add_dbias else None))
 
                 pl.when(b >= first_entry)(store)  # entry 0's may be in already
             return dk, dv, at + 1, h
@@ -308,53 +369,54 @@ def _consume(problem: Problem, wg, unit_of, units, add_dbias: bool, first_entry:
                 lambda i, c, masked: step_fn(i, c, masked, slope), (*carry, h))
             return dk, dv, at
 
-        dk = plgpu.layout_cast(jnp.zeros((keys_n, hp), jnp.float32), plgpu.Layout.WGMMA)
-        dv = plgpu.layout_cast(jnp.zeros((keys_n, hvp), jnp.float32), plgpu.Layout.WGMMA)
+        acc_rows = tiles_of.unit if wide else keys_n
+        dk = plgpu.layout_cast(jnp.zeros((acc_rows, dk_dims), jnp.float32), plgpu.Layout.WGMMA)
+        dv = plgpu.layout_cast(jnp.zeros((acc_rows, dv_dims), jnp.float32), plgpu.Layout.WGMMA)
         dk, dv, step = lax.fori_loop(0, jnp.where(tiles > 0, group, 0), head, (dk, dv, step))
         pl.when(tiles > 0)(lambda: plgpu.barrier_arrive(kv_consumed))
 
         @pl.when(valid)
         def _store():
-            keys = pl.ds(k_own, keys_n)
-            dk_ref.at[b, keys, kh][...] = (dk * problem.spec.scale).astype(dk_ref.dtype)
-            dv_ref.at[b, keys, kh][...] = dv.astype(dv_ref.dtype)
+            keys = pl.ds(k0, acc_rows) if wide else pl.ds(k_own, keys_n)
+            dk_ref.at[b, keys, kh, dk_cols][...] = (dk * problem.spec.scale).astype(dk_ref.dtype)
+            dv_ref.at[b, keys, kh, dv_cols][...] = dv.astype(dv_ref.dtype)
 
         return step
 
     lax.fori_loop(0, units, unit, jnp.int32(0))
-    if has_dbias and not reduce_in_registers:
-        plgpu.wait_smem_to_gmem(0)  # every dbias copy has landed before the program ends
+    if copies_dbias:  # every dbias copy has landed before the program ends
+        as_copier(lambda: plgpu.wait_smem_to_gmem(0))
 
 
-def _zeros_outside_band(zero_tile, dbias_ref, when, b, kh, k0, first, stop, group: int):
+def _zeros_outside_band(zero_tile, dbias_ref, tiles_of: _Tiles, when, b, kh, k0, first, stop,
+                        group: int):
     """Bulk-copy zeros into the item's dbias tiles outside the band (query tiles
     before first or from stop), for every head of the KV head's group."""
-    q_tiles = dbias_ref.shape[2] // STEP_ROWS
+    rows_n, width = tiles_of.rows, tiles_of.dbias_keys
+    q_tiles = dbias_ref.shape[2] // rows_n
     bb = b if dbias_ref.shape[0] > 1 else 0
 
     @pl.when(when)
     def _():
         @pl.loop(0, group)
         def _head(h):
-            for c in range(CONSUMERS):
-                keys = pl.ds(k0 + c * KEYS_PER_CONSUMER, KEYS_PER_CONSUMER)
+            for c in range(tiles_of.unit // width):
+                keys = pl.ds(k0 + c * width, width)
                 rows = dbias_ref.at[bb, kh * group + h]
                 zero_tiles_outside(zero_tile,
                                    lambda t, rows=rows, keys=keys:
-                                   rows.at[pl.ds(t * STEP_ROWS, STEP_ROWS), keys],
+                                   rows.at[pl.ds(t * rows_n, rows_n), keys],
                                    first, stop, q_tiles)
 
 
-def _store_dbias(ds_smem, dst, ds, add: bool, reduce_in_registers: bool):
-    """Store the dS tile (staged in ds_smem) into dst, or add it to dst's contents."""
-    if reduce_in_registers:
-        if add:
-            old = plgpu.load(dst, layout=plgpu.Layout.WGMMA).astype(jnp.float32)
-            dst[...] = (old + ds.astype(dst.dtype).astype(jnp.float32)).astype(dst.dtype)
-        else:
-            dst[...] = ds.astype(dst.dtype)
+def _add_dbias_in_registers(dst, ds, add: bool):
+    """Store the dS tile (registers) into dst, or add it to dst's contents (the
+    interpreter's stand-in for the bulk copies' reduce-add)."""
+    if add:
+        old = plgpu.load(dst, layout=plgpu.Layout.WGMMA).astype(jnp.float32)
+        dst[...] = (old + ds.astype(dst.dtype).astype(jnp.float32)).astype(dst.dtype)
     else:
-        plgpu.copy_smem_to_gmem(ds_smem, dst, reduction_op="add" if add else None)
+        dst[...] = ds.astype(dst.dtype)
 
 
 def sums_batch(problem: Problem, bias: jax.Array | None, bias_grad: bool) -> bool:
@@ -386,10 +448,12 @@ def dkdv(problem: Problem, q: jax.Array, k: jax.Array, v: jax.Array, do: jax.Arr
         raise AssertionError(f"{name} cannot write the dbias of a {bias.dtype} "
                              f"bias of shape {bias.shape}")
     route = problem.plan.dkdv
-    if (route.block_q, route.block_k) != DKV_TILES:
-        raise AssertionError(f"{name} needs (block_q, block_k) = {DKV_TILES}: {route}")
     B, Tp, N, hp = q.shape
     _, Sp, KH, hvp = v.shape
+    tiles_of = _Tiles.of(hp, hvp)
+    if (route.block_q, route.block_k) != (tiles_of.rows, tiles_of.unit):
+        raise AssertionError(f"{name} needs (block_q, block_k) = "
+                             f"{(tiles_of.rows, tiles_of.unit)}: {route}")
     # A bias shared by the batch entries gets their dS tiles added into one buffer
     # (dbias_first, else zeros), a mutable operand of the kernel; the interpreter (no
     # reduce-add copies) runs an item's batch entries as passes of one program.
@@ -418,10 +482,10 @@ def dkdv(problem: Problem, q: jax.Array, k: jax.Array, v: jax.Array, do: jax.Arr
             q_ref, k_ref, v_ref, do_ref, stats_ref, bias_ref, slopes_ref, tuple(length_refs),
             Segments(*segment_refs) if segments else None,
             None if dropout_keys is None else Dropout(keys_ref, problem.spec.dropout_rate),
-            dk_ref, dv_ref, dbias_ref, smem, barriers, problem=problem, programs=programs,
-            passes=passes, add_dbias=add_dbias, first_entry=first_entry))
+            dk_ref, dv_ref, dbias_ref, smem, barriers, problem=problem, tiles_of=tiles_of,
+            programs=programs, passes=passes, add_dbias=add_dbias, first_entry=first_entry))
 
-    programs = problem.plan.programs_for(Sp // UNIT_KEYS * KH * (B // passes))
+    programs = problem.plan.programs_for(Sp // tiles_of.unit * KH * (B // passes))
     out_type = [jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)]
     if bias_grad and not add_dbias:
         out_type.append(jax.ShapeDtypeStruct(bias.shape, bias.dtype))
