@@ -243,9 +243,9 @@ def dkv_scratch(hp: int, hvp: int, stages: int, dtype: Any, bias_dtype: Any = No
                 zeros: bool = False) -> Scratch:
     """The dK/dV kernel: per slot Q, dO, the three float32 row residuals and the bias
     tile of each consumer; the K and V of each consumer's keys; per consumer P and
-    two dS buffers, or (`dkv_wide`) a P and two dS tiles of the unit's keys that both
-    consumers fill; the zeroed dbias tile. Barriers: loaded and consumed per slot,
-    K/V's two, and the wide consumers' exchange."""
+    two dS buffers, or (`dkv_wide`) two P and two dS tiles of the unit's keys that
+    both consumers fill; the zeroed dbias tile. Barriers: loaded and consumed per
+    slot, K/V's two, and the wide consumers' exchange."""
     rows, unit = dkv_tiles(hp, hvp)
     wide = dkv_wide(hp, hvp)
     c = CONSUMERS
@@ -262,7 +262,7 @@ def dkv_scratch(hp: int, hvp: int, stages: int, dtype: Any, bias_dtype: Any = No
                   else Buffer((stages, c, rows, keys), _name(bias_dtype), swizzle)),
                  ("k", Buffer((c, keys, hp), dtype, swizzle)),
                  ("v", Buffer((c, keys, hvp), dtype, swizzle)),
-                 ("p", Buffer(tiles, dtype, swizzle)),
+                 ("p", Buffer((2, *tiles) if wide else tiles, dtype, swizzle)),
                  ("ds", Buffer((2, *tiles) if wide else (c, 2, rows, keys), dtype, swizzle)),
                  ("zeros", Buffer((rows, unit if wide else keys), dtype, swizzle)
                   if zeros else None)),

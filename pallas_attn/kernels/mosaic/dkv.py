@@ -17,9 +17,10 @@ dK and dV in registers. Per step (the 64 query rows of one tile, one head):
 At a padded head dim of 256 one consumer's dK and dV would take every register it
 has, so the consumers split the work of units of 64 keys (`config.dkv_wide`): each
 computes S and dP for 32 of the keys (over the whole head dim) and writes its half
-of the unit's P and dS tiles; after an exchange (a barrier both consumers pass twice
-per step: before writing, once the other consumer's products have read the
-buffers, and after) each adds P^T dO and dS^T Q for its half of the head dims. The
+of the unit's P and dS tiles; after an exchange (a barrier both consumers pass once
+per step) each adds P^T dO and dS^T Q for its half of the head dims. P and dS have
+two buffers each, used in turn, so that the one exchange suffices: the products
+that last read a buffer, two steps back, finished before the last exchange. The
 buffers use 64-byte swizzled tiles, so that half of a 64-key tile is whole tiles.
 
 The producer warpgroup streams each step's Q, dO, row residuals and bias tile
@@ -333,18 +334,22 @@ def _consume(problem: Problem, tiles_of: _Tiles, wg, unit_of, units, add_dbias: 
                                                    plgpu.ACC(shape, jnp.float32))
             prob, ds = tile_gradient(problem, s, dp, bias, residuals, row0, k_own, masked,
                                      slope, ids, kv_length, keep)
-            ds_tile = ds_tiles.at[lax.rem(at, 2)]
-            if copies_dbias:  # the dbias copy issued two steps ago has read this buffer
-                as_copier(lambda: plgpu.wait_smem_to_gmem(1, wait_read_only=True))
-            # Wide: the other consumer's products of the last step have read P and dS.
-            take_turn(exchange)
-            half(p_tiles)[...] = prob.astype(dtype)
+            parity = lax.rem(at, 2)
+            ds_tile = ds_tiles.at[parity]
+            p_buf = p_tiles.at[parity] if wide else p_tiles
+            if copies_dbias and not wide:  # the copy issued two steps ago has read it
+                plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+            # Wide: these buffers were last read two steps ago, by products that both
+            # consumers finished before the last exchange.
+            half(p_buf)[...] = prob.astype(dtype)
             half(ds_tile)[...] = ds.astype(dtype)
             plgpu.commit_smem()
+            if copies_dbias and wide:  # the other consumer fills last step's next
+                as_copier(lambda: plgpu.wait_smem_to_gmem(0, wait_read_only=True))
             take_turn(exchange)  # wide: the other consumer's halves are in too
 
             dv, dk = accumulate(
-                ((dv, ((p_tiles.transpose((1, 0)), do_smem.at[slot, :, dv_cols]),)),
+                ((dv, ((p_buf.transpose((1, 0)), do_smem.at[slot, :, dv_cols]),)),
                  (dk, ((ds_tile.transpose((1, 0)), q_smem.at[slot, :, dk_cols]),))),
                 problem.interpret)
             plgpu.barrier_arrive(step_consumed.at[slot])
