@@ -9,8 +9,8 @@ taken; the backends only say what they can run (kernels/*/config.py).
 Order of preference per role: the warp-specialised Mosaic GPU kernel (sm90), then
 Triton's (sm80 and newer, and the interpreter). Mosaic runs a role where it can and
 where it measured faster (docs/decisions.md): every role at head dims padding to
-128, dK/dV and dbias at 64 too, the forward and dK/dV at 256; the Triton kernels
-were faster for the forward and dQ at 64. Tiles: the caller's `BlockSizes`, then the
+128, dK/dV and dbias at 64 too, the forward, dQ and dK/dV at 256; the Triton
+kernels were faster for the forward and dQ at 64. Tiles: the caller's `BlockSizes`, then the
 tile cache (`python -m pallas_attn tune`), then the first rung of a ladder that fits
 the device's shared memory.
 """
@@ -295,17 +295,17 @@ def _mosaic_route(role: str, call: Call, device: DeviceInfo, overrides: BlockSiz
         route = Route("mosaic", *dkv_tiles, 0, stages, mosaic.CONSUMERS)
         need = needs[stages]
     elif role == "dq":
-        wrong = (block_q not in (None, mosaic.DQ_TILES[0])
-                 or block_k not in (None, mosaic.DQ_TILES[1])
+        dq_tiles = mosaic.dq_tiles(hp, hvp)
+        wrong = (block_q not in (None, dq_tiles[0]) or block_k not in (None, dq_tiles[1])
                  or (stages is not None and stages < 2))
-        rule = f"(block_q_dq, block_k_dq) = {mosaic.DQ_TILES} and num_stages_dq >= 2"
+        rule = f"(block_q_dq, block_k_dq) = {dq_tiles} and num_stages_dq >= 2"
         stages = stages or mosaic.DQ_STAGES
         consumers = mosaic.dq_consumers(
-            hp, hvp, mosaic.DQ_TILES[1], stages, call.dtype, bias_dtype=call.bias_dtype,
+            hp, hvp, dq_tiles[1], stages, call.dtype, bias_dtype=call.bias_dtype,
             has_window=spec.local_window is not None,
             budget=device.max_shared_memory_per_block)
-        route = Route("mosaic", *mosaic.DQ_TILES, 0, stages, consumers)
-        need = mosaic.dq_scratch(hp, hvp, mosaic.DQ_TILES[1], stages, consumers, call.dtype,
+        route = Route("mosaic", *dq_tiles, 0, stages, consumers)
+        need = mosaic.dq_scratch(hp, hvp, dq_tiles[1], stages, consumers, call.dtype,
                                  call.bias_dtype, dbias=spec.has_bias).bytes
     else:  # dbias
         wrong = (block_q not in (None, mosaic.ITEM_ROWS)

@@ -86,11 +86,12 @@ TABLE = {
     # Triton's forward and dQ measured faster at d64; Mosaic's dK/dV did not.
     "d64": (call(64), "sm90", ("triton", "triton", "mosaic", None)),
     "d128_Hv64": (call(128, value_head_dim=64), "sm90", ("triton", "triton", "mosaic", None)),
-    # d256: the Mosaic forward (64-key tiles) and the wide Mosaic dK/dV kernel (its
-    # consumers sharing each unit), with one slot where a bias leaves no room for two.
-    "d256": (call(256), "sm90", ("mosaic", "triton", "mosaic", None)),
+    # d256: the Mosaic forward (64-key tiles) and the wide Mosaic dQ and dK/dV kernels
+    # (consumers sharing each item and unit), dK/dV with one slot where a bias leaves no
+    # room for two; a float32 bias leaves the dQ kernel no room.
+    "d256": (call(256), "sm90", ("mosaic", "mosaic", "mosaic", None)),
     "d256_causal_bias": (call(256, is_causal=True, bias_shape=(1, 16, 4096, 4096)), "sm90",
-                         ("mosaic", "triton", "mosaic", "mosaic-fused")),
+                         ("mosaic", "mosaic", "mosaic", "mosaic-fused")),
     "d256_bias_float32": (call(256, bias_shape=(1, 16, 4096, 4096), bias_dtype="float32"),
                           "sm90", ("triton", "triton", "mosaic", "triton")),
     "d32": (call(32), "sm90", ("triton", "triton", "triton", None)),
@@ -182,8 +183,10 @@ def test_reasons_name_what_refuses():
                for name, (c, d, _) in TABLE.items()}
     assert "sm90" in reasons["sm80"] and "this one is sm80" in reasons["sm80"]
     assert "measured faster" in reasons["d64"]
-    dq_reasons = dict(dispatch.plan(TABLE["d256"][0], device=H100).dq.declined)
-    assert "head dims must pad to (64, 128)" in dq_reasons["mosaic"]
+    dq_reasons = dict(dispatch.plan(TABLE["d32"][0], device=H100).dq.declined)
+    assert "head dims must pad to (64, 128, 256)" in dq_reasons["mosaic"]
+    dq_reasons = dict(dispatch.plan(TABLE["d256_bias_float32"][0], device=H100).dq.declined)
+    assert "232448" in dq_reasons["mosaic"]  # a float32 bias tile leaves no room
     assert "bfloat16 or float16" in reasons["float32"]
     assert "mask" in reasons["mask"]
     dbias = dict(dispatch.plan(TABLE["dropout_bias_shared_by_heads"][0], device=H100)

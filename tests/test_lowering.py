@@ -144,18 +144,20 @@ CASES = {
     "mosaic_dkv_h80_one_slot": dict(T=200, S=300, N=8, K=2, H=80, Hv=64, is_causal=True,
                                     block_sizes=pallas_attn.BlockSizes(
                                         **dict(_MOSAIC_DKV, num_stages_dkv=1))),
-    # The wide dK/dV kernel (head dim 256, 64-byte swizzled tiles, consumers sharing each
-    # unit): a batch-shared bias's dbias under a soft cap (GQA, ragged), and H192/Hv64
-    # with segments, lengths and dropout under causal masking.
-    "mosaic_dkv_wide_shared_bias_softcap": dict(
+    # The wide dQ and dK/dV kernels (head dim 256, 64-byte swizzled tiles, consumers
+    # sharing each item and unit): a batch-shared bias's dbias under a soft cap (GQA,
+    # ragged: the dQ kernel stores entry 0's, the dK/dV kernel adds the others'), and
+    # H192/Hv64 with segments, lengths and dropout under causal masking.
+    "mosaic_backward_wide_shared_bias_softcap": dict(
         H=256, T=200, S=300, K=2, bias=jnp.ones((1, 4, 200, 300), jnp.bfloat16),
-        logits_soft_cap=20.0, block_sizes=pallas_attn.BlockSizes(dkv_backend="mosaic")),
-    "mosaic_dkv_wide_h192_features": dict(
+        logits_soft_cap=20.0,
+        block_sizes=pallas_attn.BlockSizes(dq_backend="mosaic", dkv_backend="mosaic")),
+    "mosaic_backward_wide_h192_features": dict(
         T=256, S=384, N=8, K=2, H=192, Hv=64, is_causal=True, dropout_rate=0.1,
         dropout_rng=jax.random.key(0), q_segment_ids=jnp.zeros((2, 256), jnp.int32),
         kv_segment_ids=jnp.zeros((2, 384), jnp.int32),
         key_value_seq_lengths=jnp.full((2,), 300, jnp.int32),
-        block_sizes=pallas_attn.BlockSizes(dkv_backend="mosaic")),
+        block_sizes=pallas_attn.BlockSizes(dq_backend="mosaic", dkv_backend="mosaic")),
 }
 
 

@@ -83,7 +83,7 @@ CASES = [
     ("segments_unsorted_gqa", dict(B=2, T=140, S=200, N=4, K=2), None,
      dict(q_segment_ids=np.random.default_rng(3).integers(0, 3, (2, 140)),
           kv_segment_ids=np.random.default_rng(4).integers(0, 3, (2, 200))), {}),
-    # Head dim 256: units of 64 keys that the consumers share (`config.dkv_wide`), each
+    # Head dim 256: units of 64 keys that the consumers share (`config.is_wide`), each
     # with half of S, dP and the head dims; the whole dS tile copied as dbias.
     ("wide_H256_per_batch_bias_causal", dict(B=2, T=130, S=200, N=2, H=256), (2, 2),
      dict(is_causal=True), WIDE),

@@ -43,6 +43,8 @@ from pallas_attn.kernels.triton import dq as triton_dq
 MOSAIC_DQ = pallas_attn.BlockSizes(32, 32, 32, 32, 128, 64, block_q_dbias=32,
                                    block_k_dbias=32, num_stages_dq=2, dq_backend="mosaic")
 
+WIDE = dict(block_q_dq=64)  # the wide kernel's (64, 64) tiles at a head dim of 256
+
 # (id, shapes, bias shape as (Bb, Nb) or None, kwargs, tiles)
 CASES = [
     ("plain_ragged", dict(B=1, T=130, S=200, N=2), None, {}, {}),
@@ -76,6 +78,15 @@ CASES = [
     ("segments_unsorted_bias", dict(B=2, T=140, S=200, N=2), (1, 2),
      dict(q_segment_ids=np.random.default_rng(3).integers(0, 3, (2, 140)),
           kv_segment_ids=np.random.default_rng(4).integers(0, 3, (2, 200))), {}),
+    # Head dim 256: items of 64 rows that both consumers share (`config.is_wide`), each
+    # with half of every tile's keys and half of dQ's columns; a bias tile of each
+    # consumer's keys; H192/Hv64 with packed documents, lengths and dropout.
+    ("wide_H256_causal_gqa_bias_soft_cap", dict(B=2, T=200, S=150, N=4, K=2, H=256),
+     (2, 4), dict(is_causal=True, logits_soft_cap=5.0), WIDE),
+    ("wide_H192_Hv64_features", dict(B=2, T=250, S=250, N=2, H=192, Hv=64), None,
+     dict(is_causal=True, q_segment_ids=np.repeat(np.arange(5), 50)[None].repeat(2, 0),
+          key_value_seq_lengths=np.array([180, 250]), dropout_rate=0.2,
+          dropout_rng=jax.random.key(5), alibi_slopes=jnp.array([0.3, 0.05])), WIDE),
 ]
 
 
@@ -116,13 +127,16 @@ def test_mosaic_dq_matches_the_triton_dq_kernel(dtype, shapes, bias_shape, kwarg
                                                    [0.03, 0.2, 0.7, 0.01]]))),
     (dict(B=3, T=140, S=260, N=2), dict(logits_soft_cap=5.0, local_window_size=(90, 30))),
     (dict(B=2, T=200, S=100, N=2), dict(is_causal=True, causal_alignment="bottom_right")),
-], ids=["causal_gqa_alibi_per_batch", "soft_cap_window", "bottom_right_T>S_empty_rows"])
+    (dict(B=2, T=200, S=150, N=4, K=2, H=256), dict(is_causal=True, logits_soft_cap=5.0)),
+], ids=["causal_gqa_alibi_per_batch", "soft_cap_window", "bottom_right_T>S_empty_rows",
+        "wide_H256_causal_soft_cap"])
 def test_dq_and_dbias_stores_batch_entry_0s_dbias(shapes, kwargs):
     """dq_and_dbias: the same dq as dq, and a dbias of the shared bias's shape that
     matches the Triton dbias kernel's for batch entry 0 alone, with every tile written
     (the interpreter poisons it with NaN): dS inside each item's band (tiles outside a
     consumer's own rows' band run masked), zeros outside it (the producer)."""
-    x = kernel_backward("bfloat16", shapes, (1, shapes["N"]), kwargs, MOSAIC_DQ)
+    blocks = dataclasses.replace(MOSAIC_DQ, **(WIDE if shapes.get("H") == 256 else {}))
+    x = kernel_backward("bfloat16", shapes, (1, shapes["N"]), kwargs, blocks)
     bias, slopes = x.operands["bias"], x.operands.get("alibi_slopes")
     args = (x.problem, x.q, x.k, x.v, x.do, x.stats, bias, slopes)
     dq_with, dbias = mosaic_dq.dq_and_dbias(*args)
@@ -167,6 +181,7 @@ def test_logit_scores_takes_a_row_shift_only_in_log2_units():
 # dQ kernel's batch entry 0 (`mosaic_dq.dq_and_dbias`).
 MOSAIC_DQ_DKV = dataclasses.replace(MOSAIC_DQ, block_q_dkv=64, block_k_dkv=128,
                                     dkv_backend="mosaic")
+MOSAIC_DQ_DKV_WIDE = dataclasses.replace(MOSAIC_DQ_DKV, block_k_dkv=64, **WIDE)
 
 
 @pytest.mark.parametrize("shapes,bias_shape,kwargs,blocks", [
@@ -180,8 +195,11 @@ MOSAIC_DQ_DKV = dataclasses.replace(MOSAIC_DQ, block_q_dkv=64, block_k_dkv=128,
     (dict(B=2, T=260, S=260, N=2, H=64), (1, 2),
      dict(is_causal=True, q_segment_ids=np.repeat(np.arange(4), 65)[None].repeat(2, 0)),
      MOSAIC_DQ_DKV),
+    (dict(B=3, T=150, S=200, N=4, K=2, H=256), (1, 4),
+     dict(is_causal=True, logits_soft_cap=8.0), MOSAIC_DQ_DKV_WIDE),
 ], ids=["shared_bias_causal_soft_cap_mqa", "alibi_bottom_right_empty_rows_H80_Hv64",
-        "with_mosaic_dkv_shared_bias_window_alibi", "with_mosaic_dkv_packed_shared_bias"])
+        "with_mosaic_dkv_shared_bias_window_alibi", "with_mosaic_dkv_packed_shared_bias",
+        "wide_H256_with_mosaic_dkv_shared_bias"])
 def test_gradients_with_the_mosaic_dq_against_reference_and_float64(shapes, bias_shape,
                                                                     kwargs, blocks,
                                                                     monkeypatch):
@@ -192,7 +210,7 @@ def test_gradients_with_the_mosaic_dq_against_reference_and_float64(shapes, bias
     kernel, exact = check_kernel_gradients(jnp.bfloat16, shapes, bias_shape, kwargs, blocks)
     assert_empty_rows(kernel, empty_rows(exact))
     # The dbias chain runs exactly where both kernels are Mosaic.
-    assert len(calls) == (blocks is MOSAIC_DQ_DKV)
+    assert len(calls) == (blocks is not MOSAIC_DQ)
 
 
 @pytest.mark.parametrize("kwargs,match", [
@@ -200,7 +218,7 @@ def test_gradients_with_the_mosaic_dq_against_reference_and_float64(shapes, bias
      ("dq_backend='mosaic'.*no operand besides q, k, v, a bias, ALiBi slopes, sinks, "
       "segment ids, sequence lengths and dropout, got mask")),
     (dict(dtype=jnp.float32), "dq_backend='mosaic'.*bfloat16 or float16"),
-    (dict(H=256), "dq_backend='mosaic'.*head dims must pad to"),
+    (dict(H=32), "dq_backend='mosaic'.*head dims must pad to"),
 ])
 def test_unsupported_problems_name_the_reason(kwargs, match):
     dtype = kwargs.pop("dtype", jnp.bfloat16)
@@ -242,6 +260,7 @@ def test_the_kernel_cases_run_both_consumer_counts():
                                    **kwargs)
         counts.add(plan.dq.consumers)
         assert plan.dq.consumers == 2 or q_pad % 192 != 0
+        assert plan.dq.consumers == 2 or blocks is not WIDE
     assert counts == {2, 3}
 
 

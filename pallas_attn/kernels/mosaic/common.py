@@ -199,10 +199,11 @@ class Walk:
     item_rows: int = ITEM_ROWS
     segments: Segments | None = None
     lengths: tuple[Any, Any] = (None, None)  # query and key length refs [B] or None
+    shared: bool = False  # the consumers share each item's rows (the wide dQ kernel)
 
     @property
     def consumers(self) -> int:
-        return self.item_rows // ROWS_PER_CONSUMER
+        return CONSUMERS if self.shared else self.item_rows // ROWS_PER_CONSUMER
 
     @property
     def num_tiles(self) -> int:
@@ -294,30 +295,37 @@ class Walk:
             self.stream(k_ref, v_ref, k_smem, v_smem, ring, on_item)
 
     def bias_rows(self, bias_ref, item: Item, row0, buffers, barriers) -> Any:
-        """This consumer's bias stream (`BiasTiles`) over its rows of the item, through
-        its own buffer and barrier (of one per consumer), or None without a bias."""
+        """This consumer's bias stream (`BiasTiles`) over its rows of the item (shared:
+        its half of each tile's keys), through its own buffer and barrier (of one per
+        consumer), or None without a bias."""
         if bias_ref is None:
             return None
         wg = lax.axis_index("wg")
         Bb, Nb = self.problem.spec.bias_shape[:2]
         rows = bias_ref.at[item.b if Bb > 1 else 0, item.n if Nb > 1 else 0,
                            pl.ds(row0, ROWS_PER_CONSUMER)]
-        return BiasTiles(rows, buffers.at[wg], barriers.at[wg], self.block_k)
+        width = self.block_k // CONSUMERS if self.shared else self.block_k
+        return BiasTiles(rows, buffers.at[wg], barriers.at[wg], self.block_k,
+                         wg * width if self.shared else 0, width)
 
 
 @dataclasses.dataclass(frozen=True)
 class BiasTiles:
     """One consumer's bias rows in global memory, read tile by tile through its own
     shared-memory buffer: each tile's copy is issued as soon as the previous tile is in
-    registers, one step ahead."""
+    registers, one step ahead. Of key tile t the consumer reads `width` keys from
+    `offset` (the whole tile by default)."""
 
     rows: Any
     buffer: Any
     loaded: Any
     block_k: int
+    offset: Any = 0
+    width: int | None = None
 
     def start(self, t) -> None:
-        plgpu.copy_gmem_to_smem(self.rows.at[:, pl.ds(t * self.block_k, self.block_k)],
+        width = self.width or self.block_k
+        plgpu.copy_gmem_to_smem(self.rows.at[:, pl.ds(t * self.block_k + self.offset, width)],
                                 self.buffer, self.loaded)
 
     def take(self, t, stop) -> jax.Array:

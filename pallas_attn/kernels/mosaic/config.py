@@ -26,11 +26,13 @@ FORWARD_BLOCK_K = (64, 128)
 # Head dims padding to 256 take 64-key tiles: two slots of 128 keys would not fit.
 WIDE_HEAD_DIM = 256
 # The dK/dV kernel: steps of 64 query rows, units of 128 keys (64 per consumer); at
-# head dim 256 units of 64 keys that both consumers share (`dkv_wide`).
+# head dim 256 units of 64 keys that both consumers share (`is_wide`).
 DKV_TILES = (64, 128)
 DKV_WIDE_TILES = (64, 64)
-# The dQ kernel: block_q is the padding of the query rows, 64-key tiles.
+# The dQ kernel: block_q is the padding of the query rows, 64-key tiles; at head dim
+# 256 items of 64 rows that both consumers share (`is_wide`).
 DQ_TILES = (ITEM_ROWS, 64)
+DQ_WIDE_TILES = (ROWS_PER_CONSUMER, 64)
 DBIAS_BLOCK_K = (64, 128)
 
 # Default slots (stages) per kernel ring (docs/decisions.md).
@@ -47,29 +49,34 @@ _REGISTERS = {2: (232, 40), 3: (160, 24)}
 
 # Padded head dims per role: the backward kernels' two float32 accumulators per
 # consumer leave no registers for head dims of 256.
-HEAD_DIMS = {"forward": (64, 128, 256), "dq": (64, 128), "dkdv": (64, 128, 256),
+HEAD_DIMS = {"forward": (64, 128, 256), "dq": (64, 128, 256), "dkdv": (64, 128, 256),
              "dbias": (64, 128)}
 DTYPES = ("bfloat16", "float16")
 
 
-def dkv_wide(hp: int, hvp: int) -> bool:
-    """Whether the dK/dV kernel splits its work between the consumers (a padded head
-    dim of 256): each computes S and dP for half of a unit's 64 keys and holds dK and
-    dV for half of the head dims, the two exchanging P and dS through shared memory.
-    One consumer's dK and dV over 256 dims would need every register it has."""
+def is_wide(hp: int, hvp: int) -> bool:
+    """Whether the backward kernels' two consumers share each tile (a padded head dim of
+    256): each computes S and dP for half of a tile's 64 keys and holds dK and dV (dQ)
+    for half of the head dims, the two exchanging P and dS through shared memory. One
+    consumer's accumulators over 256 dims would need every register it has."""
     return WIDE_HEAD_DIM in (hp, hvp)
 
 
 def dkv_tiles(hp: int, hvp: int) -> tuple[int, int]:
     """(query rows per step, keys per unit) of the dK/dV kernel."""
-    return DKV_WIDE_TILES if dkv_wide(hp, hvp) else DKV_TILES
+    return DKV_WIDE_TILES if is_wide(hp, hvp) else DKV_TILES
+
+
+def dq_tiles(hp: int, hvp: int) -> tuple[int, int]:
+    """(query rows per item, keys per tile) of the dQ kernel."""
+    return DQ_WIDE_TILES if is_wide(hp, hvp) else DQ_TILES
 
 
 def dkv_stage_options(hp: int, hvp: int) -> tuple[int, ...]:
     """The dK/dV kernel's slots to try, the first that fits: at head dim 256 one slot
     where two do not (a bias), the Triton dK/dV kernel being far slower there; else
     two (one measured slower than the Triton kernel, docs/decisions.md)."""
-    return (DKV_STAGES, 1) if dkv_wide(hp, hvp) else (DKV_STAGES,)
+    return (DKV_STAGES, 1) if is_wide(hp, hvp) else (DKV_STAGES,)
 
 
 def consumer_registers(consumers: int) -> int:
@@ -215,27 +222,35 @@ def forward_scratch(hp: int, hvp: int, block_k: int, stages: int, dtype: Any,
 def dq_scratch(hp: int, hvp: int, block_k: int, stages: int, consumers: int, dtype: Any,
                bias_dtype: Any = None, dbias: bool = False) -> Scratch:
     """The dQ kernel: per consumer its rows' Q, dO, three float32 row residuals, dS and
-    bias tile; the K/V ring; with dbias (batch entry 0's tiles) a zeroed tile.
-    Barriers: rows per consumer, loaded and consumed per slot for K and V, the turns
-    of two consumers, the bias buffers'."""
+    bias tile, or (`is_wide`) one item's rows, two dS tiles that both consumers fill and a
+    bias tile of each consumer's keys; the K/V ring; with dbias (batch entry 0's tiles)
+    a zeroed tile. Barriers: rows per consumer (wide: per item), loaded and consumed per
+    slot for K and V, the turns of two consumers (wide: their exchange), the bias
+    buffers'."""
     rows, c = ROWS_PER_CONSUMER, consumers
+    split = is_wide(hp, hvp)
+    swizzle = 64 if split else 128
+    owners = 1 if split else c  # the rows' buffers
     dtype = _name(dtype)
     return Scratch(
-        buffers=(("q", Buffer((c, rows, hp), dtype)),
-                 ("do", Buffer((c, rows, hvp), dtype)),
-                 ("stats", Buffer((c, 3, rows), "float32", swizzle=0)),
-                 ("k", Buffer((stages, block_k, hp), dtype)),
-                 ("v", Buffer((stages, block_k, hvp), dtype)),
-                 ("ds", Buffer((c, rows, block_k), dtype)),
+        buffers=(("q", Buffer((owners, rows, hp), dtype, swizzle)),
+                 ("do", Buffer((owners, rows, hvp), dtype, swizzle)),
+                 ("stats", Buffer((owners, 3, rows), "float32", swizzle=0)),
+                 ("k", Buffer((stages, block_k, hp), dtype, swizzle)),
+                 ("v", Buffer((stages, block_k, hvp), dtype, swizzle)),
+                 ("ds", Buffer((2, rows, block_k) if split else (c, rows, block_k), dtype,
+                               swizzle)),
                  ("bias", None if bias_dtype is None
-                  else Buffer((c, rows, block_k), _name(bias_dtype))),
-                 ("zeros", Buffer((rows, block_k), dtype) if dbias else None)),
-        barriers=(("rows_loaded", Barriers(c, 3)),  # Q, dO, residuals
+                  else Buffer((c, rows, block_k // c if split else block_k),
+                              _name(bias_dtype), swizzle)),
+                 ("zeros", Buffer((rows, block_k), dtype, swizzle) if dbias else None)),
+        barriers=(("rows_loaded", Barriers(owners, 3)),  # Q, dO, residuals
                   ("k_loaded", Barriers(stages)),
                   ("v_loaded", Barriers(stages)),
                   ("k_consumed", Barriers(stages, c)),
                   ("v_consumed", Barriers(stages, c)),
-                  ("schedule", Barriers(1, 2) if c == 2 else None),
+                  ("schedule", Barriers(1, 2) if c == 2 and not split else None),
+                  ("exchange", Barriers(1, c) if split else None),
                   ("bias_loaded", None if bias_dtype is None else Barriers(c))))
 
 
@@ -243,11 +258,11 @@ def dkv_scratch(hp: int, hvp: int, stages: int, dtype: Any, bias_dtype: Any = No
                 zeros: bool = False) -> Scratch:
     """The dK/dV kernel: per slot Q, dO, the three float32 row residuals and the bias
     tile of each consumer; the K and V of each consumer's keys; per consumer P and
-    two dS buffers, or (`dkv_wide`) two P and two dS tiles of the unit's keys that
+    two dS buffers, or (`is_wide`) two P and two dS tiles of the unit's keys that
     both consumers fill; the zeroed dbias tile. Barriers: loaded and consumed per
     slot, K/V's two, and the wide consumers' exchange."""
     rows, unit = dkv_tiles(hp, hvp)
-    wide = dkv_wide(hp, hvp)
+    wide = is_wide(hp, hvp)
     c = CONSUMERS
     keys = unit // c  # each consumer's keys of S and dP
     swizzle = 64 if wide else 128
@@ -298,10 +313,10 @@ def dq_consumers(hp: int, hvp: int, block_k: int, stages: int, dtype: Any, *,
                  bias_dtype: Any, has_window: bool, budget: int) -> int:
     """Consumer warpgroups of the dQ kernel: 3 (work items of 192 query rows, no turns)
     without a bias or a local window where their buffers fit, else 2 (items of 128 rows
-    that take turns on the tensor cores). With a bias three were slower (registers:
-    each consumer also holds its bias tile), with a window too (docs/decisions.md,
-    "Three dQ consumers")."""
-    if bias_dtype is not None or has_window:
+    that take turns on the tensor cores; `is_wide`: items of 64 rows that both share). With
+    a bias three were slower (registers: each consumer also holds its bias tile), with a
+    window too (docs/decisions.md, "Three dQ consumers")."""
+    if bias_dtype is not None or has_window or is_wide(hp, hvp):
         return 2
     three = dq_scratch(hp, hvp, block_k, stages, 3, dtype).bytes
     return 3 if three <= budget else 2

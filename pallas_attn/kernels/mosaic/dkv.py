@@ -15,7 +15,7 @@ dK and dV in registers. Per step (the 64 query rows of one tile, one head):
   bias's gradient for that (query tile, key tile, head): a bulk copy stores it.
 
 At a padded head dim of 256 one consumer's dK and dV would take every register it
-has, so the consumers split the work of units of 64 keys (`config.dkv_wide`): each
+has, so the consumers split the work of units of 64 keys (`config.is_wide`): each
 computes S and dP for 32 of the keys (over the whole head dim) and writes its half
 of the unit's P and dS tiles; after an exchange (a barrier both consumers pass once
 per step) each adds P^T dO and dS^T Q for its half of the head dims. P and dS have
@@ -94,8 +94,8 @@ from pallas_attn.kernels.mosaic.config import (
     consumer_registers,
     dkv_scratch,
     dkv_tiles,
-    dkv_wide,
     fusable_dbias,
+    is_wide,
     producer_registers,
 )
 
@@ -103,7 +103,7 @@ from pallas_attn.kernels.mosaic.config import (
 @dataclasses.dataclass(frozen=True)
 class _Tiles:
     """The kernel's geometry: query rows per step, keys per unit, and whether the
-    consumers share each unit's keys (`config.dkv_wide`)."""
+    consumers share each unit's keys (`config.is_wide`)."""
 
     rows: int
     unit: int
@@ -111,7 +111,7 @@ class _Tiles:
 
     @staticmethod
     def of(hp: int, hvp: int) -> _Tiles:
-        return _Tiles(*dkv_tiles(hp, hvp), dkv_wide(hp, hvp))
+        return _Tiles(*dkv_tiles(hp, hvp), is_wide(hp, hvp))
 
     @property
     def keys(self) -> int:

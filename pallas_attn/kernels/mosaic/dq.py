@@ -21,6 +21,14 @@ consumer warpgroups: three, or two with a bias or a local window
   the ring's slots. Two consumers (items of 128 rows) take turns on the tensor cores
   as the forward's do (two turns per key tile).
 
+At a padded head dim of 256 (`config.is_wide`) one consumer's dQ rows over 256 dims
+and its Q and dO would not fit: both consumers work on items of 64 rows, each
+computing S, dP and dS for half of a tile's keys (over the whole head dim), writing
+its half of the tile's dS (two tiles used in turn, 64-byte swizzled so a half is
+whole tiles) and, after an exchange (a barrier both pass once per tile), adding dS K
+for its half of dQ's columns. They meet once more at the end of each item before its
+rows' buffers are refilled.
+
 dQ (times the softmax scale) is stored from registers. Rows that see no key get
 zeros. With segment ids, items and consumers narrow their key tiles to their rows'
 segments and every tile compares ids (`common.Segments`); with sequence lengths, bands
@@ -68,25 +76,31 @@ from pallas_attn.kernels.mosaic.common import (
     zero_tiles_outside,
 )
 from pallas_attn.kernels.mosaic.config import (
-    DQ_TILES,
     ROWS_PER_CONSUMER,
     consumer_registers,
     dq_scratch,
+    dq_tiles,
     fusable_dbias,
+    is_wide,
 )
 
 
 def _kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, bias_ref, slopes_ref, lengths, segments,
             dropout, dq_ref, dbias_ref, smem, barriers, *, problem: Problem, programs: int,
-            consumers: int):
+            consumers: int, wide: bool):
     rows_loaded, schedule = barriers["rows_loaded"], barriers["schedule"]
+    exchange = barriers["exchange"]
     ring = tuple(barriers[name] for name in ("k_loaded", "v_loaded", "k_consumed",
                                               "v_consumed"))
     route = problem.plan.dq
     block_k = route.block_k
-    walk = Walk(problem, programs, block_k, route.num_stages, consumers * ROWS_PER_CONSUMER,
-                segments, lengths)
+    rows_n = ROWS_PER_CONSUMER
+    # Wide: both consumers work on one item's 64 rows, else each on 64 of its own.
+    row_blocks = 1 if wide else consumers
+    walk = Walk(problem, programs, block_k, route.num_stages, row_blocks * rows_n, segments,
+                lengths, shared=wide)
     wg = lax.axis_index("wg")
+    owner = 0 if wide else wg  # of the rows' buffers and barrier
     on_item = None
     if dbias_ref is not None:
         # The producer writes batch entry 0's dbias tiles outside each item's band.
@@ -94,12 +108,12 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, bias_ref, slopes_ref, length
         pl.when(wg == consumers)(lambda: zero_tile_init(zero_tile))
 
         def on_item(item, tiles, steps):
-            for c in range(consumers):  # rows before 0: a consumer idle in the first item
-                row0 = item.q0 + c * ROWS_PER_CONSUMER
+            for c in range(row_blocks):  # rows before 0: a consumer idle in the first item
+                row0 = item.q0 + c * rows_n
 
                 @pl.when(item.valid & (item.b == 0) & (row0 >= 0))
                 def _(row0=row0):
-                    rows = dbias_ref.at[0, item.n, pl.ds(row0, ROWS_PER_CONSUMER)]
+                    rows = dbias_ref.at[0, item.n, pl.ds(row0, rows_n)]
                     zero_tiles_outside(
                         zero_tile, lambda t: rows.at[:, pl.ds(t * block_k, block_k)],
                         tiles.first, tiles.first + steps, dbias_ref.shape[3] // block_k)
@@ -111,16 +125,26 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, bias_ref, slopes_ref, length
     @pl.when(wg < consumers)
     def _consumer():
         plgpu.set_max_registers(consumer_registers(consumers), action="increase")
-        rows_n = ROWS_PER_CONSUMER
-        mine = {name: smem[name].at[wg] for name in ("q", "do", "stats", "ds")}
+        mine = {name: smem[name].at[owner] for name in ("q", "do", "stats")}
+        # dS: two tiles both consumers fill, used in turn (wide), else its own.
+        ds_tiles = smem["ds"] if wide else smem["ds"].at[wg]
+        hp = mine["q"].shape[-1]
+        dims = hp // consumers if wide else hp  # this consumer's columns of dQ
+        cols = pl.ds(wg * dims, dims) if wide else slice(None)
+
+        def rows_of(item):
+            return item.q0 + (0 if wide else wg * rows_n)
 
         def load_rows(item):
-            row0 = item.q0 + wg * rows_n
+            row0 = rows_of(item)
+            issue = item.valid & (row0 >= 0)
+            if wide:
+                issue = issue & (wg == 0)
 
-            @pl.when(item.valid & (row0 >= 0))
+            @pl.when(issue)
             def _():
                 rows = pl.ds(row0, rows_n)
-                loaded = rows_loaded.at[wg]
+                loaded = rows_loaded.at[owner]
                 plgpu.copy_gmem_to_smem(q_ref.at[item.b, rows, item.n], mine["q"], loaded)
                 plgpu.copy_gmem_to_smem(do_ref.at[item.b, rows, item.n], mine["do"], loaded)
                 plgpu.copy_gmem_to_smem(stats_ref.at[item.b, item.n, :, rows], mine["stats"],
@@ -136,9 +160,9 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, bias_ref, slopes_ref, length
         def work(r, step):
             item = walk.item(r)
             ctx, tiles, steps = walk.band(item)
-            row0 = item.q0 + wg * rows_n
+            row0 = rows_of(item)
             mine_valid = item.valid & (row0 >= 0)  # rows before 0: nothing to do
-            pl.when(mine_valid)(lambda: plgpu.barrier_wait(rows_loaded.at[wg]))
+            pl.when(mine_valid)(lambda: plgpu.barrier_wait(rows_loaded.at[owner]))
             residuals = tuple(plgpu.load(mine["stats"].at[j], layout=row_layout)
                               for j in range(3))
             plgpu.commit_smem()  # the reads are done before the next item's copy lands
@@ -147,16 +171,19 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, bias_ref, slopes_ref, length
             if dbias_ref is not None:  # batch entry 0 writes its dS tiles as dbias
                 dbias = (mine_valid & (item.b == 0),
                          dbias_ref.at[0, item.n, pl.ds(row0, rows_n)])
-            dq = _consume(problem, ctx, tiles, lambda t: walk.slot(step + t - tiles.first),
-                          row0, tiles.first + steps, mine, smem["k"], smem["v"], ring,
-                          schedule, bias, head_slope(slopes_ref, item.valid, item.b, item.n),
-                          residuals, dbias, row0 >= 0, segments, dropout, item.b, item.n)
-            # Every product of this item is done: its rows' buffers are free.
+            dq = _consume(problem, ctx, tiles, lambda t: step + t - tiles.first, row0,
+                          tiles.first + steps, mine, ds_tiles, smem["k"], smem["v"], ring,
+                          (schedule, exchange), bias,
+                          head_slope(slopes_ref, item.valid, item.b, item.n), residuals,
+                          dbias, row0 >= 0, segments, dropout, item.b, item.n, cols)
+            # Every product of this item is done: its rows' buffers are free (wide: for
+            # both consumers once they meet here).
+            take_turn(exchange)
             load_rows(walk.item(r + 1))
 
             @pl.when(mine_valid)
             def _store():
-                dq_ref.at[item.b, pl.ds(row0, rows_n), item.n][...] = (
+                dq_ref.at[item.b, pl.ds(row0, rows_n), item.n, cols][...] = (
                     dq * problem.spec.scale).astype(dq_ref.dtype)
 
             return step + steps
@@ -168,23 +195,35 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, bias_ref, slopes_ref, length
             plgpu.wait_smem_to_gmem(0)
 
 
-def _consume(problem: Problem, ctx, tiles, slot_of, row0, stop, mine: dict, k_smem, v_smem,
-             ring, schedule, bias, slope, residuals, dbias, active,
-             segments: Segments | None, dropout: Dropout | None, b, n) -> jax.Array:
+def _consume(problem: Problem, ctx, tiles, step_of, row0, stop, mine: dict, ds_tiles,
+             k_smem, v_smem, ring, barriers, bias, slope, residuals, dbias, active,
+             segments: Segments | None, dropout: Dropout | None, b, n, cols) -> jax.Array:
     """One consumer warpgroup: dQ / scale of rows [row0, row0 + 64) (float32) over key
-    tiles [tiles.first, stop); active false (rows before 0): it only releases the
-    tiles. With a `schedule` (two consumers) it takes turns with the other consumer
-    as the forward's consumers do: a consumer issues S and dP, waits for the other's
-    gradient math, computes its own P and dS while the other's products run, then
-    adds dS K.
+    tiles [tiles.first, stop), its columns `cols` of it; step_of(t): the ring step of
+    tile t (counted over the program's items); active false (rows before 0): it only
+    releases the tiles. barriers: (schedule, exchange), either None.
+
+    With a `schedule` (two consumers) it takes turns with the other consumer as the
+    forward's consumers do: a consumer issues S and dP, waits for the other's gradient
+    math, computes its own P and dS while the other's products run, then adds dS K.
+    With an `exchange` (wide: both consumers on the same rows) each computes S, dP and
+    dS for half of a tile's keys, writes its half of the tile's dS (two tiles used in
+    turn) and, once both halves are in, adds dS K for its columns of dQ; consumer 0
+    stores the dbias tiles.
 
     dbias: (when, its rows of the dbias) or None; when, the consumer stores its dS
     tiles of the item's band there, running every tile of the band (those outside its
     own rows' band masked: dS = 0). segments: the segment ids (of batch entry b) or
     None; dropout: head n's keep decisions or None."""
     k_loaded, v_loaded, k_consumed, v_consumed = ring
+    schedule, exchange = barriers
+    wide = exchange is not None
     block_k = problem.plan.dq.block_k
     rows_n = ROWS_PER_CONSUMER
+    wg = lax.axis_index("wg")
+    keys_n = block_k // 2 if wide else block_k  # this consumer's keys of S and dP
+    key0 = wg * keys_n if wide else 0
+    copier = wg == 0 if wide else True  # of the dbias tiles
     own = own_band(ctx, tiles, row0, stop, block_k, segments)
     own = Band(*(jnp.where(active, x, tiles.first)
                  for x in (own.first, own.stop, own.full_first, own.full_stop)))
@@ -192,20 +231,26 @@ def _consume(problem: Problem, ctx, tiles, slot_of, row0, stop, mine: dict, k_sm
         whole = dbias[0]
         own = Band(jnp.where(whole, tiles.first, own.first), jnp.where(whole, stop, own.stop),
                    own.full_first, own.full_stop)
-    shape = (rows_n, block_k)
+    shape = (rows_n, keys_n)
     row_ids = None if segments is None else segments.rows(b, row0)
     row_keys = None if dropout is None else dropout.row_keys(b, n, row0)
+    stages = k_smem.shape[0]
+
+    def slot_of(t):
+        return lax.rem(step_of(t), jnp.int32(stages))
 
     def step(t, dq, masked: bool):
         slot = slot_of(t)
+        k0 = t * block_k + key0
         tile_bias = None if bias is None else bias.take(t, own.stop)
-        ids = None if segments is None else (row_ids, segments.cols(b, t * block_k, block_k))
+        ids = None if segments is None else (row_ids, segments.cols(b, k0, keys_n))
         plgpu.barrier_wait(k_loaded.at[slot])
         plgpu.barrier_wait(v_loaded.at[slot])
+        keys = pl.ds(key0, keys_n)
 
         def products(s_ref, dp_ref):
-            plgpu.wgmma(s_ref, mine["q"], k_smem.at[slot].transpose((1, 0)))
-            plgpu.wgmma(dp_ref, mine["do"], v_smem.at[slot].transpose((1, 0)))
+            plgpu.wgmma(s_ref, mine["q"], k_smem.at[slot, keys].transpose((1, 0)))
+            plgpu.wgmma(dp_ref, mine["do"], v_smem.at[slot, keys].transpose((1, 0)))
             take_turn(schedule)  # the other consumer's gradient math is done
             return s_ref[...], dp_ref[...]
 
@@ -213,27 +258,33 @@ def _consume(problem: Problem, ctx, tiles, slot_of, row0, stop, mine: dict, k_sm
                               plgpu.ACC(shape, jnp.float32))
         plgpu.barrier_arrive(v_consumed.at[slot])
         keep = (None if dropout is None
-                else dropout.keep(row_keys, dropout.multipliers(t * block_k, block_k)))
-        _, ds = tile_gradient(problem, s, dp, tile_bias, residuals, row0, t * block_k, masked,
+                else dropout.keep(row_keys, dropout.multipliers(k0, keys_n)))
+        _, ds = tile_gradient(problem, s, dp, tile_bias, residuals, row0, k0, masked,
                               slope, ids, ctx.kv_length, keep)
-        if dbias is not None:
+        ds_tile = ds_tiles.at[lax.rem(step_of(t), 2)] if wide else ds_tiles
+        if dbias is not None and not wide:
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last dbias copy read ds
-        mine["ds"][...] = ds.astype(mine["ds"].dtype)
+        ds_tile.at[:, keys][...] = ds.astype(ds_tile.dtype)
         plgpu.commit_smem()
+        if dbias is not None and wide:  # the other consumer fills the last copy's next
+            pl.when(copier)(lambda: plgpu.wait_smem_to_gmem(0, wait_read_only=True))
+        # Wide: both halves are in, and the products that last read this tile (two
+        # steps back) are done.
+        take_turn(exchange)
         if dbias is not None:
-            pl.when(dbias[0])(lambda: plgpu.copy_smem_to_gmem(
-                mine["ds"], dbias[1].at[:, pl.ds(t * block_k, block_k)]))
+            pl.when(dbias[0] & copier)(lambda: plgpu.copy_smem_to_gmem(
+                ds_tile, dbias[1].at[:, pl.ds(t * block_k, block_k)]))
         # This gradient math is done; then the other consumer has issued its products.
         take_turn(schedule)
         # NOTE: not left in flight across tiles: ptxas then injects waits of its own
         # (docs/decisions.md, "dS K left in flight").
-        (dq,) = accumulate(((dq, ((mine["ds"], k_smem.at[slot]),)),),
+        (dq,) = accumulate(((dq, ((ds_tile, k_smem.at[slot, :, cols]),)),),
                            problem.interpret)
         plgpu.barrier_arrive(k_consumed.at[slot])
         return dq
 
-    hp = k_smem.shape[-1]
-    dq = plgpu.layout_cast(jnp.zeros((rows_n, hp), jnp.float32), plgpu.Layout.WGMMA)
+    dims = k_smem.shape[-1] // 2 if wide else k_smem.shape[-1]
+    dq = plgpu.layout_cast(jnp.zeros((rows_n, dims), jnp.float32), plgpu.Layout.WGMMA)
     if bias is not None:
         pl.when(own.first < own.stop)(lambda: bias.start(own.first))
     return run_band(tiles.first, stop, own, lambda t: release_slot(slot_of(t), ring, schedule),
@@ -275,11 +326,14 @@ def _launch(problem: Problem, q, k, v, do, stats, bias, slopes, segments: tuple,
     if why := unsupported(problem, "dq"):
         raise AssertionError(f"mosaic.dq.dq called for an unsupported problem: {why}")
     route = problem.plan.dq
-    if (route.block_q, route.block_k) != DQ_TILES:
-        raise AssertionError(f"mosaic.dq.dq needs (block_q, block_k) = {DQ_TILES}: {route}")
     B, Tp, N, hp = q.shape
+    hvp = v.shape[-1]
+    tiles = dq_tiles(hp, hvp)
+    if (route.block_q, route.block_k) != tiles:
+        raise AssertionError(f"mosaic.dq.dq needs (block_q, block_k) = {tiles}: {route}")
     consumers = route.consumers
-    scratch = dq_scratch(hp, v.shape[-1], route.block_k, route.num_stages, consumers, q.dtype,
+    wide = is_wide(hp, hvp)
+    scratch = dq_scratch(hp, hvp, route.block_k, route.num_stages, consumers, q.dtype,
                          None if bias is None else bias.dtype, dbias=with_dbias)
 
     def entry(q_ref, k_ref, v_ref, do_ref, stats_ref, *refs):
@@ -292,9 +346,10 @@ def _launch(problem: Problem, q, k, v, do, stats, bias, slopes, segments: tuple,
             Segments(*segment_refs) if segments else None,
             None if keys is None else Dropout(keys_ref, problem.spec.dropout_rate), dq_ref,
             dbias_ref[0] if dbias_ref else None, smem, barriers, problem=problem,
-            programs=programs, consumers=consumers))
+            programs=programs, consumers=consumers, wide=wide))
 
-    items = -(-Tp // (consumers * ROWS_PER_CONSUMER)) * B * N
+    item_rows = tiles[0] if wide else consumers * ROWS_PER_CONSUMER
+    items = -(-Tp // item_rows) * B * N
     programs = problem.plan.programs_for(items)
     operands = [q, k, v, do, stats,
                 *(x for x in (bias, slopes, keys, *lengths) if x is not None), *segments]
