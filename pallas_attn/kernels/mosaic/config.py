@@ -47,8 +47,8 @@ DBIAS_STAGES = (2, 1)  # the first that fits
 # 3 x 160 + 24.
 _REGISTERS = {2: (232, 40), 3: (160, 24)}
 
-# Padded head dims per role: the backward kernels' two float32 accumulators per
-# consumer leave no registers for head dims of 256.
+# Padded head dims per role: at 256 the dQ and dK/dV kernels' consumers share each tile
+# (`is_wide`); the dbias kernel's do not.
 HEAD_DIMS = {"forward": (64, 128, 256), "dq": (64, 128, 256), "dkdv": (64, 128, 256),
              "dbias": (64, 128)}
 DTYPES = ("bfloat16", "float16")
