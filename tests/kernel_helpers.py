@@ -12,7 +12,6 @@
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Any
 
 import jax
@@ -28,13 +27,6 @@ from pallas_attn.kernels.triton import fwd as triton_fwd
 from pallas_attn.kernels.triton.context import backward_inputs
 from pallas_attn.plan import BACKEND_FIELDS, TILE_FIELDS, Route
 from pallas_attn.spec import normalize
-
-# NOTE: at these sizes the interpreted kernels run in milliseconds; the time goes
-# into compiling them (large XLA programs: every kernel body, its tile loops and the
-# interpreter's state handling). LLVM optimisation level 0 more than halves that
-# and changes no semantics (same HLO, no fast-math), so every test compiles with it.
-FAST_COMPILE = {"xla_backend_optimization_level": 0}
-jit = functools.partial(jax.jit, compiler_options=FAST_COMPILE)
 
 # The smallest legal tiles: many tiles even for tiny problems, so the tile loops,
 # the edge masking and the padding are all exercised.
@@ -157,13 +149,13 @@ def make_runner(implementation: str, *, with_bias: bool = False, bias_grad: bool
     def backward(pullback):
         return pullback(jnp.ones((), jnp.float32))
 
-    @jit
+    @jax.jit
     def fused(*args):
         out, lse, pullback = forward(*args)
         return out, lse, backward(pullback)
 
-    forward_alone = forward if split == "eager" else jit(forward)
-    backward_alone = backward if split == "eager" else jit(backward)
+    forward_alone = forward if split == "eager" else jax.jit(forward)
+    backward_alone = backward if split == "eager" else jax.jit(backward)
 
     def fn(q, k, v, ct, ct_lse, bias=None, arrays=None):
         args = (q, k, v, ct, ct_lse, bias, {} if arrays is None else arrays)

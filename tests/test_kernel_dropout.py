@@ -19,7 +19,6 @@ from kernel_helpers import (
     assert_empty_rows,
     assert_results_close,
     empty_rows,
-    jit,
     make_inputs,
     make_runner,
     max_error,
@@ -95,8 +94,8 @@ def test_rate_zero_is_bit_identical_to_no_dropout():
     kwargs = dict(is_causal=True, return_residual=True, implementation="pallas",
                   interpret=True, block_sizes=SMALL_BLOCKS)
     args = (inputs["q"], inputs["k"], inputs["v"])
-    plain = jit(lambda q, k, v: pallas_attn.dot_product_attention(q, k, v, **kwargs))(*args)
-    zero = jit(lambda q, k, v, key: pallas_attn.dot_product_attention(
+    plain = jax.jit(lambda q, k, v: pallas_attn.dot_product_attention(q, k, v, **kwargs))(*args)
+    zero = jax.jit(lambda q, k, v, key: pallas_attn.dot_product_attention(
         q, k, v, dropout_rate=0.0, dropout_rng=key, **kwargs))(*args, jax.random.key(3))
     for a, b in zip(plain, zero, strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
@@ -135,8 +134,8 @@ def test_finite_differences_of_the_kernel_forward():
             interpret=True, block_sizes=SMALL_BLOCKS)
         return jnp.sum(out * ct)
 
-    forward = jit(loss)
-    gradient = jit(jax.grad(loss, argnums=(0, 1, 2)))
+    forward = jax.jit(loss)
+    gradient = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
     key = jax.random.key(5)
 
     def along(t):
@@ -211,7 +210,7 @@ def test_kernel_forward_equals_float64_with_manual_mask_low_precision_inputs():
     shapes = dict(B=2, T=17, S=33, N=2, H=16)
     inputs = make_inputs(95, dtype=jnp.bfloat16, **shapes)
     rng = jax.random.key(21)
-    out = jit(lambda q, k, v, key: pallas_attn.dot_product_attention(
+    out = jax.jit(lambda q, k, v, key: pallas_attn.dot_product_attention(
         q, k, v, dropout_rate=0.25, dropout_rng=key, is_causal=True, implementation="pallas",
         interpret=True, block_sizes=SMALL_BLOCKS))(inputs["q"], inputs["k"], inputs["v"], rng)
     exact = oracle(inputs, keep=keep_mask(rng, shapes, 0.25), dropout_rate=0.25,

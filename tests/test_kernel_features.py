@@ -22,7 +22,6 @@ from kernel_helpers import (
     assert_fa_rule,
     assert_results_close,
     empty_rows,
-    jit,
     make_inputs,
     max_error,
     oracle,
@@ -405,7 +404,7 @@ def test_huge_negative_bias_row_is_not_an_empty_row():
     bias = np.zeros((1, 1, 16, 16), np.float32)
     bias[0, 0, 5, :] = np.finfo(np.float32).min  # row 5: every key strongly penalised
     args = (inputs["q"], inputs["k"], inputs["v"], jnp.asarray(bias))
-    out, lse = jit(lambda q, k, v, b: pallas_attn.dot_product_attention(
+    out, lse = jax.jit(lambda q, k, v, b: pallas_attn.dot_product_attention(
         q, k, v, b, return_residual=True, **PALLAS))(*args)
     ref_out, ref_lse = pallas_attn.dot_product_attention(*args, return_residual=True,
                                                          implementation="xla")
@@ -438,7 +437,7 @@ def test_gradients_of_rows_with_hugely_negative_logits(row_bias, implementation)
                 q, k, v, b, return_residual=True, implementation=implementation,
                 interpret=implementation == "pallas")
             return jnp.sum(out * inputs["ct"]) + jnp.sum(lse * inputs["ct_lse"])
-        return jit(jax.grad(loss, argnums=(0, 1, 2, 3)))(*args)
+        return jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))(*args)
 
     for name, got, want in zip(("dq", "dk", "dv", "dbias"), grads(implementation), grads("xla"),
                                strict=True):

@@ -25,7 +25,6 @@ from kernel_helpers import (
     assert_no_nan,
     assert_results_close,
     empty_rows,
-    jit,
     make_inputs,
     make_runner,
     max_error,
@@ -120,7 +119,7 @@ def test_forward_head_dims(head_dim, value_head_dim):
     inputs = make_inputs(head_dim, B=1, T=20, S=33, N=2, H=head_dim, Hv=value_head_dim)
     q, k, v = inputs["q"], inputs["k"], inputs["v"]
     kwargs = dict(is_causal=True, causal_alignment="bottom_right", return_residual=True)
-    out, lse = jit(lambda q, k, v: pallas_attn.dot_product_attention(
+    out, lse = jax.jit(lambda q, k, v: pallas_attn.dot_product_attention(
         q, k, v, **kwargs, **PALLAS))(q, k, v)
     # The float64 oracle stands in for the reference here (they agree to 1e-6 in every
     # test that runs both); this keeps the seven head dims cheap.
@@ -180,7 +179,7 @@ def test_gradient_of_lse_alone_and_of_out_alone():
             _, lse = pallas_attn.dot_product_attention(
                 q, k, v, return_residual=True, implementation=implementation, **kwargs, **extra)
             return jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0) * ct_lse)
-        return jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
+        return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
 
     kernel = lse_loss("pallas", {"interpret": True, "block_sizes": SMALL_BLOCKS})
     zero_ct = dict(inputs, ct=jnp.zeros_like(inputs["ct"]))
@@ -213,7 +212,7 @@ def test_forward_does_not_depend_on_block_sizes():
     args = (inputs["q"], inputs["k"], inputs["v"])
 
     def forward(blocks):
-        out, lse = jit(lambda q, k, v: pallas_attn.dot_product_attention(
+        out, lse = jax.jit(lambda q, k, v: pallas_attn.dot_product_attention(
             q, k, v, block_sizes=blocks, **kwargs))(*args)
         return to_numpy({"out": out, "lse": lse})
 
@@ -240,7 +239,7 @@ def test_vmap_over_extra_leading_axis_with_gradients():
             out = jax.vmap(lambda q, k, v: pallas_attn.dot_product_attention(
                 q, k, v, is_causal=True, implementation=implementation, **extra))(q, k, v)
             return jnp.sum(out * ct), out
-        return jit(jax.grad(loss, argnums=(0, 1, 2), has_aux=True))(q, k, v)
+        return jax.jit(jax.grad(loss, argnums=(0, 1, 2), has_aux=True))(q, k, v)
 
     (dq, dk, dv), out = grads("pallas", {"interpret": True, "block_sizes": SMALL_BLOCKS})
     (rdq, rdk, rdv), rout = grads("xla", {})
@@ -271,7 +270,7 @@ def test_checkpoint_inside_scan_over_layers():
                 return jnp.tanh(y * w) + x, None
             y, _ = jax.lax.scan(layer, q, weights)
             return jnp.sum(y * ct)
-        return jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3)))(q, k, v, weights)
+        return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3)))(q, k, v, weights)
 
     value, kernel = grads("pallas", {"interpret": True, "block_sizes": SMALL_BLOCKS})
     ref_value, reference = grads("xla", {})

@@ -29,7 +29,6 @@ from kernel_helpers import (  # no_mosaic_races: an autouse fixture
     assert_needs_hopper,
     assert_results_close,
     empty_rows,
-    jit,
     make_inputs,
     no_mosaic_races,  # noqa: F401
     oracle,
@@ -189,10 +188,10 @@ def test_every_output_element_and_residual_is_written():
                                     dict(is_causal=True, causal_alignment="bottom_right"),
                                     MOSAIC)
     assert (problem.q_pad, problem.kv_pad) == (384, 128)
-    out, (row_max, log2_sum) = jit(lambda q, k, v: mosaic_fwd.forward(problem, q, k, v, {}))(
+    out, (row_max, log2_sum) = jax.jit(lambda q, k, v: mosaic_fwd.forward(problem, q, k, v, {}))(
         q, k, v)
     triton = with_routes(problem, forward=Route("triton", 32, 32, 4, 2))
-    ref_out, (ref_max, ref_sum) = jit(
+    ref_out, (ref_max, ref_sum) = jax.jit(
         lambda q, k, v: triton_fwd.forward(triton, q, k, v, {}))(q, k, v)
     for name, x in (("out", out), ("row_max", row_max), ("log2_sum", log2_sum)):
         assert not np.isnan(np.asarray(x, np.float32)).any(), f"unwritten {name}"
@@ -217,10 +216,10 @@ def test_finfo_min_bias_rows_match_the_triton_forward():
     inputs = make_inputs(6, dtype=jnp.bfloat16, **shapes)
     spec, ops, _ = normalize(inputs["q"], inputs["k"], inputs["v"], jnp.asarray(bias))
     problem, q, k, v, differentiable, _ = vjp.prepare(spec, ops, plan_for(spec, ops, MOSAIC))
-    out, (row_max, log2_sum) = jit(lambda q, k, v, b: mosaic_fwd.forward(
+    out, (row_max, log2_sum) = jax.jit(lambda q, k, v, b: mosaic_fwd.forward(
         problem, q, k, v, {"bias": b}))(q, k, v, differentiable["bias"])
     triton = with_routes(problem, forward=Route("triton", 32, 32, 4, 2))
-    ref_out, (ref_max, ref_sum) = jit(lambda q, k, v, b: triton_fwd.forward(
+    ref_out, (ref_max, ref_sum) = jax.jit(lambda q, k, v, b: triton_fwd.forward(
         triton, q, k, v, {"bias": b}))(q, k, v, differentiable["bias"])
     np.testing.assert_allclose(np.asarray(row_max)[:, :, :140], np.asarray(ref_max)[:, :, :140],
                                rtol=1e-5, atol=1e-3)
@@ -242,7 +241,7 @@ def test_gradients_through_the_mosaic_forward_match_the_triton_forward():
             out = pallas_attn.dot_product_attention(q, k, v, is_causal=True, interpret=True,
                                                     block_sizes=block_sizes)
             return jnp.sum(out.astype(jnp.float32) * inputs["ct"].astype(jnp.float32))
-        return jit(jax.grad(loss, argnums=(0, 1, 2)))(inputs["q"], inputs["k"], inputs["v"])
+        return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(inputs["q"], inputs["k"], inputs["v"])
 
     mosaic = grads(MOSAIC)
     triton = grads(dataclasses.replace(MOSAIC, forward_backend="triton", block_q=64))
