@@ -56,7 +56,7 @@ def main() -> None:
                 grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
                 times.append(best_ms(grad, q, k, v, d_out,
                                      repeats=5 if length <= 1024 else 2))
-            default = pallas_attn.explain(q, k, v).implementation
+            default = pallas_attn.explain(q, k, v, is_causal=causal).implementation
             print(f"| {length} | {'yes' if causal else 'no'} | {times[0]:.1f} | {times[1]:.1f} "
                   f"| {default} | {times[1] / times[0]:.2f} |", flush=True)
 

@@ -67,8 +67,9 @@ def dot_product_attention(
       key_value_seq_lengths: int [B]; keys at j >= length are invisible.
       local_window_size: int w or (left, right): keys i + off - left <= j <= i + off + right.
       implementation: None (Pallas kernels on an NVIDIA GPU; elsewhere the reference, or
-        the blockwise path once T * S >= 2**20), "pallas", "xla" (the reference), or
-        "xla_chunked" (blockwise jnp, O(T) memory).
+        the blockwise path once T * S >= 2**20 with causal masking or a window, 2**23
+        without), "pallas", "xla" (the reference), or "xla_chunked" (blockwise jnp, O(T)
+        memory).
       return_residual: also return the logsumexp, shaped [B, T, N] (float32).
       causal_alignment: "top_left" (offset 0, jax.nn's convention) or "bottom_right"
         (offset S - T, FlashAttention's convention); applies to causal, window, ALiBi.

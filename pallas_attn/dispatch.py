@@ -36,9 +36,11 @@ from pallas_attn.spec import (
 )
 from pallas_attn.tuning import cache
 
-# The CPU default switches from the reference to the blockwise path at T x S = 1024^2,
-# where the blockwise path became the faster (docs/decisions.md, "The CPU default").
+# The CPU default switches from the reference to the blockwise path where the blockwise
+# path became the faster: at T x S = 1024^2 where it skips blocks (causal or a window),
+# at 4096 x 2048 without (docs/decisions.md, "The CPU default").
 PREFER_CHUNKED_ELEMENTS = 2**20
+PREFER_CHUNKED_DENSE_ELEMENTS = 2**23
 # The decode kernel: the most query rows (tokens x query heads of a kv group) its one
 # tile holds, the programs it aims for per multiprocessor (splitting the keys), and its
 # tiles (docs/decisions.md, "Decode kernel tiles and splits").
@@ -108,9 +110,12 @@ def choose_implementation(implementation: str | None, call: Call, interpret: boo
         return "pallas", "an NVIDIA GPU"
     if on_nvidia_gpu():
         return "xla", f"{call.dtype} inputs: the kernels take {', '.join(KERNEL_DTYPES)}"
-    if call.q_len * call.kv_len >= PREFER_CHUNKED_ELEMENTS:
-        return "xla_chunked", ("no NVIDIA GPU, and T * S >= 2**20, where the blockwise path "
-                               "is the faster")
+    skips = call.spec.is_causal or call.spec.local_window is not None
+    threshold = PREFER_CHUNKED_ELEMENTS if skips else PREFER_CHUNKED_DENSE_ELEMENTS
+    if call.q_len * call.kv_len >= threshold:
+        return "xla_chunked", (f"no NVIDIA GPU, and T * S >= 2**{threshold.bit_length() - 1}"
+                               f"{' with blocks to skip' if skips else ''}, where the "
+                               f"blockwise path is the faster")
     return "xla", "no NVIDIA GPU: the reference"
 
 

@@ -344,12 +344,15 @@ def test_choose_tiles_and_chunk():
         chunked.attention(spec, ops, block_q=-4)
 
 
-@pytest.mark.parametrize("q_len,kv_len,expected", [(768, 1024, "xla"), (1024, 1024, "xla_chunked"),
-                                                   (32, 32768, "xla_chunked")])
-def test_the_cpu_default_is_blockwise_for_long_sequences(q_len, kv_len, expected):
+@pytest.mark.parametrize("q_len,kv_len,kwargs,expected", [
+    (768, 1024, dict(is_causal=True), "xla"), (1024, 1024, dict(is_causal=True), "xla_chunked"),
+    (1024, 1024, dict(local_window_size=64), "xla_chunked"), (2048, 2048, {}, "xla"),
+    (4096, 2048, {}, "xla_chunked"), (32, 32768, dict(is_causal=True), "xla_chunked")])
+def test_the_cpu_default_is_blockwise_for_long_sequences(q_len, kv_len, kwargs, expected):
+    """From T * S = 2**20 with blocks to skip (causal, a window), 2**23 without."""
     q = jax.ShapeDtypeStruct((1, q_len, 1, 16), jnp.float32)
     k = jax.ShapeDtypeStruct((1, kv_len, 1, 16), jnp.float32)
-    assert pallas_attn.explain(q, k, k).implementation == expected
+    assert pallas_attn.explain(q, k, k, **kwargs).implementation == expected
 
 
 # --------------------------------------------------------------------------------------

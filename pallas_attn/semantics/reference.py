@@ -41,37 +41,51 @@ def hide_past_lengths(ops: Operands) -> Operands:
                         value=hide_past(ops.value, ops.key_value_seq_lengths, k0))
 
 
+def _by_group(x: jax.Array | None, num_kv_heads: int) -> jax.Array | None:
+    """An operand [X, N or 1, ...] with its query-head axis split into (kv head, query
+    head of the group): [X, K, N / K, ...], or [X, 1, 1, ...] for one shared by the heads."""
+    if x is None:
+        return None
+    heads = x.shape[1]
+    split = (num_kv_heads, heads // num_kv_heads) if heads > 1 else (1, 1)
+    return x.reshape(x.shape[0], *split, *x.shape[2:])
+
+
 def logits_and_visibility(spec: AttentionSpec, ops: Operands) -> tuple[jax.Array, Any]:
-    """Full float32 logits [B, N, T, S] (after bias, ALiBi, soft cap) and visibility."""
+    """Full float32 logits [B, K, G, T, S] (after bias, ALiBi, soft cap; query head
+    n = k * G + g) and visibility (broadcasting against them), or None."""
     q, k = ops.query, ops.key
     B, T, N, H = q.shape
     S, K = k.shape[1], k.shape[2]
     group = N // K
-    # NOTE: batched matmuls over (batch, kv head), each query head's rows stacked: XLA
-    # runs these twice as fast on CPU as one five-index einsum (docs/decisions.md).
-    qg = q.astype(jnp.float32).reshape(B, T, K, group, H).transpose(0, 2, 3, 1, 4)
-    s = jnp.einsum("bkqh,bksh->bkqs", qg.reshape(B, K, group * T, H),
-                   jnp.swapaxes(k.astype(jnp.float32), 1, 2),
-                   precision=jax.lax.Precision.HIGHEST).reshape(B, N, T, S)
+    # NOTE: one product per query head of a kv group, vmapped over the group, with the
+    # scores kept as [B, K, G, T, S] until the output, as jax.nn does: XLA:CPU lays these
+    # out faster than a five-index einsum or a [B, N, T, S] layout (docs/decisions.md,
+    # "The reference's products vmapped over the group").
+    qg = q.astype(jnp.float32).reshape(B, T, K, group, H)
+    s = jax.vmap(lambda x: jnp.einsum("btkh,bskh->bkts", x, k.astype(jnp.float32),
+                                      precision=jax.lax.Precision.HIGHEST),
+                 in_axes=3, out_axes=2)(qg)
     s = s * spec.scale
     offset = spec.offset(T, S)
     q0, k0 = (0, 0) if ops.origin is None else (ops.origin[0], ops.origin[1])
     rows = q0 + jnp.arange(T, dtype=jnp.int32)[:, None]
     cols = k0 + jnp.arange(S, dtype=jnp.int32)[None, :]
-    slope = None if ops.alibi_slopes is None else ops.alibi_slopes[:, :, None, None]
-    logits = scores.modify_logits(s, rows, cols, spec, offset, bias=ops.bias, alibi_slope=slope)
+    slope = _by_group(ops.alibi_slopes, K)
+    logits = scores.modify_logits(s, rows, cols, spec, offset, bias=_by_group(ops.bias, K),
+                                  alibi_slope=None if slope is None else slope[..., None, None])
+    per_entry = (slice(None), None, None, None, None)  # [B] -> [B, 1, 1, 1, 1]
     visible = scores.visibility(
         rows, cols, spec, offset,
-        mask=ops.mask,
-        q_segments=None if ops.q_segment_ids is None else ops.q_segment_ids[:, None, :, None],
-        kv_segments=None if ops.kv_segment_ids is None else ops.kv_segment_ids[:, None, None, :],
-        q_length=None if ops.query_seq_lengths is None
-        else ops.query_seq_lengths[:, None, None, None],
+        mask=_by_group(ops.mask, K),
+        q_segments=None if ops.q_segment_ids is None
+        else ops.q_segment_ids[:, None, None, :, None],
+        kv_segments=None if ops.kv_segment_ids is None
+        else ops.kv_segment_ids[:, None, None, None, :],
+        q_length=None if ops.query_seq_lengths is None else ops.query_seq_lengths[per_entry],
         kv_length=None if ops.key_value_seq_lengths is None
-        else ops.key_value_seq_lengths[:, None, None, None],
+        else ops.key_value_seq_lengths[per_entry],
     )
-    if visible is not None:
-        visible = jnp.broadcast_to(visible, logits.shape)
     return logits, visible
 
 
@@ -79,39 +93,41 @@ def attention(spec: AttentionSpec, ops: Operands) -> tuple[jax.Array, jax.Array]
     """Canonical-layout attention: (out [B, T, N, Hv] in query dtype, lse [B, N, T] float32)."""
     ops = hide_past_lengths(ops)
     logits, visible = logits_and_visibility(spec, ops)
-    B, N, T, S = logits.shape
-    # NOTE: the row maximum and the masked entries are handled so that neither the
-    # value nor the gradient ever sees inf - inf: masked entries become exp(-inf) = 0
-    # through a where on (logits - max), and a row with nothing visible uses max 0.
-    hidden = (lambda x: x) if visible is None else (
-        lambda x: jnp.where(visible, x, -jnp.inf))
-    row_max = jnp.max(hidden(logits), axis=-1, keepdims=True)
-    sink = None if ops.sinks is None else ops.sinks[None, :, None, None]
+    B, K, G, T, S = logits.shape
+    # NOTE: neither the value nor the gradient ever sees inf - inf: hidden entries are
+    # -inf less a finite row maximum (a row with nothing visible uses the lowest float),
+    # exp(-inf) = 0. Arithmetic, not selects, on the row vectors: XLA:CPU's backward ran
+    # up to 1.6x slower with selects there (docs/decisions.md, "The reference's products").
+    if visible is not None:
+        logits = jnp.where(visible, logits, -jnp.inf)
+    row_max = jnp.max(logits, axis=-1, keepdims=True)
+    sink = None if ops.sinks is None else ops.sinks.reshape(1, K, G, 1, 1)
     if sink is not None:  # the sink is one more logit of every row, with no value
         row_max = jnp.maximum(row_max, sink)
-    row_max = jax.lax.stop_gradient(jnp.where(jnp.isfinite(row_max), row_max, 0.0))
-    e = jnp.exp(hidden(logits - row_max))
+    row_max = jax.lax.stop_gradient(jnp.maximum(row_max, jnp.finfo(jnp.float32).min))
+    e = jnp.exp(logits - row_max)
     total = jnp.sum(e, axis=-1, keepdims=True)
     if sink is not None:
         total = total + jnp.exp(sink - row_max)
     # NOTE: a NaN row sum counts as seen: a NaN in a visible input shows in out and lse.
+    # A row that sees nothing divides by 1.
     seen = total != 0
-    p = e / jnp.where(seen, total, 1.0)
-    lse = jnp.where(seen, row_max + jnp.log(jnp.where(seen, total, 1.0)), -jnp.inf)
+    total = total + jnp.logical_not(seen).astype(total.dtype)
+    p = e / total
+    lse = jnp.where(seen, row_max + jnp.log(total), -jnp.inf)
     if spec.has_dropout:
         origin = (0, 0) if ops.origin is None else (ops.origin[0], ops.origin[1])
         keep = dropout_lib.keep_mask(ops.dropout_keys, q_len=T, kv_len=S,
                                      rate=spec.dropout_rate, q_origin=origin[0],
                                      kv_origin=origin[1])
-        p = jnp.where(keep, p * (1.0 / (1.0 - spec.dropout_rate)), 0.0)
+        p = jnp.where(_by_group(keep, K), p * (1.0 / (1.0 - spec.dropout_rate)), 0.0)
     v = ops.value
-    K, Hv = v.shape[2], v.shape[3]
-    out = jnp.einsum("bkqs,bksh->bkqh", p.reshape(B, K, N // K * T, S),
-                     jnp.swapaxes(v.astype(jnp.float32), 1, 2),
-                     precision=jax.lax.Precision.HIGHEST)
-    out = out.reshape(B, K, N // K, T, Hv).transpose(0, 3, 1, 2, 4)
-    out = out.reshape(B, T, N, Hv).astype(ops.query.dtype)
-    return out, lse[..., 0]
+    Hv = v.shape[3]
+    out = jax.vmap(lambda x: jnp.einsum("bkts,bskh->btkh", x, v.astype(jnp.float32),
+                                        precision=jax.lax.Precision.HIGHEST),
+                   in_axes=2, out_axes=3)(p)
+    out = out.reshape(B, T, K * G, Hv).astype(ops.query.dtype)
+    return out, lse.reshape(B, K * G, T)
 
 
 def empty(ops: Operands) -> tuple[jax.Array, jax.Array]:
