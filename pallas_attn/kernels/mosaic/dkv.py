@@ -344,7 +344,7 @@ def _consume(problem: Problem, tiles_of: _Tiles, wg, unit_of, units, add_dbias: 
             half(p_buf)[...] = prob.astype(dtype)
             half(ds_tile)[...] = ds.astype(dtype)
             plgpu.commit_smem()
-            if copies_dbias and wide:  # the other consumer fills last step's next
+            if copies_dbias and wide:  # last step's copy has read what the other fills next
                 as_copier(lambda: plgpu.wait_smem_to_gmem(0, wait_read_only=True))
             take_turn(exchange)  # wide: the other consumer's halves are in too
 

@@ -266,7 +266,7 @@ def _consume(problem: Problem, ctx, tiles, step_of, row0, stop, mine: dict, ds_t
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last dbias copy read ds
         ds_tile.at[:, keys][...] = ds.astype(ds_tile.dtype)
         plgpu.commit_smem()
-        if dbias is not None and wide:  # the other consumer fills the last copy's next
+        if dbias is not None and wide:  # last tile's copy has read what the other fills next
             pl.when(copier)(lambda: plgpu.wait_smem_to_gmem(0, wait_read_only=True))
         # Wide: both halves are in, and the products that last read this tile (two
         # steps back) are done.
