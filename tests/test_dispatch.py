@@ -382,6 +382,37 @@ def test_triton_fused_dbias(bias_shape, batch, kv_heads, kv_len, expected):
                           block_sizes=dataclasses.replace(TRITON_ONLY, fuse_dbias=True))
 
 
+def test_the_wide_backward_kernels_routes():
+    """Head dim 256 (or a value head dim of 256): the dQ and dK/dV kernels' consumers
+    share each tile, 64 x 64 tiles; dK/dV takes two slots, one where a bias leaves no room
+    for two; tiles, slots or a bias that do not fit are refused naming the field."""
+    budget = H100.max_shared_memory_per_block
+    for c in (call(256), call(64, value_head_dim=256), call(192, value_head_dim=64)):
+        plan = dispatch.plan(c, device=H100)
+        assert (plan.dkdv.backend, plan.dkdv.block_q, plan.dkdv.block_k,
+                plan.dkdv.num_stages) == ("mosaic", 64, 64, 2)
+    plan = dispatch.plan(call(256), device=H100)  # dQ: Triton's wherever a dim pads to 64
+    assert (plan.dq.backend, plan.dq.block_q, plan.dq.block_k, plan.dq.consumers) == (
+        "mosaic", 64, 64, 2)
+    assert mosaic.dkv_scratch(256, 256, 2, "bfloat16").bytes <= budget
+    assert mosaic.dkv_scratch(256, 256, 2, "bfloat16", "bfloat16").bytes > budget
+    biased = dispatch.plan(call(256, bias_shape=(4, 16, 4096, 4096)), device=H100)
+    assert (biased.dkdv.backend, biased.dkdv.num_stages, biased.dbias.fused) == (
+        "mosaic", 1, True)
+    with pytest.raises(ValueError, match=r"dkv_backend='mosaic' does not cover this call: it "
+                                         r"runs \(block_q_dkv, block_k_dkv\) = \(64, 64\)"):
+        dispatch.plan(call(256), device=H100,
+                      block_sizes=BlockSizes(block_k_dkv=32, dkv_backend="mosaic"))
+    with pytest.raises(ValueError, match=r"dq_backend='mosaic' does not cover this call: it "
+                                         r"runs \(block_q_dq, block_k_dq\) = \(64, 64\)"):
+        dispatch.plan(call(256), device=H100,
+                      block_sizes=BlockSizes(block_q_dq=32, dq_backend="mosaic"))
+    with pytest.raises(ValueError, match="dkv_backend='mosaic' does not cover this call: its "
+                                         "buffers need 2"):
+        dispatch.plan(call(256, bias_shape=(4, 16, 4096, 4096)), device=H100,
+                      block_sizes=BlockSizes(num_stages_dkv=2, dkv_backend="mosaic"))
+
+
 @pytest.mark.parametrize("role,field", [("forward", "forward_backend"),
                                         ("dq", "dq_backend"), ("dkdv", "dkv_backend"),
                                         ("dbias", "dbias_backend")])
