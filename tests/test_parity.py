@@ -151,6 +151,36 @@ def test_a_nan_in_a_visible_key_shows_in_the_rows_that_see_it(impl):
     assert np.isfinite(np.asarray(out[:, :, 1])).all()  # head 1 reads kv head 1
 
 
+@pytest.mark.parametrize("impl", ["xla", "xla_chunked"])
+@pytest.mark.parametrize("hidden", ["mask", "causal_future", "other_segment", "window"])
+def test_nonfinite_hidden_keys_never_change_a_result(impl, hidden):
+    """NaN keys and inf values at key 9, which the caller hid from every row (a masked
+    column, a causally future key, a segment no query has, outside every window): the
+    output, logsumexp and every gradient equal those of clean inputs bit for bit (the
+    hidden key's own dK and dV are 0 either way)."""
+    q, k, v = _qkv(T=8, S=12)
+    ct = jnp.asarray(np.random.default_rng(1).standard_normal(q.shape), jnp.float32)
+    kwargs = {"mask": dict(mask=jnp.ones((2, 1, 8, 12), bool).at[..., 9].set(False)),
+              "causal_future": dict(is_causal=True),
+              "other_segment": dict(q_segment_ids=jnp.zeros((2, 8), jnp.int32),
+                                    kv_segment_ids=jnp.zeros((2, 12), jnp.int32).at[:, 9].set(2)),
+              "window": dict(local_window_size=(2, 0))}[hidden]
+
+    def results(k, v):
+        def loss(q, k, v):
+            out, lse = pallas_attn.dot_product_attention(
+                q, k, v, return_residual=True, **kwargs, **IMPLS[impl])
+            return jnp.sum(out * ct) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0)), (out, lse)
+
+        (_, aux), grads = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(q, k, v)
+        return [np.asarray(x) for x in (*aux, *grads)]
+
+    dirty = results(k.at[:, 9].set(jnp.nan), v.at[:, 9].set(jnp.inf))
+    for name, got, want in zip(("out", "lse", "dq", "dk", "dv"), dirty, results(k, v),
+                               strict=True):
+        np.testing.assert_array_equal(got, want, err_msg=name)
+
+
 def test_the_kernels_on_a_machine_without_a_gpu_say_what_to_do():
     q, k, v = _qkv()
     with pytest.raises(ValueError, match="implementation='pallas' runs the kernels on an NVIDIA "

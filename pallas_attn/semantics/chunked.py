@@ -181,9 +181,9 @@ def attention(spec: AttentionSpec, ops: Operands, *, block_q: int | None = None,
     depend on them beyond float rounding.
     """
     plan = _plan(spec, ops, block_q, block_k, chunk)
-    ops = reference.hide_past_lengths(ops)
+    ops, constants = _hide(ops)
     return _attention(plan, ops.query, ops.key, ops.value, ops.bias, ops.alibi_slopes,
-                      ops.sinks, _constants(ops))
+                      ops.sinks, constants)
 
 
 def gradients(spec: AttentionSpec, ops: Operands, out: jax.Array, lse: jax.Array,
@@ -195,16 +195,24 @@ def gradients(spec: AttentionSpec, ops: Operands, out: jax.Array, lse: jax.Array
     if ops.bias is not None:
         raise AssertionError("chunked.gradients takes no bias")
     plan = _plan(spec, ops, None, None, None)
-    ops = reference.hide_past_lengths(ops)
+    ops, constants = _hide(ops)
     row_stats = (jnp.where(lse == -jnp.inf, jnp.inf, lse), jnp.zeros_like(lse))
     dq, dk, dv, _, _ = _backward(plan, ops.query, ops.key, ops.value, None, ops.alibi_slopes,
-                                 _constants(ops), out, row_stats, d_out, d_lse,
+                                 constants, out, row_stats, d_out, d_lse,
                                  bias_grad=False, slope_grad=False)
     return dq, dk, dv
 
 
-def _constants(ops: Operands) -> dict[str, jax.Array]:
-    return {name: getattr(ops, name) for name in _CONSTANTS if getattr(ops, name) is not None}
+def _hide(ops: Operands) -> tuple[Operands, dict[str, jax.Array]]:
+    """The operands with positions past the lengths and non-finite keys and values
+    zeroed (`reference.hide_past_lengths`, `reference.nonfinite_keys`), and the tiles'
+    constants, which flag the non-finite keys."""
+    ops = reference.hide_past_lengths(ops)
+    key, value, bad = reference.nonfinite_keys(ops.key, ops.value)
+    ops = ops._replace(key=key, value=value)
+    constants = {name: getattr(ops, name) for name in _CONSTANTS
+                 if getattr(ops, name) is not None}
+    return ops, {**constants, "nonfinite_keys": bad}
 
 
 def _plan(spec: AttentionSpec, ops: Operands, block_q: int | None, block_k: int | None,
@@ -366,6 +374,9 @@ class _Tiles:
             self.q_lengths = self._batch_rows(constants["query_seq_lengths"]) - q0
         if "key_value_seq_lengths" in constants:
             self.kv_lengths = self._batch_rows(constants["key_value_seq_lengths"]) - k0
+        bad = _pad_axis(constants["nonfinite_keys"], 2, p.kv_pad)
+        self.nonfinite_keys = lax.dynamic_slice(
+            bad, (self.batch0, self.head0 // p.group, 0), (mb, kb, p.kv_pad))
         self.drop_keys = None
         if p.spec.has_dropout:
             keys = constants["dropout_keys"]
@@ -449,6 +460,8 @@ class _Tiles:
         p = self.plan
         spec = p.spec
         s = jnp.einsum("bkgqh,bkht->bkgqt", q, k_t, precision=_HIGHEST) * spec.scale
+        s = reference.with_nonfinite_keys(
+            s, lax.dynamic_slice_in_dim(self.nonfinite_keys, j * p.block_k, p.block_k, 2))
         rows, cols = self.positions(i, j)
         bias = None if self.bias is None else self._broadcast_tile(self.bias, i, j)
         logits = scores.modify_logits(s, rows, cols, spec, self.offset, bias=bias,

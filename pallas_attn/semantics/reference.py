@@ -7,7 +7,9 @@ so it is meant for modest sizes; `implementation="xla_chunked"` is the
 memory-efficient CPU path.
 
 Differentiable by ordinary jax autodiff, including the bias. A query row with no
-visible key gives output 0, logsumexp -inf and zero gradients, never NaN.
+visible key gives output 0, logsumexp -inf and zero gradients, never NaN. Keys hidden
+from a row never change its results, NaN or inf among them included; a non-finite
+visible key makes the row NaN.
 """
 
 from __future__ import annotations
@@ -51,9 +53,34 @@ def _by_group(x: jax.Array | None, num_kv_heads: int) -> jax.Array | None:
     return x.reshape(x.shape[0], *split, *x.shape[2:])
 
 
-def logits_and_visibility(spec: AttentionSpec, ops: Operands) -> tuple[jax.Array, Any]:
+def nonfinite_keys(key: jax.Array, value: jax.Array) -> tuple[jax.Array, jax.Array,
+                                                               jax.Array]:
+    """(key, value, bad): key and value with their non-finite entries zeroed, and bad
+    [B, K, S], whether key j of kv head k (its key or value row) held one.
+
+    A key hidden from a row (masked, another segment, causally future) then meets that
+    row's products as zeros, where 0 * NaN would poison the row and its gradients; a
+    visible one gives the row a NaN score instead (`with_nonfinite_keys`), so the row's
+    output, logsumexp and gradients show it."""
+    bad = (jnp.logical_not(jnp.isfinite(key)).any(-1)
+           | jnp.logical_not(jnp.isfinite(value)).any(-1))
+    return (jnp.where(jnp.isfinite(key), key, jnp.zeros_like(key)),
+            jnp.where(jnp.isfinite(value), value, jnp.zeros_like(value)),
+            jnp.swapaxes(bad, 1, 2))
+
+
+def with_nonfinite_keys(logits: jax.Array, bad: jax.Array) -> jax.Array:
+    """Logits [B, K, G, T, S] with NaN in the columns of the keys `nonfinite_keys` found
+    non-finite (bad [B, K, S])."""
+    # NOTE: added, not selected: a select here cost XLA:CPU's backward (docs/decisions.md).
+    return logits + jnp.where(bad, jnp.nan, 0.0)[:, :, None, None, :]
+
+
+def logits_and_visibility(spec: AttentionSpec, ops: Operands, bad: jax.Array
+                          ) -> tuple[jax.Array, Any]:
     """Full float32 logits [B, K, G, T, S] (after bias, ALiBi, soft cap; query head
-    n = k * G + g) and visibility (broadcasting against them), or None."""
+    n = k * G + g; NaN in the columns of the non-finite keys `bad`, `nonfinite_keys`)
+    and visibility (broadcasting against them), or None."""
     q, k = ops.query, ops.key
     B, T, N, H = q.shape
     S, K = k.shape[1], k.shape[2]
@@ -66,7 +93,7 @@ def logits_and_visibility(spec: AttentionSpec, ops: Operands) -> tuple[jax.Array
     s = jax.vmap(lambda x: jnp.einsum("btkh,bskh->bkts", x, k.astype(jnp.float32),
                                       precision=jax.lax.Precision.HIGHEST),
                  in_axes=3, out_axes=2)(qg)
-    s = s * spec.scale
+    s = with_nonfinite_keys(s * spec.scale, bad)
     offset = spec.offset(T, S)
     q0, k0 = (0, 0) if ops.origin is None else (ops.origin[0], ops.origin[1])
     rows = q0 + jnp.arange(T, dtype=jnp.int32)[:, None]
@@ -92,7 +119,9 @@ def logits_and_visibility(spec: AttentionSpec, ops: Operands) -> tuple[jax.Array
 def attention(spec: AttentionSpec, ops: Operands) -> tuple[jax.Array, jax.Array]:
     """Canonical-layout attention: (out [B, T, N, Hv] in query dtype, lse [B, N, T] float32)."""
     ops = hide_past_lengths(ops)
-    logits, visible = logits_and_visibility(spec, ops)
+    key, value, bad = nonfinite_keys(ops.key, ops.value)
+    ops = ops._replace(key=key, value=value)
+    logits, visible = logits_and_visibility(spec, ops, bad)
     B, K, G, T, S = logits.shape
     # NOTE: neither the value nor the gradient ever sees inf - inf: hidden entries are
     # -inf less a finite row maximum (a row with nothing visible uses the lowest float),
