@@ -243,6 +243,15 @@ def _not_hopper(device: DeviceInfo) -> str:
     return f"needs an sm90 (Hopper) GPU, this one is sm{major}{minor}"
 
 
+def _first_fitting(options: tuple[int, ...], need: Any, device: DeviceInfo) -> tuple[int, int]:
+    """(slots, bytes): the first of options whose buffers, need(slots) bytes, fit the
+    device's shared memory, else the last."""
+    needs = {s: need(s) for s in options}
+    slots = next((s for s in options if needs[s] <= device.max_shared_memory_per_block),
+                 options[-1])
+    return slots, needs[slots]
+
+
 def _mosaic_route(role: str, call: Call, device: DeviceInfo, overrides: BlockSizes,
                   automatic: bool, interpret: bool) -> Route | str:
     """The Mosaic kernel's route for a role, or why it does not run it."""
@@ -292,13 +301,11 @@ def _mosaic_route(role: str, call: Call, device: DeviceInfo, overrides: BlockSiz
         dkv_tiles = mosaic.dkv_tiles(hp, hvp)
         wrong = block_q not in (None, dkv_tiles[0]) or block_k not in (None, dkv_tiles[1])
         rule = f"(block_q_dkv, block_k_dkv) = {dkv_tiles}"
-        options = (stages,) if stages is not None else mosaic.dkv_stage_options(hp, hvp)
-        needs = {s: mosaic.dkv_scratch(hp, hvp, s, call.dtype, call.bias_dtype,
-                                       zeros=spec.has_bias).bytes for s in options}
-        stages = next((s for s in options if needs[s] <= device.max_shared_memory_per_block),
-                      options[-1])
+        stages, need = _first_fitting(
+            (stages,) if stages is not None else mosaic.dkv_stage_options(hp, hvp),
+            lambda s: mosaic.dkv_scratch(hp, hvp, s, call.dtype, call.bias_dtype,
+                                         zeros=spec.has_bias).bytes, device)
         route = Route("mosaic", *dkv_tiles, 0, stages, mosaic.CONSUMERS)
-        need = needs[stages]
     elif role == "dq":
         dq_tiles = mosaic.dq_tiles(hp, hvp)
         wrong = (block_q not in (None, dq_tiles[0]) or block_k not in (None, dq_tiles[1])
@@ -317,13 +324,11 @@ def _mosaic_route(role: str, call: Call, device: DeviceInfo, overrides: BlockSiz
                  or block_k not in (None, *mosaic.DBIAS_BLOCK_K))
         rule = f"block_q_dbias={mosaic.ITEM_ROWS} and block_k_dbias in {mosaic.DBIAS_BLOCK_K}"
         block_k = block_k or mosaic.DBIAS_BLOCK_K[0]
-        options = (stages,) if stages is not None else mosaic.DBIAS_STAGES
-        needs = {s: mosaic.dbias_scratch(hp, hvp, block_k, s, call.dtype,
-                                         call.bias_dtype).bytes for s in options}
-        stages = next((s for s in options if needs[s] <= device.max_shared_memory_per_block),
-                      options[-1])
+        stages, need = _first_fitting(
+            (stages,) if stages is not None else mosaic.DBIAS_STAGES,
+            lambda s: mosaic.dbias_scratch(hp, hvp, block_k, s, call.dtype,
+                                           call.bias_dtype).bytes, device)
         route = Route("mosaic", mosaic.ITEM_ROWS, block_k, 0, stages, mosaic.CONSUMERS)
-        need = needs[stages]
     if wrong:
         given = _fields(role, overrides.tiles(role))
         return f"it runs {rule}; block_sizes gives {given}"

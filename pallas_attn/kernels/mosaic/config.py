@@ -62,6 +62,12 @@ def is_wide(hp: int, hvp: int) -> bool:
     return WIDE_HEAD_DIM in (hp, hvp)
 
 
+def operand_swizzle(hp: int, hvp: int) -> int:
+    """The swizzle (bytes) of the backward kernels' wgmma tiles: 64 where the consumers
+    share each tile (`is_wide`), so that half of a 64-key tile is whole tiles."""
+    return 64 if is_wide(hp, hvp) else 128
+
+
 def dkv_tiles(hp: int, hvp: int) -> tuple[int, int]:
     """(query rows per step, keys per unit) of the dK/dV kernel."""
     return DKV_WIDE_TILES if is_wide(hp, hvp) else DKV_TILES
@@ -229,7 +235,7 @@ def dq_scratch(hp: int, hvp: int, block_k: int, stages: int, consumers: int, dty
     buffers'."""
     rows, c = ROWS_PER_CONSUMER, consumers
     split = is_wide(hp, hvp)
-    swizzle = 64 if split else 128
+    swizzle = operand_swizzle(hp, hvp)
     owners = 1 if split else c  # the rows' buffers
     dtype = _name(dtype)
     return Scratch(
@@ -265,7 +271,7 @@ def dkv_scratch(hp: int, hvp: int, stages: int, dtype: Any, bias_dtype: Any = No
     wide = is_wide(hp, hvp)
     c = CONSUMERS
     keys = unit // c  # each consumer's keys of S and dP
-    swizzle = 64 if wide else 128
+    swizzle = operand_swizzle(hp, hvp)
     dtype = _name(dtype)
     copies = 3 + (c if bias_dtype is not None else 0)  # Q, dO, residuals, bias tiles
     tiles = (rows, unit) if wide else (c, rows, keys)  # P and dS: shared or per consumer
