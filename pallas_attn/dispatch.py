@@ -8,9 +8,8 @@ taken; the backends only say what they can run (kernels/*/config.py).
 
 Order of preference per role: the warp-specialised Mosaic GPU kernel (sm90), then
 Triton's (sm80 and newer, and the interpreter). Mosaic runs a role where it can and
-where it measured faster (docs/decisions.md): every role at head dims padding to
-128, dK/dV and dbias at 64 too, the forward, dQ and dK/dV at 256; the Triton
-kernels were faster for the forward and dQ at 64. Tiles: the caller's `BlockSizes`, then the
+where it measured faster (docs/decisions.md): every role at head dims padding to 64,
+128 and 256 (dbias: 64 and 128). Tiles: the caller's `BlockSizes`, then the
 tile cache (`python -m pallas_attn tune`), then the first rung of a ladder that fits
 the device's shared memory.
 """
@@ -265,12 +264,8 @@ def _mosaic_route(role: str, call: Call, device: DeviceInfo, overrides: BlockSiz
                                  call.value_head_dim, role):
         return why
     hp, hvp = padded_head_dim(call.head_dim), padded_head_dim(call.value_head_dim)
-    dims = {hp, hvp}
     if automatic and call.q_len < mosaic.ITEM_ROWS:
         return f"fewer query rows ({call.q_len}) than one work item ({mosaic.ITEM_ROWS})"
-    if automatic and role in ("forward", "dq") and 64 in dims:
-        return (f"head dims padding to {sorted(dims)}: the Triton {ROLE_LABELS[role]} kernel "
-                f"measured faster there (docs/decisions.md)")
     rows = call.q_len * (call.num_heads // call.num_kv_heads)
     lengths = [name for name in ("query_seq_lengths", "key_value_seq_lengths")
                if name in call.present]

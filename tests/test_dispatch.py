@@ -83,9 +83,8 @@ TABLE = {
     "d128_float16_soft_cap_alibi": (call(dtype="float16", logits_soft_cap=30.0,
                                          has_alibi=True), "sm90",
                                     ("mosaic", "mosaic", "mosaic", None)),
-    # Triton's forward and dQ measured faster at d64; Mosaic's dK/dV did not.
-    "d64": (call(64), "sm90", ("triton", "triton", "mosaic", None)),
-    "d128_Hv64": (call(128, value_head_dim=64), "sm90", ("triton", "triton", "mosaic", None)),
+    "d64": (call(64), "sm90", ("mosaic", "mosaic", "mosaic", None)),
+    "d128_Hv64": (call(128, value_head_dim=64), "sm90", ("mosaic", "mosaic", "mosaic", None)),
     # d256: the Mosaic forward (64-key tiles) and the wide Mosaic dQ and dK/dV kernels
     # (consumers sharing each item and unit), dK/dV with one slot where a bias leaves no
     # room for two; a float32 bias leaves the dQ kernel no room.
@@ -108,7 +107,7 @@ TABLE = {
     "bias_shared_by_heads": (call(bias_shape=(1, 1, 4096, 4096)), "sm90",
                              ("mosaic", "mosaic", "mosaic", "mosaic")),
     "bias_d64_shared_by_heads": (call(64, bias_shape=(4, 1, 4096, 4096)), "sm90",
-                                 ("triton", "triton", "mosaic", "mosaic")),
+                                 ("mosaic", "mosaic", "mosaic", "mosaic")),
     # A float32 bias leaves no room next to two 128-key slots (forward) or the dK/dV
     # kernel's slots; the separate Mosaic dbias kernel fits with one slot.
     "bias_float32": (call(bias_shape=(1, 16, 4096, 4096), bias_dtype="float32"), "sm90",
@@ -182,7 +181,8 @@ def test_reasons_name_what_refuses():
     reasons = {name: dict(dispatch.plan(c, device=DEVICES[d]).forward.declined).get("mosaic")
                for name, (c, d, _) in TABLE.items()}
     assert "sm90" in reasons["sm80"] and "this one is sm80" in reasons["sm80"]
-    assert "measured faster" in reasons["d64"]
+    segments_dq = dict(dispatch.plan(TABLE["segments"][0], device=H100).dq.declined)
+    assert "measured faster" in segments_dq["mosaic"]
     dq_reasons = dict(dispatch.plan(TABLE["d32"][0], device=H100).dq.declined)
     assert "head dims must pad to (64, 128, 256)" in dq_reasons["mosaic"]
     dq_reasons = dict(dispatch.plan(TABLE["d256_bias_float32"][0], device=H100).dq.declined)
@@ -391,9 +391,8 @@ def test_the_wide_backward_kernels_routes():
         plan = dispatch.plan(c, device=H100)
         assert (plan.dkdv.backend, plan.dkdv.block_q, plan.dkdv.block_k,
                 plan.dkdv.num_stages) == ("mosaic", 64, 64, 2)
-    plan = dispatch.plan(call(256), device=H100)  # dQ: Triton's wherever a dim pads to 64
-    assert (plan.dq.backend, plan.dq.block_q, plan.dq.block_k, plan.dq.consumers) == (
-        "mosaic", 64, 64, 2)
+        assert (plan.dq.backend, plan.dq.block_q, plan.dq.block_k, plan.dq.consumers) == (
+            "mosaic", 64, 64, 2)
     assert mosaic.dkv_scratch(256, 256, 2, "bfloat16").bytes <= budget
     assert mosaic.dkv_scratch(256, 256, 2, "bfloat16", "bfloat16").bytes > budget
     biased = dispatch.plan(call(256, bias_shape=(4, 16, 4096, 4096)), device=H100)
@@ -503,7 +502,7 @@ def test_the_cli_explains_a_problem():
         capture_output=True, text=True, check=True, timeout=100).stdout
     lines = out.splitlines()
     assert any(line.startswith("dK/dV   mosaic") for line in lines), out
-    assert any(line.startswith("forward triton") for line in lines), out
+    assert any(line.startswith("forward mosaic") for line in lines), out
     assert any(line.startswith("dbias   mosaic") for line in lines), out
 
 

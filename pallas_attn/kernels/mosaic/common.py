@@ -526,9 +526,10 @@ def head_slope(slopes_ref, valid, b, n) -> Any:
 
 def accumulate(products, interpret: bool) -> tuple[jax.Array, ...]:
     """acc + sum of A B over its pairs, with wgmma, for each (acc, ((A, B), ...)) of
-    products (A and B in shared memory), one wait for all. The interpreter has no
-    accumulator initialised from registers (pl.run_state over plgpu.ACC.init): there
-    the products start from zero and the sums happen in registers."""
+    products (B in shared memory, A there or in registers in the WGMMA layout), one
+    wait for all. The interpreter has no accumulator initialised from registers
+    (pl.run_state over plgpu.ACC.init) and no A in registers: there the products start
+    from zero, A is in shared memory and the sums happen in registers."""
     def issue(refs):
         for ref, (_, pairs) in zip(refs, products, strict=True):
             for a, b in pairs:

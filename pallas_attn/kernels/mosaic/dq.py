@@ -11,8 +11,9 @@ consumer warpgroups: three, or two with a bias or a local window
 * Each consumer takes 64 rows. Per item it copies its rows of Q, dO and the row
   residuals (row reference, log2 row sum, delta) into buffers of its own; per key
   tile it computes S = Q K^T and dP = dO V^T with wgmma, P and dS from the residuals
-  and the shared score rules (`common.tile_gradient`), stages dS in shared
-  memory and adds dS K into its dQ accumulator with a third wgmma. The bias comes
+  and the shared score rules (`common.tile_gradient`), and adds dS K into its dQ
+  accumulator with a third wgmma that takes dS from registers (from shared memory
+  where a dbias copy reads it too, and in the interpreter). The bias comes
   through each consumer's own buffer one tile ahead (`common.BiasTiles`).
 * Three consumers (items of 192 rows) run without turns: while two compute their
   exponentials and soft-cap tanh, the third's products keep the tensor cores busy
@@ -264,8 +265,14 @@ def _consume(problem: Problem, ctx, tiles, step_of, row0, stop, mine: dict, ds_t
         ds_tile = ds_tiles.at[lax.rem(step_of(t), 2)] if wide else ds_tiles
         if dbias is not None and not wide:
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last dbias copy read ds
-        ds_tile.at[:, keys][...] = ds.astype(ds_tile.dtype)
-        plgpu.commit_smem()
+        ds_operand = ds.astype(ds_tile.dtype)
+        # dS is dS K's A operand from registers, unless both consumers' halves meet in
+        # shared memory (wide), a dbias copy reads it there, or the interpreter (whose
+        # wgmma reads shared memory only) runs it.
+        if wide or dbias is not None or problem.interpret:
+            ds_tile.at[:, keys][...] = ds_operand
+            plgpu.commit_smem()
+            ds_operand = ds_tile
         if dbias is not None and wide:  # last tile's copy has read what the other fills next
             pl.when(copier)(lambda: plgpu.wait_smem_to_gmem(0, wait_read_only=True))
         # Wide: both halves are in, and the products that last read this tile (two
@@ -278,7 +285,7 @@ def _consume(problem: Problem, ctx, tiles, step_of, row0, stop, mine: dict, ds_t
         take_turn(schedule)
         # NOTE: not left in flight across tiles: ptxas then injects waits of its own
         # (docs/decisions.md, "dS K left in flight").
-        (dq,) = accumulate(((dq, ((ds_tile, k_smem.at[slot, :, cols]),)),),
+        (dq,) = accumulate(((dq, ((ds_operand, k_smem.at[slot, :, cols]),)),),
                            problem.interpret)
         plgpu.barrier_arrive(k_consumed.at[slot])
         return dq

@@ -13,15 +13,17 @@ heaviest causal tile first) with three warpgroups:
 * Warpgroups 0 and 1, the consumers, each take 64 rows. They compute S = Q K^T
   with wgmma into registers, apply the shared score and visibility rules
   (semantics/scores.py) and the online softmax step (`core.softmax_step`: log2
-  units, the running row maximum or the soft cap's bound), stage P in shared
-  memory and accumulate P V with a second wgmma. A two-arrival barrier makes the
+  units, the running row maximum or the soft cap's bound) and accumulate P V onto
+  the output accumulator with a second wgmma that takes P from registers (the
+  interpreter's wgmma reads shared memory only: there P goes through P's buffer,
+  which otherwise only stages the output). A two-arrival barrier makes the
   consumers take turns on the tensor cores (FlashAttention-3's ping-pong), so one
   consumer's softmax overlaps the other's products. The next item's Q is loaded as
   soon as the last Q K^T of an item is done, and the output leaves through a bulk
   copy (staged in P's buffer when shapes agree) that overlaps the next item; the
   row residuals are stored from registers. At head dim 256 (64-key tiles) the
   output has no room of its own: it is staged in Q's buffer and the next Q loads
-  once it has left, and P V accumulates onto the output in place.
+  once it has left.
 * With segment ids, each item's and each consumer's band narrows to the keys its
   rows' segments hold (`common.Segments`: chunk limits from core.segment_ranges), and
   every tile compares the rows' ids (read once per item) with the key tile's.
@@ -101,9 +103,9 @@ from pallas_attn.kernels.mosaic.config import (
     forward_scratch,
 )
 
-# P V accumulates onto the output in place from this value head dim on: a separate
-# 64 x 256 float32 product next to the accumulator would not fit a consumer's registers.
-IN_PLACE_PV_HEAD_DIM = 256
+# From this value head dim on the accumulator is rescaled after the turn's barriers, not
+# before them (measured faster at 256, slower at 64 and 128: docs/decisions.md).
+LATE_RESCALE_HEAD_DIM = 256
 
 
 def _kernel(q_ref, k_ref, v_ref, bias_ref, slopes_ref, sinks_ref, lengths, segments, dropout,
@@ -237,22 +239,23 @@ def _consume(problem: Problem, ctx: TileRanges, tiles: Band, slot_of, row0, stop
         if dropout is not None:
             prob = jnp.where(dropout.keep(row_keys, dropout.multipliers(t * block_k, block_k)),
                              prob, 0.0)
-        p_smem[...] = prob.astype(dtype)
-        plgpu.commit_smem()
+        p = prob.astype(dtype)
+        if problem.interpret:  # its wgmma reads both operands from shared memory
+            p_smem[...] = p
+            plgpu.commit_smem()
+            p = p_smem
+        late = hv >= LATE_RESCALE_HEAD_DIM
+        if alpha is not None and not late:
+            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+        if not (late or problem.interpret):
+            # NOTE: keeps the rescale and P's conversion ahead of the turn's barriers.
+            acc, p = lax.optimization_barrier((acc, p))
         plgpu.barrier_arrive(schedule)  # this softmax is done
         plgpu.barrier_wait(v_loaded.at[slot])
         plgpu.barrier_wait(schedule)  # the other consumer has issued its Q K^T
-
-        if alpha is not None:
+        if alpha is not None and late:
             acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-        if hv >= IN_PLACE_PV_HEAD_DIM:
-            (acc,) = accumulate(((acc, ((p_smem, v_smem.at[slot]),)),), problem.interpret)
-        else:
-            def pv(acc_ref):
-                plgpu.wgmma(acc_ref, p_smem, v_smem.at[slot])
-                return acc_ref[...]
-
-            acc = acc + pl.run_scoped(pv, plgpu.ACC((rows_n, hv), jnp.float32))
+        (acc,) = accumulate(((acc, ((p, v_smem.at[slot]),)),), problem.interpret)
         plgpu.barrier_arrive(v_consumed.at[slot])
         return acc, m_next, l_next
 
