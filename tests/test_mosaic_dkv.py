@@ -83,6 +83,17 @@ CASES = [
     ("segments_unsorted_gqa", dict(B=2, T=140, S=200, N=4, K=2), None,
      dict(q_segment_ids=np.random.default_rng(3).integers(0, 3, (2, 140)),
           kv_segment_ids=np.random.default_rng(4).integers(0, 3, (2, 200))), {}),
+    # Head dim 64 without a bias or ALiBi: every tile computed keys by queries (S^T =
+    # K Q^T, `config.dkv_keys_major`): windows, a soft cap and ragged lengths under GQA;
+    # packed documents; bottom-right causal, T > S.
+    ("keys_major_window_soft_cap_lengths_gqa", dict(B=3, T=150, S=200, N=4, K=2), None,
+     dict(local_window_size=(40, 10), logits_soft_cap=5.0,
+          query_seq_lengths=np.array([150, 30, 100]),
+          key_value_seq_lengths=np.array([0, 200, 131])), {}),
+    ("keys_major_packed_causal", dict(B=2, T=330, S=330, N=2), None,
+     dict(is_causal=True, q_segment_ids=np.repeat(np.arange(5), 66)[None].repeat(2, 0)), {}),
+    ("keys_major_bottom_right_T>S", dict(B=2, T=200, S=100, N=2), None,
+     dict(is_causal=True, causal_alignment="bottom_right"), {}),
     # Head dim 256: units of 64 keys that the consumers share (`config.is_wide`), each
     # with half of S, dP and the head dims; the whole dS tile copied as dbias.
     ("wide_H256_per_batch_bias_causal", dict(B=2, T=130, S=200, N=2, H=256), (2, 2),

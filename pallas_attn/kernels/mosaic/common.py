@@ -66,6 +66,11 @@ def smem_tiles(shape: tuple[int, ...], dtype: Any, swizzle: int = 128) -> Any:
                                                 plgpu.SwizzleTransform(swizzle)))
 
 
+def along(dim: int) -> Any:
+    """The layout of a vector laid along dimension dim of a WGMMA tile."""
+    return plgpu.Layout.WGMMA.reduce(1 - dim)
+
+
 @dataclasses.dataclass(frozen=True)
 class Band:
     """Key tiles [first, stop) of some query rows; [full_first, full_stop) need no
@@ -97,15 +102,16 @@ class Segments:
     kv_ids: Any
     limits: Any
 
-    def rows(self, b, row0) -> jax.Array:
-        """The query ids of rows [row0, row0 + 64) along a WGMMA tile's rows."""
+    def rows(self, b, row0, query_dim: int = 0) -> jax.Array:
+        """The query ids of rows [row0, row0 + 64) along a WGMMA tile's dimension
+        query_dim (`tile_gradient`)."""
         return plgpu.load(self.q_ids.at[b, pl.ds(jnp.maximum(row0, 0), ROWS_PER_CONSUMER)],
-                          layout=plgpu.Layout.WGMMA.reduce(1), optimized=False)
+                          layout=along(query_dim), optimized=False)
 
-    def cols(self, b, k0, size: int) -> jax.Array:
-        """The key ids of keys [k0, k0 + size) along a WGMMA tile's columns."""
+    def cols(self, b, k0, size: int, query_dim: int = 0) -> jax.Array:
+        """The key ids of keys [k0, k0 + size) along a WGMMA tile's other dimension."""
         return plgpu.load(self.kv_ids.at[b, pl.ds(k0, size)],
-                          layout=plgpu.Layout.WGMMA.reduce(0), optimized=False)
+                          layout=along(1 - query_dim), optimized=False)
 
     def span(self, b, start, size: int) -> tuple[Any, Any]:
         """(lo, hi): what positions [start, start + size) see, from their chunks (a
@@ -127,28 +133,34 @@ class Dropout:
     keys: Any
     rate: float
 
-    def row_keys(self, b, n, row0, size: int = ROWS_PER_CONSUMER) -> jax.Array:
+    def row_keys(self, b, n, row0, size: int = ROWS_PER_CONSUMER,
+                 query_dim: int = 0) -> jax.Array:
         """The hash keys of rows [row0, row0 + size) of head n, batch entry b, along a
-        WGMMA tile's rows."""
+        WGMMA tile's dimension query_dim."""
         shared = self.keys.shape[0] == 1 and self.keys.shape[1] == 1
         # An invalid work item's head may lie past the keys: it reads the last one.
         key = self.keys[0 if shared else b,
                         0 if shared else jnp.minimum(n, self.keys.shape[1] - 1)]
-        rows = row0 + plgpu.broadcasted_iota(jnp.int32, (size,), 0,
-                                             layout=plgpu.Layout.WGMMA.reduce(1))
+        rows = row0 + plgpu.broadcasted_iota(jnp.int32, (size,), 0, layout=along(query_dim))
         return dropout_lib.row_keys(key, rows)
 
-    def multipliers(self, k0, size: int) -> jax.Array:
-        """The hash multipliers of keys [k0, k0 + size) along a WGMMA tile's columns."""
+    def multipliers(self, k0, size: int, query_dim: int = 0) -> jax.Array:
+        """The hash multipliers of keys [k0, k0 + size) along a WGMMA tile's other
+        dimension."""
         cols = k0 + plgpu.broadcasted_iota(jnp.int32, (size,), 0,
-                                           layout=plgpu.Layout.WGMMA.reduce(0))
+                                           layout=along(1 - query_dim))
         return dropout_lib.col_multipliers(cols)
 
-    def keep(self, row_keys: jax.Array, multipliers: jax.Array) -> jax.Array:
-        """The tile's keep decisions from its rows' keys and its keys' multipliers."""
-        shape = (row_keys.shape[0], multipliers.shape[0])
-        return dropout_lib.keep_words(lax.broadcast_in_dim(row_keys, shape, [0])
-                                      * lax.broadcast_in_dim(multipliers, shape, [1]),
+    def keep(self, row_keys: jax.Array, multipliers: jax.Array,
+             query_dim: int = 0) -> jax.Array:
+        """The tile's keep decisions from its rows' keys and its keys' multipliers (the
+        queries along dimension query_dim)."""
+        key_dim = 1 - query_dim
+        shape = [0, 0]
+        shape[query_dim], shape[key_dim] = row_keys.shape[0], multipliers.shape[0]
+        shape = tuple(shape)
+        return dropout_lib.keep_words(lax.broadcast_in_dim(row_keys, shape, [query_dim])
+                                      * lax.broadcast_in_dim(multipliers, shape, [key_dim]),
                                       self.rate)
 
 
@@ -390,8 +402,8 @@ def take_turn(schedule) -> None:
 def tile_scores(problem: Problem, s: jax.Array, row0, k0, masked: bool, *,
                 bias: jax.Array | None = None, slope: Any = None,
                 row_shift: jax.Array | None = None,
-                segments: tuple[jax.Array, jax.Array] | None = None, kv_length: Any = None
-                ) -> tuple[jax.Array, jax.Array | None]:
+                segments: tuple[jax.Array, jax.Array] | None = None, kv_length: Any = None,
+                query_dim: int = 0) -> tuple[jax.Array, jax.Array | None]:
     """(scores, t = tanh(logits / cap) or None) of a [rows, keys] tile in the WGMMA
     layout from the raw products s = Q K^T: common.logit_scores, then the band masks
     (causal, window, padded keys) of rows from row0 and keys from k0 where masked,
@@ -399,7 +411,10 @@ def tile_scores(problem: Problem, s: jax.Array, row0, k0, masked: bool, *,
     head's ALiBi slope (a scalar) or None; row_shift: `common.logit_scores`';
     segments: the rows' and the keys' segment ids (`Segments.rows` / `cols`) or None,
     compared on every tile; kv_length: the batch entry's key length (masked tiles).
+    query_dim 1: the tile is [keys, rows] (s = K Q^T; `tile_gradient`).
     The Mosaic kernels' one score rule."""
+    key_dim = 1 - query_dim
+
     def iota(dim):
         return plgpu.broadcasted_iota(jnp.int32, s.shape, dim, layout=plgpu.Layout.WGMMA)
 
@@ -408,51 +423,54 @@ def tile_scores(problem: Problem, s: jax.Array, row0, k0, masked: bool, *,
         # ALiBi positions as float32: one conversion per row and per column a thread
         # holds, broadcast over the tile, instead of one per entry.
         def positions(start, dim):
-            layout = plgpu.Layout.WGMMA.reduce(1 - dim)
             vector = start + plgpu.broadcasted_iota(jnp.int32, (s.shape[dim],), 0,
-                                                    layout=layout)
+                                                    layout=along(dim))
             return lax.broadcast_in_dim(vector.astype(jnp.float32), s.shape, [dim])
-        rows, cols = positions(row0, 0), positions(k0, 1)
+        rows, cols = positions(row0, query_dim), positions(k0, key_dim)
     elif slope is not None:
-        rows, cols = row0 + iota(0), k0 + iota(1)
+        rows, cols = row0 + iota(query_dim), k0 + iota(key_dim)
     s, cap_tanh = logit_scores(problem, s, rows, cols, bias=bias, slope=slope,
                                row_shift=row_shift)
     if masked:
-        rows, cols = row0 + iota(0), k0 + iota(1)
+        rows, cols = row0 + iota(query_dim), k0 + iota(key_dim)
         visible = scores.visibility(
             rows, cols, problem.spec, problem.offset, kv_length=kv_length,
             kv_bound=problem.kv_len if problem.kv_pad != problem.kv_len else None)
         if visible is not None:
             s = jnp.where(visible, s, -jnp.inf)
     if segments is not None:
-        s = jnp.where(same_segment(segments, s.shape), s, -jnp.inf)
+        s = jnp.where(same_segment(segments, s.shape, query_dim), s, -jnp.inf)
     return s, cap_tanh
 
 
-def same_segment(segments: tuple[jax.Array, jax.Array], shape: tuple[int, ...]) -> jax.Array:
+def same_segment(segments: tuple[jax.Array, jax.Array], shape: tuple[int, ...],
+                 query_dim: int = 0) -> jax.Array:
     """Whether each entry's query and key share a segment, from the rows' and the keys'
-    ids (`Segments.rows` / `cols`)."""
+    ids (`Segments.rows` / `cols`), the queries along dimension query_dim."""
     row_ids, col_ids = segments
-    return (lax.broadcast_in_dim(row_ids, shape, [0])
-            == lax.broadcast_in_dim(col_ids, shape, [1]))
+    return (lax.broadcast_in_dim(row_ids, shape, [query_dim])
+            == lax.broadcast_in_dim(col_ids, shape, [1 - query_dim]))
 
 
 def tile_gradient(problem: Problem, s: jax.Array, dp: jax.Array, bias: jax.Array | None,
                   residuals: tuple[jax.Array, jax.Array, jax.Array], row0, k0,
                   masked: bool, slope: Any = None,
                   segments: tuple[jax.Array, jax.Array] | None = None, kv_length: Any = None,
-                  keep: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+                  keep: jax.Array | None = None, query_dim: int = 0
+                  ) -> tuple[jax.Array, jax.Array]:
     """(P, dS) of a [rows, keys] tile in the WGMMA layout, float32, from the raw
     products s = Q K^T and dp = dO V^T, the tile's bias (or None), the head's ALiBi
     slope (or None) and its rows' residuals (row reference, log2 row sum, delta;
-    WGMMA.reduce(1) layout). masked applies the band masks (causal, window, padded
+    `along(query_dim)`). masked applies the band masks (causal, window, padded
     keys) of rows from row0 and keys from k0; segments, kv_length: `tile_scores`'.
     keep: dropout's keep decisions or None; then P is the dropped P (kept entries
-    scaled by 1 / (1 - rate), for dV) and dS uses dP scaled likewise (the true dS)."""
+    scaled by 1 / (1 - rate), for dV) and dS uses dP scaled likewise (the true dS).
+    query_dim 1: every tile is transposed, [keys, rows] (s = K Q^T, dp = V dO^T), and
+    so are P and dS."""
     row_max, log2_sum, delta = residuals
 
     def rows_of(x):
-        return lax.broadcast_in_dim(x, s.shape, [0])
+        return lax.broadcast_in_dim(x, s.shape, [query_dim])
 
     # NOTE: ptxas schedules this math by the order of its steps: delta after P only in
     # log2 units, where it measured faster (docs/decisions.md, "tile_gradient delta order").
@@ -466,7 +484,7 @@ def tile_gradient(problem: Problem, s: jax.Array, dp: jax.Array, bias: jax.Array
     shifted = slope is not None and log2_units
     s, cap_tanh = tile_scores(problem, s, row0, k0, masked, bias=bias, slope=slope,
                               row_shift=rows_of(row_max + log2_sum) if shifted else None,
-                              segments=segments, kv_length=kv_length)
+                              segments=segments, kv_length=kv_length, query_dim=query_dim)
     if cap_tanh is not None:  # dS picks up the cap's derivative 1 - t^2
         dp = dp * scores.soft_cap_slope(cap_tanh)
     prob = (jnp.exp2(s) if shifted
@@ -479,7 +497,7 @@ def tile_gradient(problem: Problem, s: jax.Array, dp: jax.Array, bias: jax.Array
     if segments is not None:
         # A row of another segment may carry NaN residuals (its own keys were NaN): its
         # hidden entries must still give exact zeros to these keys' dK and dV.
-        same = same_segment(segments, s.shape)
+        same = same_segment(segments, s.shape, query_dim)
         prob, ds = jnp.where(same, prob, 0.0), jnp.where(same, ds, 0.0)
     return prob, ds
 

@@ -62,6 +62,15 @@ def is_wide(hp: int, hvp: int) -> bool:
     return WIDE_HEAD_DIM in (hp, hvp)
 
 
+def dkv_keys_major(hp: int, hvp: int, has_bias: bool, has_alibi: bool) -> bool:
+    """Whether the dK/dV kernel computes its tiles keys by queries (S^T = K Q^T), so
+    that P^T and dS^T feed dV's and dK's products from registers: at head dims of 64
+    without a bias (read as queries by keys) or ALiBi. Measured 6-7% faster at 64 and
+    2-5% slower at 128, 21% with ALiBi: the operands held in registers until their
+    products finish crowd the larger accumulators (docs/decisions.md)."""
+    return hp == hvp == 64 and not (has_bias or has_alibi)
+
+
 def operand_swizzle(hp: int, hvp: int) -> int:
     """The swizzle (bytes) of the backward kernels' wgmma tiles: 64 where the consumers
     share each tile (`is_wide`), so that half of a 64-key tile is whole tiles."""

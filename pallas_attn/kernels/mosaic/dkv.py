@@ -6,11 +6,15 @@ head), summed over the group's query heads and every visible query tile. The two
 consumer warpgroups each own 64 of the keys (the wgmma M dimension) and keep their
 dK and dV in registers. Per step (the 64 query rows of one tile, one head):
 
-* S = Q K^T and dP = dO V^T with wgmma ([64 queries, 64 keys] per consumer);
+* S and dP with wgmma, 64 queries by 64 keys per consumer; at head dim 64 without a
+  bias or ALiBi transposed, S^T = K Q^T and dP^T = V dO^T (keys by queries,
+  `config.dkv_keys_major`);
 * P and dS from the forward's row residuals and the shared score rules
   (`common.tile_gradient`, semantics/scores.py);
-* P and dS go to shared memory (16-bit), and dV += P^T dO, dK += dS^T Q take them
-  as transposed wgmma operands;
+* transposed, P^T and dS^T (16-bit) are the A operands of dV += P^T dO and
+  dK += dS^T Q straight from registers; otherwise P and dS go through shared memory
+  and those products read them transposed (the interpreter, whose wgmma reads shared
+  memory only, stages P^T and dS^T there too);
 * with a bias that needs a gradient, the dS tile in shared memory is also the
   bias's gradient for that (query tile, key tile, head): a bulk copy stores it.
 
@@ -79,6 +83,7 @@ from pallas_attn.kernels.mosaic.common import (
     Dropout,
     Segments,
     accumulate,
+    along,
     head_slope,
     launch,
     optional_refs,
@@ -92,6 +97,7 @@ from pallas_attn.kernels.mosaic.common import (
 from pallas_attn.kernels.mosaic.config import (
     CONSUMERS,
     consumer_registers,
+    dkv_keys_major,
     dkv_scratch,
     dkv_tiles,
     fusable_dbias,
@@ -273,8 +279,12 @@ def _consume(problem: Problem, tiles_of: _Tiles, wg, unit_of, units, add_dbias: 
     dk_dims, dv_dims = (hp // CONSUMERS, hvp // CONSUMERS) if wide else (hp, hvp)
     dk_cols, dv_cols = ((pl.ds(wg * dk_dims, dk_dims), pl.ds(wg * dv_dims, dv_dims)) if wide
                         else (slice(None), slice(None)))
-    row_layout = plgpu.Layout.WGMMA.reduce(1)
-    shape = (rows_n, keys_n)
+    # Keys by queries (S^T = K Q^T) where that measured faster: P^T and dS^T are then dV's
+    # and dK's A operands straight from registers.
+    query_dim = 1 if dkv_keys_major(hp, hvp, bias_smem is not None,
+                                    slopes_ref is not None) else 0
+    row_layout = along(query_dim)
+    shape = (keys_n, rows_n) if query_dim else (rows_n, keys_n)
     reduce_in_registers = problem.interpret  # the interpreter has no reduce-add copies
     # dbias tiles by bulk copy, each whole dS tile by one consumer (wide: both fill it).
     copies_dbias = has_dbias and not reduce_in_registers
@@ -300,8 +310,9 @@ def _consume(problem: Problem, tiles_of: _Tiles, wg, unit_of, units, add_dbias: 
             return dbias_ref.at[bb, n, pl.ds(t * rows_n, rows_n), pl.ds(k_start, size)]
 
         pl.when(tiles > 0)(lambda: plgpu.barrier_wait(kv_loaded))
-        key_ids = None if segments is None else segments.cols(b, k_own, keys_n)
-        multipliers = None if dropout is None else dropout.multipliers(k_own, keys_n)
+        key_ids = None if segments is None else segments.cols(b, k_own, keys_n, query_dim)
+        multipliers = (None if dropout is None
+                       else dropout.multipliers(k_own, keys_n, query_dim))
 
         def step_fn(i, carry, masked: bool, slope):
             """Query tile i of head h (ring step `at`), the head's ALiBi slope."""
@@ -309,14 +320,19 @@ def _consume(problem: Problem, tiles_of: _Tiles, wg, unit_of, units, add_dbias: 
             slot = lax.rem(at, jnp.int32(stages))
             n = kh * group + h
             row0 = i * rows_n
-            ids = None if segments is None else (segments.rows(b, row0), key_ids)
+            ids = None if segments is None else (segments.rows(b, row0, query_dim), key_ids)
             keep = (None if dropout is None
-                    else dropout.keep(dropout.row_keys(b, n, row0, rows_n), multipliers))
+                    else dropout.keep(dropout.row_keys(b, n, row0, rows_n, query_dim),
+                                      multipliers, query_dim))
             plgpu.barrier_wait(step_loaded.at[slot])
 
             def products(s_ref, dp_ref):
-                plgpu.wgmma(s_ref, q_smem.at[slot], k_mine.transpose((1, 0)))
-                plgpu.wgmma(dp_ref, do_smem.at[slot], v_mine.transpose((1, 0)))
+                if query_dim:
+                    plgpu.wgmma(s_ref, k_mine, q_smem.at[slot].transpose((1, 0)))
+                    plgpu.wgmma(dp_ref, v_mine, do_smem.at[slot].transpose((1, 0)))
+                else:
+                    plgpu.wgmma(s_ref, q_smem.at[slot], k_mine.transpose((1, 0)))
+                    plgpu.wgmma(dp_ref, do_smem.at[slot], v_mine.transpose((1, 0)))
                 # The row residuals and the bias tile come into registers while the
                 # products run.
                 stats = stats_smem.at[slot]
@@ -333,24 +349,29 @@ def _consume(problem: Problem, tiles_of: _Tiles, wg, unit_of, units, add_dbias: 
             s, dp, residuals, bias = pl.run_scoped(products, plgpu.ACC(shape, jnp.float32),
                                                    plgpu.ACC(shape, jnp.float32))
             prob, ds = tile_gradient(problem, s, dp, bias, residuals, row0, k_own, masked,
-                                     slope, ids, kv_length, keep)
+                                     slope, ids, kv_length, keep, query_dim)
             parity = lax.rem(at, 2)
             ds_tile = ds_tiles.at[parity]
             p_buf = p_tiles.at[parity] if wide else p_tiles
-            if copies_dbias and not wide:  # the copy issued two steps ago has read it
-                plgpu.wait_smem_to_gmem(1, wait_read_only=True)
-            # Wide: these buffers were last read two steps ago, by products that both
-            # consumers finished before the last exchange.
-            half(p_buf)[...] = prob.astype(dtype)
-            half(ds_tile)[...] = ds.astype(dtype)
-            plgpu.commit_smem()
-            if copies_dbias and wide:  # last step's copy has read what the other fills next
-                as_copier(lambda: plgpu.wait_smem_to_gmem(0, wait_read_only=True))
-            take_turn(exchange)  # wide: the other consumer's halves are in too
+            if query_dim and not problem.interpret:  # P^T and dS^T stay in registers
+                p_operand, ds_operand = prob.astype(dtype), ds.astype(dtype)
+            else:
+                if copies_dbias and not wide:  # the copy issued two steps ago has read it
+                    plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+                # Wide: these buffers were last read two steps ago, by products that both
+                # consumers finished before the last exchange.
+                half(p_buf)[...] = prob.astype(dtype)
+                half(ds_tile)[...] = ds.astype(dtype)
+                plgpu.commit_smem()
+                if copies_dbias and wide:  # last step's copy has read what the other fills
+                    as_copier(lambda: plgpu.wait_smem_to_gmem(0, wait_read_only=True))
+                take_turn(exchange)  # wide: the other consumer's halves are in too
+                p_operand, ds_operand = ((p_buf, ds_tile) if query_dim else
+                                         (p_buf.transpose((1, 0)), ds_tile.transpose((1, 0))))
 
             dv, dk = accumulate(
-                ((dv, ((p_buf.transpose((1, 0)), do_smem.at[slot, :, dv_cols]),)),
-                 (dk, ((ds_tile.transpose((1, 0)), q_smem.at[slot, :, dk_cols]),))),
+                ((dv, ((p_operand, do_smem.at[slot, :, dv_cols]),)),
+                 (dk, ((ds_operand, q_smem.at[slot, :, dk_cols]),))),
                 problem.interpret)
             plgpu.barrier_arrive(step_consumed.at[slot])
             if has_dbias:
