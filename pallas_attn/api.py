@@ -6,6 +6,7 @@ run, for arrays or shapes (jax.ShapeDtypeStruct), on this or a described GPU.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -123,12 +124,28 @@ def dot_product_attention(
     elif plan.implementation == "xla_chunked":
         from pallas_attn.semantics import chunked
 
-        out, lse = chunked.attention(spec, ops)
+        out, lse = _reverse_mode_only(plan, lambda: chunked.attention(spec, ops))
     else:
         from pallas_attn.kernels import vjp
 
-        out, lse = vjp.attention(spec, ops, plan)
+        out, lse = _reverse_mode_only(plan, lambda: vjp.attention(spec, ops, plan))
     return reference.finish(out, lse, batched, return_residual)
+
+
+def _reverse_mode_only(plan: Plan, run: Callable[[], Any]) -> Any:
+    """run(), with JAX's refusal of forward mode for a custom_vjp (jax.jvp, jax.jacfwd)
+    replaced by one that names the implementation and the alternatives."""
+    try:
+        return run()
+    except TypeError as e:
+        if "forward-mode autodiff" not in str(e):
+            raise
+        chosen = f" (chosen automatically: {plan.why})" if plan.why else ""
+        raise TypeError(
+            f"implementation={plan.implementation!r}{chosen} has no forward-mode derivative "
+            f"(jax.jvp, jax.jacfwd): differentiate it in reverse mode (jax.grad, jax.vjp, "
+            f"jax.jacrev, jax.linearize), or pass implementation='xla', the reference, "
+            f"which has both") from e
 
 
 def _check_options(implementation: Any, block_sizes: Any, interpret: Any, device: Any) -> None:

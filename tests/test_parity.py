@@ -101,6 +101,35 @@ def test_second_derivatives_are_refused_by_name(impl):
     assert np.isfinite(hessian_diag).all()  # the reference has them
 
 
+@pytest.mark.parametrize("impl", ["pallas", "xla_chunked"])
+def test_forward_mode_is_refused_by_name(impl):
+    q, k, v = _qkv()
+
+    def f(q):
+        return pallas_attn.dot_product_attention(q, k, v, **IMPLS[impl])
+
+    match = f"implementation='{impl}' has no forward-mode derivative.*implementation='xla'"
+    for forward in (lambda: jax.jvp(f, (q,), (q,)), lambda: jax.jacfwd(f)(q)):
+        with pytest.raises(TypeError, match=match):
+            forward()
+    # Under jax.jit JAX stages forward mode and refuses it when compiling, with its own
+    # message.
+    with pytest.raises(TypeError, match="forward-mode autodiff"):
+        jax.jit(lambda q: jax.jvp(f, (q,), (q,)))(q)
+
+
+def test_forward_mode_names_the_automatic_choice():
+    """On the CPU the default turns blockwise from some size on: the refusal says so."""
+    q, k, v = _qkv(T=1024, S=1024)
+
+    def f(q):
+        return pallas_attn.dot_product_attention(q, k, v, is_causal=True)
+
+    with pytest.raises(TypeError, match="implementation='xla_chunked' \\(chosen "
+                                        "automatically: no NVIDIA GPU"):
+        jax.jvp(f, (q,), (q,))
+
+
 def test_cudnn_names_the_kernels_instead():
     q, k, v = _qkv()
     with pytest.raises(ValueError, match="implementation='cudnn' names jax.nn's cuDNN path.*"
