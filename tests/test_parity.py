@@ -223,3 +223,83 @@ def test_the_kernels_on_a_machine_without_a_gpu_say_what_to_do():
         plan = pallas_attn.explain(*_qkv(T=256, S=256, H=128, dtype=jnp.bfloat16),
                                    implementation="pallas")
     assert plan.forward.backend == "mosaic" and plan.programs == 132
+
+
+X64_FEATURES = dict(
+    is_causal=True, causal_alignment="bottom_right", local_window_size=(20, 3),
+    logits_soft_cap=8.0, query_seq_lengths=np.array([30, 21]),
+    key_value_seq_lengths=np.array([40, 17]), dropout_rate=0.2)
+
+
+@pytest.mark.parametrize("impl,features", [
+    ("xla", X64_FEATURES), ("xla_chunked", X64_FEATURES), ("pallas", X64_FEATURES),
+    ("pallas", dict(bias=True, segments=True)), ("xla_chunked", dict(bias=True, segments=True)),
+    ("mosaic", dict(is_causal=True, key_value_seq_lengths=np.array([40, 17]),
+                    alibi=True, sinks=True, H=64))])
+def test_jax_enable_x64_changes_no_result(impl, features):
+    """With jax_enable_x64 on (Python ints become int64) every implementation runs and
+    gives what it gives with it off: outputs, lse and every gradient."""
+    features = dict(features)
+    B, T, S, N, K, H = 2, 30, 40, 4, 2, features.pop("H", 16)
+    rng = np.random.default_rng(7)
+    q, k, v = (jnp.asarray(rng.standard_normal(shape), jnp.float32)
+               for shape in ((B, T, N, H), (B, S, K, H), (B, S, K, H)))
+    ct = jnp.asarray(rng.standard_normal((B, T, N, H)), jnp.float32)
+    kwargs = dict(features)
+    bias = None
+    if kwargs.pop("bias", False):
+        bias = jnp.asarray(rng.standard_normal((1, N, T, S)), jnp.float32)
+    if kwargs.pop("segments", False):
+        kwargs["q_segment_ids"] = np.repeat(np.arange(3), 10)[None].repeat(B, 0)
+        kwargs["kv_segment_ids"] = np.repeat(np.arange(4), 10)[None].repeat(B, 0)
+    if kwargs.pop("alibi", False):
+        kwargs["alibi_slopes"] = jnp.array([0.5, 0.25, 0.125, 0.0625])
+    sinks = jnp.asarray(rng.standard_normal(N), jnp.float32) if kwargs.pop("sinks", False) \
+        else None
+    if kwargs.get("dropout_rate"):
+        kwargs["dropout_rng"] = jax.random.key(3)
+    if impl == "mosaic":
+        q, k, v, ct = (x.astype(jnp.bfloat16) for x in (q, k, v, ct))
+        kwargs.update(implementation="pallas", interpret=True, block_sizes=pallas_attn.BlockSizes(
+            forward_backend="mosaic", dq_backend="mosaic", dkv_backend="mosaic"))
+    else:
+        kwargs.update(IMPLS[impl])
+
+    def run():
+        def loss(q, k, v, bias, sinks):
+            out, lse = pallas_attn.dot_product_attention(q, k, v, bias, sinks=sinks,
+                                                         return_residual=True, **kwargs)
+            return jnp.sum(out.astype(jnp.float32) * ct.astype(jnp.float32)), (out, lse)
+
+        argnums = (0, 1, 2) + ((3,) if bias is not None else ()) + \
+            ((4,) if sinks is not None else ())
+        grads, (out, lse) = jax.grad(loss, argnums=argnums, has_aux=True)(q, k, v, bias, sinks)
+        return [out, lse, *grads]
+
+    want = run()
+    with jax.enable_x64(True):
+        got = run()
+    for x, y in zip(got, want, strict=True):
+        assert x.dtype == y.dtype
+        np.testing.assert_allclose(np.asarray(x, np.float32), np.asarray(y, np.float32),
+                                   rtol=1e-6, atol=1e-6)
+
+
+def test_float64_under_x64_in_the_jnp_paths():
+    """float64 inputs (jax_enable_x64) run in 'xla' and 'xla_chunked' (accumulating in
+    float32, as for every input dtype) and give float64 results."""
+    with jax.enable_x64(True):
+        q, k, v = _qkv(T=50, S=70, dtype=jnp.float64)
+        ct = jnp.asarray(np.random.default_rng(1).standard_normal(q.shape), jnp.float64)
+
+        def grads(impl):
+            def loss(q, k, v):
+                out = pallas_attn.dot_product_attention(q, k, v, is_causal=True,
+                                                        local_window_size=(9, 2),
+                                                        implementation=impl)
+                return jnp.sum(out * ct)
+            return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+
+        for x, y in zip(grads("xla_chunked"), grads("xla"), strict=True):
+            assert x.dtype == jnp.float64
+            np.testing.assert_allclose(x, y, rtol=2e-5, atol=2e-5)

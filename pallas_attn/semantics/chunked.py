@@ -312,6 +312,7 @@ def _window(x: jax.Array, starts: tuple, sizes: tuple) -> tuple[jax.Array, tuple
     """
     clamped, shifts = [], []
     for start, size, dim in zip(starts, sizes, x.shape, strict=True):
+        start = jnp.asarray(start, jnp.int32)  # Python ints too (int64 under x64)
         if dim % size:
             start_in = jnp.minimum(start, dim - size)
             clamped.append(start_in)
@@ -376,7 +377,8 @@ class _Tiles:
             self.kv_lengths = self._batch_rows(constants["key_value_seq_lengths"]) - k0
         bad = _pad_axis(constants["nonfinite_keys"], 2, p.kv_pad)
         self.nonfinite_keys = lax.dynamic_slice(
-            bad, (self.batch0, self.head0 // p.group, 0), (mb, kb, p.kv_pad))
+            bad, (self.batch0, self.head0 // p.group, jnp.int32(0)),  # int32 under x64 too
+            (mb, kb, p.kv_pad))
         self.drop_keys = None
         if p.spec.has_dropout:
             keys = constants["dropout_keys"]

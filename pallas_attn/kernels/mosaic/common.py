@@ -595,10 +595,13 @@ def launch(entry, out_type: Any, programs: int, interpret: bool,
               if interpret else None)
 
     def run(*operands):
-        return plgpu.kernel(
-            entry, out_type=varying_like(out_type, operands), grid=(programs,),
-            grid_names=("program",), num_threads=consumers + 1, thread_name="wg",
-            compiler_params=plgpu.CompilerParams(approx_math=True),
-            interpret=params)(*operands)
+        # NOTE: the kernels' index arithmetic mixes int32 with Python ints, which
+        # jax_enable_x64 would make int64.
+        with jax.enable_x64(False):
+            return plgpu.kernel(
+                entry, out_type=varying_like(out_type, operands), grid=(programs,),
+                grid_names=("program",), num_threads=consumers + 1, thread_name="wg",
+                compiler_params=plgpu.CompilerParams(approx_math=True),
+                interpret=params)(*operands)
 
     return run

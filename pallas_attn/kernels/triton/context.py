@@ -218,6 +218,14 @@ def launch(kernel: Callable[..., None], problem: Problem, names: tuple[str, ...]
            inputs: list[jax.Array], outputs: list[jax.ShapeDtypeStruct], grid: tuple[int, ...],
            warps: int, stages: int, name: str, **params: Any) -> Any:
     """One pallas_call; names: the kernel's ref names, inputs then outputs."""
+    # NOTE: the kernels' index arithmetic mixes int32 with Python ints, which
+    # jax_enable_x64 would make int64.
+    with jax.enable_x64(False):
+        return _pallas_call(kernel, problem, names, inputs, outputs, grid, warps, stages, name,
+                            **params)
+
+
+def _pallas_call(kernel, problem, names, inputs, outputs, grid, warps, stages, name, **params):
     return pl.pallas_call(
         functools.partial(kernel, problem=problem, names=names, **params),
         grid=grid,
