@@ -6,5 +6,5 @@ export PYTHONPATH=. PYTHONUNBUFFERED=1
 OUT=${OUT:-out}; mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total,clocks.sm --format=csv,noheader
 python3 -c "import jax, pallas_attn; print('jax', jax.__version__, pallas_attn.DeviceInfo.current())"
-python3 -m pallas_attn check --json "$OUT/check.json" 2>&1 | tee "$OUT/check.log" | grep -v "^  "
+python3 -m pallas_attn check --jobs 6 --json "$OUT/check.json" 2>&1 | tee "$OUT/check.log" | grep -v "^  "
 python3 -m pallas_attn bench --json "$OUT/bench.json" --plot "$OUT/bench.png" "$@" 2>&1 | tee "$OUT/bench.log" | grep -v '^{'

@@ -41,6 +41,10 @@ def main(argv: list[str] | None = None) -> int:
                            "sizes on a GPU (small ones in the interpreter on a CPU).")
     check.add_argument("--match", help="only shapes whose label matches this regex (re.search)")
     check.add_argument("--json", help="write the results to this file")
+    check.add_argument("--jobs", type=int, default=1,
+                       help="run the shapes in this many processes at once, sharing the "
+                            "GPU's memory (compiling dominates a shape's time)")
+    check.add_argument("--shard", help=argparse.SUPPRESS)  # I/N: a --jobs worker's part
     tune = sub.add_parser("tune", help="time tile candidates on the GPU and cache the best",
                           description="Times each Triton kernel's tile candidates alone on "
                           "the GPU and stores the fastest in the tile cache "
@@ -114,10 +118,18 @@ def main(argv: list[str] | None = None) -> int:
         shapes = bench_lib.check_shapes(gpu)
         if args.command == "check":
             shapes = _matching(shapes, args.match, parser, "check's shapes")
+            if args.jobs < 1:
+                parser.error(f"--jobs must be at least 1, got {args.jobs}")
+            if args.shard:
+                part, parts = (int(x) for x in args.shard.split("/"))
+                shapes = shapes[part::parts]
         print("Each value: the relative error against the reference run on float32-upcast "
               "inputs, with the same-dtype reference's own error as (ref); a shape passes "
               "when every value is at most 2 x ref + a floor.")
-        results = bench_lib.check(shapes, interpret=not gpu)
+        if args.command == "check" and args.jobs > 1:
+            results = _check_in_jobs(args, gpu)
+        else:
+            results = bench_lib.check(shapes, interpret=not gpu)
         ok = all(r["ok"] for r in results)
         print(f"{sum(r['ok'] for r in results)} passed, {sum(not r['ok'] for r in results)} failed")
         if getattr(args, "json", None):
@@ -148,6 +160,40 @@ def _bench_shapes(args: argparse.Namespace, parser: argparse.ArgumentParser,
     if args.set != "standard":
         shapes += bench_lib.feature_shapes()
     return _matching(shapes, args.match, parser, f"--set {args.set}")
+
+
+def _check_in_jobs(args: argparse.Namespace, gpu: bool) -> list:
+    """`check` over args.jobs worker processes, each running every jobs-th shape with its
+    share of the GPU's memory; their lines are printed as each worker ends."""
+    import json
+    import os
+    import subprocess
+    import tempfile
+
+    env = dict(os.environ)
+    if gpu:
+        env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", f"{0.9 / args.jobs:.3f}")
+    with tempfile.TemporaryDirectory() as tmp:
+        workers = []
+        for part in range(args.jobs):
+            out = os.path.join(tmp, f"{part}.json")
+            argv = [sys.executable, "-m", "pallas_attn", "check", "--shard",
+                    f"{part}/{args.jobs}", "--json", out]
+            argv += ["--match", args.match] if args.match else []
+            workers.append((subprocess.Popen(argv, env=env, stdout=subprocess.PIPE,
+                                             stderr=subprocess.STDOUT, text=True), out))
+        results = []
+        for part, (worker, out) in enumerate(workers):
+            text, _ = worker.communicate()
+            lines = [line for line in text.splitlines() if line.startswith(("PASS", "FAIL"))]
+            print("\n".join(lines) if lines else f"worker {part}: no shape")
+            if os.path.exists(out):
+                with open(out) as f:
+                    results += json.load(f)["rows"]
+            elif worker.returncode:
+                print(f"worker {part} failed (exit {worker.returncode}):\n{text[-2000:]}")
+                results.append({"shape": f"worker {part}", "ok": False})
+    return results
 
 
 def _matching(shapes: list, match: str | None, parser: argparse.ArgumentParser,

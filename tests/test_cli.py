@@ -18,6 +18,16 @@ def test_bench_on_cpu_runs_a_labelled_interpreter_check(capsys, tmp_path):
     assert len(rows) == 3 and all(r["ok"] for r in rows)
 
 
+def test_check_runs_its_shapes_in_worker_processes(capsys, tmp_path):
+    out = tmp_path / "check.json"
+    assert main(["check", "--jobs", "2", "--match", "float32", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "1 passed, 0 failed" in text and "worker 1: no shape" in text
+    assert "PASS B2 T40 S56 N4/2 H32 float32" in text
+    rows = json.loads(out.read_text())["rows"]
+    assert len(rows) == 1 and rows[0]["ok"]
+
+
 def test_tune_needs_a_gpu(capsys):
     assert main(["tune", "--head-dim", "64"]) == 2
     assert "NVIDIA GPU" in capsys.readouterr().err
@@ -33,7 +43,8 @@ def test_tune_needs_a_gpu(capsys):
                                   ["explain", "--bias", "1,2,3"],
                                   ["explain", "--capability", "nine"],
                                   ["explain", "--window", "a,b"], ["explain", "--dtype", "f99"],
-                                  ["explain", "--heads", "3", "--kv-heads", "2"]])
+                                  ["explain", "--heads", "3", "--kv-heads", "2"],
+                                  ["check", "--jobs", "0"]])
 def test_bad_arguments_exit_with_usage(argv, capsys):
     with pytest.raises(SystemExit) as e:
         main(argv)
