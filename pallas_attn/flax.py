@@ -652,7 +652,8 @@ class MultiHeadAttention(nnx.Module):
         self._follow_compute_dtype(key.dtype)
         index = self.cache_index[...]
         self._advance(L, max_length)
-        start = (0, index, 0, 0)
+        zero = jnp.zeros_like(index)  # every start int32, under jax_enable_x64 too
+        start = (zero, index, zero, zero)
         keys = jax.lax.dynamic_update_slice(self.cached_key[...],
                                             key.astype(self.cached_key[...].dtype), start)
         values = jax.lax.dynamic_update_slice(self.cached_value[...],

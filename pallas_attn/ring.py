@@ -235,7 +235,8 @@ def _q_constants(constants: dict, part: int, parts: int) -> dict:
 def _ring_blocks(ring: _Ring, length: int, step: int):
     """(query part, key part, origin, visible) of every block at ring step `step`."""
     device = lax.axis_index(ring.axis_name)
-    source = lax.rem(device - step + ring.devices, ring.devices)
+    devices = jnp.int32(ring.devices)  # int32 under jax_enable_x64 too
+    source = lax.rem(device - step + devices, devices)
     chunk = length // ring.parts
     q_starts, k_starts = ring.starts(device, length), ring.starts(source, length)
     for a, q_start in enumerate(q_starts):

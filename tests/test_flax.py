@@ -327,6 +327,18 @@ def test_decode_with_cache_matches_full_causal_forward():
         layer(x[:, :5], decode=True)
 
 
+def test_decode_under_x64():
+    """jax_enable_x64 (Python ints become int64) changes nothing in cached decoding."""
+    layer = paf.MultiHeadAttention(4, F, num_kv_heads=2, is_causal=True, rngs=nnx.Rngs(0))
+    x = _normal(1, (B, 6, F))
+    full = layer(x)
+    with jax.enable_x64(True):
+        layer.init_cache(B, 8)
+        pieces = [layer(x[:, :3], decode=True)] + [layer(x[:, i:i + 1], decode=True)
+                                                   for i in range(3, 6)]
+    np.testing.assert_allclose(jnp.concatenate(pieces, axis=1), full, **TOL)
+
+
 def test_decode_matches_flax_decode():
     """Our cache and nnx.MultiHeadAttention's decode mode agree token by token."""
     ours = paf.MultiHeadAttention(4, F, num_kv_heads=2, rngs=nnx.Rngs(0))

@@ -228,3 +228,10 @@ def test_readme_snippet_runs_and_equals_the_op():
     want = pallas_attn.dot_product_attention(scope["q"], scope["k"], scope["v"], is_causal=True,
                                              implementation="xla")
     np.testing.assert_allclose(scope["out"], want, atol=3e-5, rtol=3e-5)
+
+
+@pytest.mark.parametrize("implementation", ("xla_chunked", "pallas"))
+def test_ring_under_x64(implementation):
+    """jax_enable_x64 (Python ints become int64) changes nothing in ring attention."""
+    with jax.enable_x64(True):
+        _check("zigzag", implementation, "causal_everything")
