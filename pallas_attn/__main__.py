@@ -121,8 +121,10 @@ def main(argv: list[str] | None = None) -> int:
             if args.jobs < 1:
                 parser.error(f"--jobs must be at least 1, got {args.jobs}")
             if args.shard:
-                part, parts = (int(x) for x in args.shard.split("/"))
-                shapes = shapes[part::parts]
+                part, _, parts = args.shard.partition("/")
+                if not (part.isdigit() and parts.isdigit() and int(part) < int(parts)):
+                    parser.error(f"--shard takes I/N with 0 <= I < N, got {args.shard!r}")
+                shapes = shapes[int(part)::int(parts)]
         print("Each value: the relative error against the reference run on float32-upcast "
               "inputs, with the same-dtype reference's own error as (ref); a shape passes "
               "when every value is at most 2 x ref + a floor.")

@@ -124,8 +124,9 @@ class Route:
     num_warps (Triton) and num_stages (Triton's pipelining depth, a Mosaic kernel's ring
     slots). consumers: a Mosaic kernel's consumer warpgroups (0 for Triton). splits: the
     decode kernel's programs per kv head along the keys. fused: dbias only, written by
-    the dK/dV kernel (its backend and tiles then). declined: (backend, reason) for each
-    backend preferred over this one that does not run it.
+    the dK/dV kernel (its backend and tiles then). keys_major: the Mosaic dK/dV kernel
+    computes its tiles keys by queries (S^T = K Q^T). declined: (backend, reason) for
+    each backend preferred over this one that does not run it.
     """
 
     backend: str
@@ -136,6 +137,7 @@ class Route:
     consumers: int = 0
     splits: int = 0
     fused: bool = False
+    keys_major: bool = False
     declined: tuple[tuple[str, str], ...] = ()
 
     def describe(self) -> str:
@@ -146,7 +148,8 @@ class Route:
         text = f"{self.backend} {self.block_q}x{self.block_k}"
         if self.backend == "mosaic":
             slots = "1 slot" if self.num_stages == 1 else f"{self.num_stages} slots"
-            return f"{text}, {slots}, {self.consumers} consumer warpgroups"
+            major = ", keys by queries" if self.keys_major else ""
+            return f"{text}, {slots}, {self.consumers} consumer warpgroups{major}"
         text = f"{text}, {self.num_warps} warps, {self.num_stages} stages"
         return f"{text}, {self.splits} key splits" if self.backend == "decode" else text
 

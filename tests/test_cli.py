@@ -44,7 +44,8 @@ def test_tune_needs_a_gpu(capsys):
                                   ["explain", "--capability", "nine"],
                                   ["explain", "--window", "a,b"], ["explain", "--dtype", "f99"],
                                   ["explain", "--heads", "3", "--kv-heads", "2"],
-                                  ["check", "--jobs", "0"]])
+                                  ["check", "--jobs", "0"], ["check", "--shard", "2/2"],
+                                  ["check", "--shard", "x"]])
 def test_bad_arguments_exit_with_usage(argv, capsys):
     with pytest.raises(SystemExit) as e:
         main(argv)

@@ -177,6 +177,15 @@ def test_the_interpreter_runs_triton_unless_block_sizes_name_mosaic():
     assert backends(forced) == ("mosaic", "mosaic", "triton", None)
 
 
+def test_the_mosaic_dkv_kernel_runs_keys_by_queries_where_it_measured_faster():
+    """Head dim 64 without a bias or ALiBi; not at 128, nor with a bias or ALiBi."""
+    assert dispatch.plan(call(64), device=H100).dkdv.keys_major
+    assert "keys by queries" in dispatch.plan(call(64), device=H100).dkdv.describe()
+    for c in (call(), call(64, has_alibi=True), call(64, bias_shape=(1, 16, 4096, 4096)),
+              call(256)):
+        assert not dispatch.plan(c, device=H100).dkdv.keys_major
+
+
 def test_reasons_name_what_refuses():
     reasons = {name: dict(dispatch.plan(c, device=DEVICES[d]).forward.declined).get("mosaic")
                for name, (c, d, _) in TABLE.items()}

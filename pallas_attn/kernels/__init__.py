@@ -10,6 +10,12 @@ def next_power_of_2(x: int) -> int:
     return 1 << max(0, (int(x) - 1).bit_length())
 
 
+def int32_indices() -> Any:
+    """The context every kernel is traced in: x64 off, since the kernels' index
+    arithmetic mixes int32 values with Python ints, which jax_enable_x64 makes int64."""
+    return jax.enable_x64(False)
+
+
 def padded_head_dim(head_dim: int) -> int:
     """Head dims are padded to a power of two (at least 16) for the kernels."""
     return max(16, next_power_of_2(head_dim))

@@ -32,7 +32,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_attn.kernels import varying_like
+from pallas_attn.kernels import int32_indices, varying_like
 from pallas_attn.kernels.core import (
     Problem,
     TileRanges,
@@ -155,12 +155,9 @@ class Dropout:
              query_dim: int = 0) -> jax.Array:
         """The tile's keep decisions from its rows' keys and its keys' multipliers (the
         queries along dimension query_dim)."""
-        key_dim = 1 - query_dim
-        shape = [0, 0]
-        shape[query_dim], shape[key_dim] = row_keys.shape[0], multipliers.shape[0]
-        shape = tuple(shape)
+        shape = (row_keys.shape[0], multipliers.shape[0])[::1 - 2 * query_dim]
         return dropout_lib.keep_words(lax.broadcast_in_dim(row_keys, shape, [query_dim])
-                                      * lax.broadcast_in_dim(multipliers, shape, [key_dim]),
+                                      * lax.broadcast_in_dim(multipliers, shape, [1 - query_dim]),
                                       self.rate)
 
 
@@ -595,9 +592,7 @@ def launch(entry, out_type: Any, programs: int, interpret: bool,
               if interpret else None)
 
     def run(*operands):
-        # NOTE: the kernels' index arithmetic mixes int32 with Python ints, which
-        # jax_enable_x64 would make int64.
-        with jax.enable_x64(False):
+        with int32_indices():
             return plgpu.kernel(
                 entry, out_type=varying_like(out_type, operands), grid=(programs,),
                 grid_names=("program",), num_threads=consumers + 1, thread_name="wg",

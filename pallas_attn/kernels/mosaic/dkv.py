@@ -6,9 +6,9 @@ head), summed over the group's query heads and every visible query tile. The two
 consumer warpgroups each own 64 of the keys (the wgmma M dimension) and keep their
 dK and dV in registers. Per step (the 64 query rows of one tile, one head):
 
-* S and dP with wgmma, 64 queries by 64 keys per consumer; at head dim 64 without a
-  bias or ALiBi transposed, S^T = K Q^T and dP^T = V dO^T (keys by queries,
-  `config.dkv_keys_major`);
+* S and dP with wgmma, 64 queries by 64 keys per consumer; where the route says so
+  (`Route.keys_major`, `config.dkv_keys_major`: head dim 64 without a bias or ALiBi)
+  transposed, S^T = K Q^T and dP^T = V dO^T (keys by queries);
 * P and dS from the forward's row residuals and the shared score rules
   (`common.tile_gradient`, semantics/scores.py);
 * transposed, P^T and dS^T (16-bit) are the A operands of dV += P^T dO and
@@ -97,7 +97,6 @@ from pallas_attn.kernels.mosaic.common import (
 from pallas_attn.kernels.mosaic.config import (
     CONSUMERS,
     consumer_registers,
-    dkv_keys_major,
     dkv_scratch,
     dkv_tiles,
     fusable_dbias,
@@ -279,10 +278,9 @@ def _consume(problem: Problem, tiles_of: _Tiles, wg, unit_of, units, add_dbias: 
     dk_dims, dv_dims = (hp // CONSUMERS, hvp // CONSUMERS) if wide else (hp, hvp)
     dk_cols, dv_cols = ((pl.ds(wg * dk_dims, dk_dims), pl.ds(wg * dv_dims, dv_dims)) if wide
                         else (slice(None), slice(None)))
-    # Keys by queries (S^T = K Q^T) where that measured faster: P^T and dS^T are then dV's
-    # and dK's A operands straight from registers.
-    query_dim = 1 if dkv_keys_major(hp, hvp, bias_smem is not None,
-                                    slopes_ref is not None) else 0
+    # Keys by queries (S^T = K Q^T; the route's choice): P^T and dS^T are then dV's and
+    # dK's A operands straight from registers.
+    query_dim = 1 if problem.plan.dkdv.keys_major else 0
     row_layout = along(query_dim)
     shape = (keys_n, rows_n) if query_dim else (rows_n, keys_n)
     reduce_in_registers = problem.interpret  # the interpreter has no reduce-add copies
@@ -480,6 +478,9 @@ def dkdv(problem: Problem, q: jax.Array, k: jax.Array, v: jax.Array, do: jax.Arr
     if (route.block_q, route.block_k) != (tiles_of.rows, tiles_of.unit):
         raise AssertionError(f"{name} needs (block_q, block_k) = "
                              f"{(tiles_of.rows, tiles_of.unit)}: {route}")
+    if route.keys_major and (bias is not None or tiles_of.wide):
+        raise AssertionError(f"{name} computes keys by queries only without a bias, and "
+                             f"not at head dim 256: {route}")
     # A bias shared by the batch entries gets their dS tiles added into one buffer
     # (dbias_first, else zeros), a mutable operand of the kernel; the interpreter (no
     # reduce-add copies) runs an item's batch entries as passes of one program.

@@ -19,7 +19,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_attn.kernels import varying_like
+from pallas_attn.kernels import int32_indices, varying_like
 from pallas_attn.kernels.core import KERNEL_INPUTS, Problem, TileRanges, logit_scores
 from pallas_attn.semantics import dropout as dropout_lib
 from pallas_attn.semantics import scores
@@ -218,24 +218,17 @@ def launch(kernel: Callable[..., None], problem: Problem, names: tuple[str, ...]
            inputs: list[jax.Array], outputs: list[jax.ShapeDtypeStruct], grid: tuple[int, ...],
            warps: int, stages: int, name: str, **params: Any) -> Any:
     """One pallas_call; names: the kernel's ref names, inputs then outputs."""
-    # NOTE: the kernels' index arithmetic mixes int32 with Python ints, which
-    # jax_enable_x64 would make int64.
-    with jax.enable_x64(False):
-        return _pallas_call(kernel, problem, names, inputs, outputs, grid, warps, stages, name,
-                            **params)
-
-
-def _pallas_call(kernel, problem, names, inputs, outputs, grid, warps, stages, name, **params):
-    return pl.pallas_call(
-        functools.partial(kernel, problem=problem, names=names, **params),
-        grid=grid,
-        in_specs=whole_array_specs(inputs),
-        out_specs=whole_array_specs(outputs),
-        out_shape=varying_like(outputs, inputs),
-        compiler_params=plgpu.CompilerParams(num_warps=warps, num_stages=stages),
-        interpret=problem.interpret,
-        name=name,
-    )(*inputs)
+    with int32_indices():
+        return pl.pallas_call(
+            functools.partial(kernel, problem=problem, names=names, **params),
+            grid=grid,
+            in_specs=whole_array_specs(inputs),
+            out_specs=whole_array_specs(outputs),
+            out_shape=varying_like(outputs, inputs),
+            compiler_params=plgpu.CompilerParams(num_warps=warps, num_stages=stages),
+            interpret=problem.interpret,
+            name=name,
+        )(*inputs)
 
 
 def backward_inputs(q, k, v, optional, row_stats, do, delta) -> tuple[tuple[str, ...], list]:
