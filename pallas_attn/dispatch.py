@@ -284,14 +284,16 @@ def _mosaic_route(role: str, call: Call, device: DeviceInfo, overrides: BlockSiz
                  or (stages is not None and stages < 2))
         rule = (f"block_q={mosaic.ITEM_ROWS}, block_k in {mosaic.FORWARD_BLOCK_K} and "
                 f"num_stages >= 2")
-        route = Route("mosaic", mosaic.ITEM_ROWS,
-                      block_k or mosaic.forward_default_block_k(hp, hvp), 0,
-                      stages or mosaic.FORWARD_STAGES, mosaic.CONSUMERS)
-        staging = mosaic.forward_output_staging(
-            hp, hvp, route.block_k, route.num_stages, call.dtype, call.bias_dtype,
-            device.max_shared_memory_per_block)
-        need = mosaic.forward_scratch(hp, hvp, route.block_k, route.num_stages, call.dtype,
-                                      call.bias_dtype, staging=staging).bytes
+        block_k = block_k or mosaic.forward_default_block_k(hp, hvp)
+        stages = stages or mosaic.FORWARD_STAGES
+        budget = device.max_shared_memory_per_block
+        consumers = mosaic.forward_consumers(hp, hvp, block_k, stages, call.dtype,
+                                             bias_dtype=call.bias_dtype, budget=budget)
+        route = Route("mosaic", mosaic.ITEM_ROWS, block_k, 0, stages, consumers)
+        staging = mosaic.forward_output_staging(hp, hvp, block_k, stages, call.dtype,
+                                                call.bias_dtype, budget, consumers)
+        need = mosaic.forward_scratch(hp, hvp, block_k, stages, call.dtype, call.bias_dtype,
+                                      staging=staging, consumers=consumers).bytes
     elif role == "dkdv":
         dkv_tiles = mosaic.dkv_tiles(hp, hvp)
         wrong = block_q not in (None, dkv_tiles[0]) or block_k not in (None, dkv_tiles[1])

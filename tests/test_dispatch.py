@@ -229,9 +229,11 @@ def _need(plan: pallas_attn.Plan, c: dispatch.Call, role: str) -> int:
     if role == "forward":
         staging = mosaic.forward_output_staging(hp, hvp, route.block_k, route.num_stages,
                                                 c.dtype, c.bias_dtype,
-                                                plan.device.max_shared_memory_per_block)
+                                                plan.device.max_shared_memory_per_block,
+                                                route.consumers)
         return mosaic.forward_scratch(hp, hvp, route.block_k, route.num_stages, c.dtype,
-                                      c.bias_dtype, staging=staging).bytes
+                                      c.bias_dtype, staging=staging,
+                                      consumers=route.consumers).bytes
     if role == "dkdv":
         return mosaic.dkv_scratch(hp, hvp, route.num_stages, c.dtype, c.bias_dtype,
                                   zeros=c.spec.has_bias).bytes
@@ -313,6 +315,34 @@ def test_mosaic_scratch_sizes():
                                   staging="q").bytes <= budget
     assert mosaic.forward_scratch(256, 256, 64, 2, "bfloat16", "float32",
                                   staging="q").bytes > budget
+
+
+@pytest.mark.parametrize("hp,hvp,block_k,bias_dtype,consumers", [
+    (64, 64, 128, None, 3), (64, 64, 64, None, 3), (128, 128, 64, None, 3),
+    (64, 64, 128, "bfloat16", 2), (128, 128, 128, None, 2), (256, 256, 64, None, 2),
+    (128, 64, 128, None, 3), (128, 128, 64, "float32", 2)])
+def test_three_forward_consumers_where_their_registers_suffice(hp, hvp, block_k, bias_dtype,
+                                                              consumers):
+    """Three forward consumers (items of 192 rows) hold at most 128 registers per thread
+    of output accumulator, scores and P, and no bias tile; two otherwise."""
+    budget = H100.max_shared_memory_per_block
+    assert mosaic.forward_consumers(hp, hvp, block_k, 2, "bfloat16", bias_dtype=bias_dtype,
+                                    budget=budget) == consumers
+    # Their buffers: a third consumer's Q, output and P rows (one more Q barrier, no
+    # turns' barrier).
+    if consumers == 3:
+        two, three = (mosaic.forward_scratch(hp, hvp, block_k, 2, "bfloat16", consumers=c)
+                      for c in (2, 3))
+        assert three.bytes - two.bytes == 64 * (hp + hvp * (hvp != block_k) + block_k) * 2
+
+
+def test_the_plan_shows_the_forward_consumers():
+    q = jnp.zeros((1, 1024, 2, 64), jnp.bfloat16)
+    with pallas_attn.device.lowering_for(pallas_attn.DeviceInfo()):
+        plan = pallas_attn.explain(q, q, q, implementation="pallas")
+        assert plan.forward.consumers == 3 and "3 consumer warpgroups" in str(plan)
+        wide = jnp.zeros((1, 1024, 2, 128), jnp.bfloat16)
+        assert pallas_attn.explain(wide, wide, wide, implementation="pallas").forward.consumers == 2
 
 
 # ------------------------------------------------------------------ overrides

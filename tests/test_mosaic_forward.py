@@ -119,6 +119,16 @@ CASES = [
      dict(dropout_rate=0.3, dropout_rng=jax.random.key(4), broadcast_dropout=True,
           bias=((1, 2, 260, 260), None), logits_soft_cap=5.0,
           q_segment_ids=np.repeat(np.arange(4), 65)[None].repeat(2, 0)), dict(block_k=128)),
+    # Three consumers (head dim 64, no bias: items of 192 rows): T = 200 pads to 256, so
+    # each head's first item starts at row -128 and two of its consumers only release
+    # the ring's slots; with sorted segments (the idle consumers' bands) and dropout.
+    ("three_consumers_first_item_before_row_0_segments_dropout",
+     dict(B=2, T=200, S=230, N=2, H=64),
+     dict(is_causal=True, causal_alignment="bottom_right", dropout_rate=0.2,
+          dropout_rng=jax.random.key(6),
+          q_segment_ids=np.repeat(np.arange(4), 50)[None].repeat(2, 0),
+          kv_segment_ids=np.concatenate([np.repeat(np.arange(4), 50), np.full(30, 3)])[None]
+          .repeat(2, 0)), {}),
     ("segments_unsorted_bias_T<S", dict(B=2, T=140, S=260, N=2, H=64),
      dict(q_segment_ids=np.random.default_rng(1).integers(0, 3, (2, 140)),
           kv_segment_ids=np.random.default_rng(2).integers(0, 3, (2, 260)),
@@ -171,6 +181,17 @@ def test_mosaic_forward_against_reference_and_float64(dtype, shapes, kwargs, blo
     assert_empty_rows(kernel, empty_rows(exact))
     if kwargs.get("causal_alignment") == "bottom_right" and shapes["T"] > shapes["S"]:
         assert empty_rows(exact).sum() > 0
+
+
+def test_head_dim_64_cases_run_three_consumers():
+    """The cases above at head dim 64 without a bias run the three-consumer forward."""
+    for _, shapes, kwargs, blocks in CASES:
+        if shapes.get("H") != 64 or shapes.get("Hv", 64) != 64 or "bias" in kwargs:
+            continue
+        inputs = make_inputs(0, dtype=jnp.bfloat16, **shapes)
+        plan = pallas_attn.explain(inputs["q"], inputs["k"], inputs["v"], interpret=True,
+                                   block_sizes=dataclasses.replace(MOSAIC, **blocks))
+        assert plan.forward.consumers == 3, (shapes, plan.forward)
 
 
 def _padded_call(shapes: dict, kwargs: dict, blocks: pallas_attn.BlockSizes):

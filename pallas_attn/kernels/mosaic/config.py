@@ -35,6 +35,10 @@ DQ_TILES = (ITEM_ROWS, 64)
 DQ_WIDE_TILES = (ROWS_PER_CONSUMER, 64)
 DBIAS_BLOCK_K = (64, 128)
 
+# The forward's three consumers: the most registers per thread their output accumulator,
+# scores and P may hold (head dim 64 with 128-key tiles, 128 with 64-key tiles).
+FORWARD_THREE_REGISTERS = 128
+
 # Default slots (stages) per kernel ring (docs/decisions.md).
 FORWARD_STAGES = 2
 DKV_STAGES = 2
@@ -198,23 +202,26 @@ def forward_default_block_k(hp: int, hvp: int) -> int:
 
 
 def forward_output_staging(hp: int, hvp: int, block_k: int, stages: int, dtype: Any,
-                           bias_dtype: Any, budget: int) -> str:
+                           bias_dtype: Any, budget: int, consumers: int = CONSUMERS) -> str:
     """Where the forward stages its output tile: in P's buffer ("p") when the shapes
     agree, else in a buffer of its own ("o") where that fits the budget, else in Q's
     ("q", same shape: the next item's Q then loads after the output has left)."""
     if hvp == block_k:
         return "p"
-    own = forward_scratch(hp, hvp, block_k, stages, dtype, bias_dtype, staging="o")
+    own = forward_scratch(hp, hvp, block_k, stages, dtype, bias_dtype, staging="o",
+                          consumers=consumers)
     return "o" if own.bytes <= budget or hvp != hp else "q"
 
 
 def forward_scratch(hp: int, hvp: int, block_k: int, stages: int, dtype: Any,
-                    bias_dtype: Any = None, *, staging: str | None = None) -> Scratch:
+                    bias_dtype: Any = None, *, staging: str | None = None,
+                    consumers: int = CONSUMERS) -> Scratch:
     """The forward: per consumer its Q rows, output (with staging "o"; else staged in
     P's or Q's buffer, `forward_output_staging`; None: in P's where the shapes agree)
     and P; the K/V ring; with a bias each consumer's bias tile. Barriers: Q per
-    consumer, loaded and consumed per slot for K and V, the turns, the bias buffers'."""
-    rows, c = ROWS_PER_CONSUMER, CONSUMERS
+    consumer, loaded and consumed per slot for K and V, two consumers' turns, the bias
+    buffers'."""
+    rows, c = ROWS_PER_CONSUMER, consumers
     dtype = _name(dtype)
     staging = staging or ("p" if hvp == block_k else "o")
     return Scratch(
@@ -230,7 +237,7 @@ def forward_scratch(hp: int, hvp: int, block_k: int, stages: int, dtype: Any,
                   ("v_loaded", Barriers(stages)),
                   ("k_consumed", Barriers(stages, c)),
                   ("v_consumed", Barriers(stages, c)),
-                  ("schedule", Barriers(1, c)),
+                  ("schedule", Barriers(1, c) if c == 2 else None),
                   ("bias_loaded", None if bias_dtype is None else Barriers(c))))
 
 
@@ -322,6 +329,21 @@ def dbias_scratch(hp: int, hvp: int, block_k: int, stages: int, dtype: Any,
                   ("dov_loaded", Barriers(stages, 2 * c + 1)),  # dO and residual halves, V
                   ("dov_consumed", Barriers(stages, c)),
                   ("bias_loaded", Barriers(c))))
+
+
+def forward_consumers(hp: int, hvp: int, block_k: int, stages: int, dtype: Any, *,
+                      bias_dtype: Any, budget: int) -> int:
+    """Consumer warpgroups of the forward: 3 (items of 192 query rows, no turns) where a
+    consumer's output accumulator and score tile fit its smaller share of the registers
+    (`FORWARD_THREE_REGISTERS`), without a bias (its tile would not) and where the
+    buffers fit; else 2 (items of 128 rows that take turns on the tensor cores)."""
+    # Per thread: a 64-row float32 tile of N columns holds N / 2 registers, P N / 4.
+    held = hvp // 2 + block_k // 2 + block_k // 4
+    if bias_dtype is not None or held > FORWARD_THREE_REGISTERS:
+        return 2
+    staging = forward_output_staging(hp, hvp, block_k, stages, dtype, None, budget, 3)
+    three = forward_scratch(hp, hvp, block_k, stages, dtype, staging=staging, consumers=3)
+    return 3 if three.bytes <= budget else 2
 
 
 def dq_consumers(hp: int, hvp: int, block_k: int, stages: int, dtype: Any, *,

@@ -1,29 +1,35 @@
 """Forward kernel for Hopper (Pallas, Mosaic GPU backend): warp-specialised, persistent.
 
-The work is items of 128 query rows of one (batch entry, head), two per 64-row
-consumer. One program per multiprocessor loops over items (`common.Walk`:
-round-robin, lanes reversed every other round, query tiles fastest and the
-heaviest causal tile first) with three warpgroups:
+The work is items of 64 query rows per consumer warpgroup of one (batch entry,
+head): two consumers (items of 128 rows), or three (192 rows) where each one's
+accumulator and scores fit a third of the registers and there is no bias
+(`config.forward_consumers`: head dim 64, or 128 with 64-key tiles). One program
+per multiprocessor loops over items (`common.Walk`: round-robin, lanes reversed
+every other round, query tiles fastest and the heaviest causal tile first; items
+end at the padded length, so with three consumers a head's first item may start
+before row 0, and the consumers whose rows lie there only release the ring's
+slots) with a producer warpgroup and the consumers:
 
-* Warpgroup 2, the producer, streams K and V tiles with the bulk copy engine into
-  a ring of `num_stages` shared-memory slots. Each slot has a "loaded" barrier
-  (copy completion) and a "consumed" barrier (both consumers are done with it).
+* The last warpgroup, the producer, streams K and V tiles with the bulk copy engine
+  into a ring of `num_stages` shared-memory slots. Each slot has a "loaded" barrier
+  (copy completion) and a "consumed" barrier (every consumer is done with it).
   The ring runs on across items, so the next item's first tiles load while the
   consumers finish the current one.
-* Warpgroups 0 and 1, the consumers, each take 64 rows. They compute S = Q K^T
-  with wgmma into registers, apply the shared score and visibility rules
+* The consumers each take 64 rows. They compute S = Q K^T with wgmma into
+  registers, apply the shared score and visibility rules
   (semantics/scores.py) and the online softmax step (`core.softmax_step`: log2
   units, the running row maximum or the soft cap's bound) and accumulate P V onto
   the output accumulator with a second wgmma that takes P from registers (the
   interpreter's wgmma reads shared memory only: there P goes through P's buffer,
-  which otherwise only stages the output). A two-arrival barrier makes the
-  consumers take turns on the tensor cores (FlashAttention-3's ping-pong), so one
-  consumer's softmax overlaps the other's products. The next item's Q is loaded as
-  soon as the last Q K^T of an item is done, and the output leaves through a bulk
-  copy (staged in P's buffer when shapes agree) that overlaps the next item; the
-  row residuals are stored from registers. At head dim 256 (64-key tiles) the
-  output has no room of its own: it is staged in Q's buffer and the next Q loads
-  once it has left.
+  which otherwise only stages the output). Two consumers take turns on the tensor
+  cores through a two-arrival barrier (FlashAttention-3's ping-pong), so one
+  consumer's softmax overlaps the other's products; three take no turns (while two
+  compute exponentials, the third's products keep the tensor cores busy). The next
+  item's Q is loaded as soon as the last Q K^T of an item is done, and the output
+  leaves through a bulk copy (staged in P's buffer when shapes agree) that overlaps
+  the next item; the row residuals are stored from registers. At head dim 256
+  (64-key tiles) the output has no room of its own: it is staged in Q's buffer and
+  the next Q loads once it has left.
 * With segment ids, each item's and each consumer's band narrows to the keys its
   rows' segments hold (`common.Segments`: chunk limits from core.segment_ranges), and
   every tile compares the rows' ids (read once per item) with the key tile's.
@@ -94,7 +100,6 @@ from pallas_attn.kernels.mosaic.common import (
     unsupported,
 )
 from pallas_attn.kernels.mosaic.config import (
-    CONSUMERS,
     ITEM_ROWS,
     OPERANDS,
     ROWS_PER_CONSUMER,
@@ -117,42 +122,50 @@ def _kernel(q_ref, k_ref, v_ref, bias_ref, slopes_ref, sinks_ref, lengths, segme
     ring = tuple(barriers[name] for name in ("k_loaded", "v_loaded", "k_consumed",
                                               "v_consumed"))
     route = problem.plan.forward
-    walk = Walk(problem, programs, route.block_k, route.num_stages, segments=segments,
-                lengths=lengths)
+    consumers = route.consumers
+    rows_n = ROWS_PER_CONSUMER
+    walk = Walk(problem, programs, route.block_k, route.num_stages, consumers * rows_n,
+                segments=segments, lengths=lengths)
     wg = lax.axis_index("wg")
     walk.produce(wg, k_ref, v_ref, k_smem, v_smem, ring)
 
-    @pl.when(wg < CONSUMERS)
+    @pl.when(wg < consumers)
     def _consumer():
-        plgpu.set_max_registers(consumer_registers(CONSUMERS), action="increase")
-        rows_n = ROWS_PER_CONSUMER
+        plgpu.set_max_registers(consumer_registers(consumers), action="increase")
         q_mine, o_mine, p_mine = q_smem.at[wg], o_smem.at[wg], p_smem.at[wg]
 
+        def rows_of(item: Item):
+            return item.q0 + wg * rows_n
+
+        def mine(item: Item):  # rows before 0 (a head's first item of 192): nothing to do
+            return item.valid & (rows_of(item) >= 0)
+
         def load_q(item: Item):
-            @pl.when(item.valid)
+            @pl.when(mine(item))
             def _():
-                plgpu.copy_gmem_to_smem(
-                    q_ref.at[item.b, pl.ds(item.q0 + wg * rows_n, rows_n), item.n], q_mine,
-                    q_loaded.at[wg])
+                plgpu.copy_gmem_to_smem(q_ref.at[item.b, pl.ds(rows_of(item), rows_n), item.n],
+                                        q_mine, q_loaded.at[wg])
 
         load_q(walk.item(0))
-        # Consumer 1 starts half a turn behind consumer 0 (see _consume) and
-        # consumer 0 takes that half turn at the end.
+        # Two consumers take turns: consumer 1 starts half a turn behind consumer 0 (see
+        # _consume) and consumer 0 takes that half turn at the end.
         pl.when(wg == 1)(lambda: take_turn(schedule))
 
         def work(r, step):
             item = walk.item(r)
             ctx, tiles, steps = walk.band(item)
-            row0 = item.q0 + wg * rows_n
+            row0 = rows_of(item)
+            active = mine(item)
             # The previous item's output copies read o_mine, which may be p_mine.
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-            pl.when(item.valid)(lambda: plgpu.barrier_wait(q_loaded.at[wg]))
+            pl.when(active)(lambda: plgpu.barrier_wait(q_loaded.at[wg]))
             bias = walk.bias_rows(bias_ref, item, row0, smem["bias"], barriers["bias_loaded"])
             acc, m, l_sum = _consume(
                 problem, ctx, tiles, lambda t: walk.slot(step + t - tiles.first), row0,
-                tiles.first + steps, q_mine, k_smem, v_smem, p_mine, o_mine.shape[-1],
-                ring, schedule, bias, head_slope(slopes_ref, item.valid, item.b, item.n),
-                segments, dropout, item.b, item.n)
+                tiles.first + steps, active, q_mine, k_smem, v_smem, p_mine,
+                o_mine.shape[-1], ring, schedule, bias,
+                head_slope(slopes_ref, item.valid, item.b, item.n), segments, dropout, item.b,
+                item.n)
             if staging != "q":  # every Q K^T of this item is done: q_mine is free
                 load_q(walk.item(r + 1))
 
@@ -161,7 +174,7 @@ def _kernel(q_ref, k_ref, v_ref, bias_ref, slopes_ref, sinks_ref, lengths, segme
                 alpha, m, l_sum = merge_sink(problem, sink, m, l_sum)
                 acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
 
-            @pl.when(item.valid)
+            @pl.when(active)
             def _store():
                 rows = row0 + plgpu.broadcasted_iota(jnp.int32, (rows_n,), 0,
                                                      layout=plgpu.Layout.WGMMA.reduce(1))
@@ -190,15 +203,17 @@ def _kernel(q_ref, k_ref, v_ref, bias_ref, slopes_ref, sinks_ref, lengths, segme
         plgpu.wait_smem_to_gmem(0)
 
 
-def _consume(problem: Problem, ctx: TileRanges, tiles: Band, slot_of, row0, stop,
+def _consume(problem: Problem, ctx: TileRanges, tiles: Band, slot_of, row0, stop, active,
              q_smem, k_smem, v_smem, p_smem, hv: int, ring, schedule,
              bias: BiasTiles | None, slope, segments: Segments | None,
              dropout: Dropout | None, b, n) -> tuple[Any, Any, Any]:
     """One consumer warpgroup: (acc, row reference, row sum) of rows [row0, row0 + 64)
-    against key tiles [tiles.first, stop) (stop = tiles.first for no work).
+    against key tiles [tiles.first, stop) (stop = tiles.first for no work); active false
+    (rows before 0): it only releases the tiles.
 
-    The two consumers take turns on the tensor cores through the `schedule` barrier
-    (two-arrival, FlashAttention-3's ping-pong): a consumer issues its Q K^T, then
+    Two consumers take turns on the tensor cores through the `schedule` barrier
+    (two-arrival, FlashAttention-3's ping-pong; None for three, which take no turns):
+    a consumer issues its Q K^T, then
     waits until the other has finished its softmax; after its own softmax it waits
     until the other has issued its Q K^T, then issues its P V and waits for it. So
     one's softmax runs while the other's products do (`run_band` keeps the turns
@@ -215,6 +230,8 @@ def _consume(problem: Problem, ctx: TileRanges, tiles: Band, slot_of, row0, stop
     rows_n = ROWS_PER_CONSUMER
     dtype = q_smem.dtype
     own = own_band(ctx, tiles, row0, stop, block_k, segments)
+    own = Band(*(jnp.where(active, x, tiles.first)
+                 for x in (own.first, own.stop, own.full_first, own.full_stop)))
     row_ids = None if segments is None else segments.rows(b, row0)
     row_keys = None if dropout is None else dropout.row_keys(b, n, row0)
 
@@ -250,9 +267,11 @@ def _consume(problem: Problem, ctx: TileRanges, tiles: Band, slot_of, row0, stop
         if not (late or problem.interpret):
             # NOTE: keeps the rescale and P's conversion ahead of the turn's barriers.
             acc, p = lax.optimization_barrier((acc, p))
-        plgpu.barrier_arrive(schedule)  # this softmax is done
+        if schedule is not None:
+            plgpu.barrier_arrive(schedule)  # this softmax is done
         plgpu.barrier_wait(v_loaded.at[slot])
-        plgpu.barrier_wait(schedule)  # the other consumer has issued its Q K^T
+        if schedule is not None:
+            plgpu.barrier_wait(schedule)  # the other consumer has issued its Q K^T
         if alpha is not None and late:
             acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
         (acc,) = accumulate(((acc, ((p, v_smem.at[slot]),)),), problem.interpret)
@@ -275,7 +294,7 @@ def forward(problem: Problem, q: jax.Array, k: jax.Array, v: jax.Array,
     """(out [B, Tp, N, Hvp], (row_max, log2_sum) [B, N, Tp]) for padded inputs."""
     route = problem.plan.forward
     if (set(optional) - set(OPERANDS["forward"]) or unsupported(problem, "forward")
-            or route.block_q != ITEM_ROWS):
+            or route.block_q != ITEM_ROWS or route.consumers not in (2, 3)):
         raise AssertionError(f"mosaic.fwd.forward called for an unsupported problem: "
                              f"{unsupported(problem, 'forward') or route}")
     B, Tp, N, hp = q.shape
@@ -288,10 +307,12 @@ def forward(problem: Problem, q: jax.Array, k: jax.Array, v: jax.Array,
     lengths = lengths_of(optional)
     keys = optional.get("dropout_keys")
     bias_dtype = None if bias is None else bias.dtype
+    consumers = route.consumers
     staging = forward_output_staging(hp, hvp, route.block_k, route.num_stages, dtype,
-                                     bias_dtype, problem.plan.device.max_shared_memory_per_block)
+                                     bias_dtype, problem.plan.device.max_shared_memory_per_block,
+                                     consumers)
     scratch = forward_scratch(hp, hvp, route.block_k, route.num_stages, dtype, bias_dtype,
-                              staging=staging)
+                              staging=staging, consumers=consumers)
 
     def entry(q_ref, k_ref, v_ref, *refs):
         bias_ref, slopes_ref, sinks_ref, keys_ref, *length_refs = optional_refs(
@@ -305,8 +326,9 @@ def forward(problem: Problem, q: jax.Array, k: jax.Array, v: jax.Array,
             out_ref, row_max_ref,
             log2_sum_ref, smem, barriers, problem=problem, programs=programs, staging=staging))
 
-    programs = problem.plan.programs_for(Tp // ITEM_ROWS * B * N)
-    out, row_max, log2_sum = launch(entry, out_type, programs, problem.interpret)(
+    items = -(-Tp // (consumers * ROWS_PER_CONSUMER)) * B * N
+    programs = problem.plan.programs_for(items)
+    out, row_max, log2_sum = launch(entry, out_type, programs, problem.interpret, consumers)(
         q, k, v, *(x for x in (bias, slopes, sinks, keys, *lengths) if x is not None),
         *segments)
     return out, (row_max, log2_sum)
