@@ -110,16 +110,21 @@ def make_inputs(shape: Shape, seed: int = 0) -> dict[str, Any]:
 
 
 def _loss_and_grad(fn: Callable[..., jax.Array], args: dict[str, Any]):
-    """jit(grad of sum(out * ct)) taking (q, k, v, bias, ct): nothing large is closed over."""
-    has_bias = "bias" in args["kwargs"]
-    static = {x: y for x, y in args["kwargs"].items() if x != "bias"}
+    """jit(grad of sum(out * ct)) as a function of (q, k, v, bias, ct); the other arrays
+    (a mask, segment ids, ...) are arguments of the compiled step too: nothing large is
+    closed over."""
+    kwargs = args["kwargs"]
+    has_bias = "bias" in kwargs
+    arrays = {x: y for x, y in kwargs.items() if isinstance(y, jax.Array) and x != "bias"}
+    static = {x: y for x, y in kwargs.items() if x not in arrays and x != "bias"}
 
-    def loss(q, k, v, bias, ct):
-        out = fn(q, k, v, **(dict(static, bias=bias) if has_bias else static))
+    def loss(q, k, v, bias, ct, arrays):
+        out = fn(q, k, v, **arrays, **(dict(static, bias=bias) if has_bias else static))
         return jnp.sum(out.astype(jnp.float32) * ct.astype(jnp.float32))
 
     argnums = (0, 1, 2, 3) if has_bias else (0, 1, 2)
-    return jax.jit(jax.grad(loss, argnums=argnums))
+    step = jax.jit(jax.grad(loss, argnums=argnums))
+    return lambda q, k, v, bias, ct: step(q, k, v, bias, ct, arrays)
 
 
 IMPLEMENTATIONS = ("pallas_attn", "jax.nn cudnn", "jax.nn xla")
@@ -268,6 +273,7 @@ def feature_shapes() -> list[Shape]:
         Shape(**base),
         Shape(**base, features=(("bias", None),)),
         Shape(**base, features=(("bias_per_batch", None),)),
+        Shape(**base, features=(("mask", None),)),
         Shape(**base, features=(("alibi", None),)),
         Shape(**base, features=(("softcap", 30.0),)),
         Shape(**base, features=(("dropout", 0.1),)),

@@ -287,13 +287,16 @@ def _mosaic_route(role: str, call: Call, device: DeviceInfo, overrides: BlockSiz
         block_k = block_k or mosaic.forward_default_block_k(hp, hvp)
         stages = stages or mosaic.FORWARD_STAGES
         budget = device.max_shared_memory_per_block
+        has_mask = spec.has_mask
         consumers = mosaic.forward_consumers(hp, hvp, block_k, stages, call.dtype,
-                                             bias_dtype=call.bias_dtype, budget=budget)
+                                             bias_dtype=call.bias_dtype, budget=budget,
+                                             has_mask=has_mask)
         route = Route("mosaic", mosaic.ITEM_ROWS, block_k, 0, stages, consumers)
         staging = mosaic.forward_output_staging(hp, hvp, block_k, stages, call.dtype,
-                                                call.bias_dtype, budget, consumers)
+                                                call.bias_dtype, budget, consumers, has_mask)
         need = mosaic.forward_scratch(hp, hvp, block_k, stages, call.dtype, call.bias_dtype,
-                                      staging=staging, consumers=consumers).bytes
+                                      staging=staging, consumers=consumers,
+                                      has_mask=has_mask).bytes
     elif role == "dkdv":
         dkv_tiles = mosaic.dkv_tiles(hp, hvp)
         wrong = block_q not in (None, dkv_tiles[0]) or block_k not in (None, dkv_tiles[1])
@@ -301,9 +304,11 @@ def _mosaic_route(role: str, call: Call, device: DeviceInfo, overrides: BlockSiz
         stages, need = _first_fitting(
             (stages,) if stages is not None else mosaic.dkv_stage_options(hp, hvp),
             lambda s: mosaic.dkv_scratch(hp, hvp, s, call.dtype, call.bias_dtype,
-                                         zeros=spec.has_bias).bytes, device)
+                                         zeros=spec.has_bias, has_mask=spec.has_mask).bytes,
+            device)
         route = Route("mosaic", *dkv_tiles, 0, stages, mosaic.CONSUMERS,
-                      keys_major=mosaic.dkv_keys_major(hp, hvp, spec.has_bias, spec.has_alibi))
+                      keys_major=mosaic.dkv_keys_major(hp, hvp, spec.has_bias, spec.has_alibi,
+                                                       spec.has_mask))
     elif role == "dq":
         dq_tiles = mosaic.dq_tiles(hp, hvp)
         wrong = (block_q not in (None, dq_tiles[0]) or block_k not in (None, dq_tiles[1])
@@ -313,10 +318,11 @@ def _mosaic_route(role: str, call: Call, device: DeviceInfo, overrides: BlockSiz
         consumers = mosaic.dq_consumers(
             hp, hvp, dq_tiles[1], stages, call.dtype, bias_dtype=call.bias_dtype,
             has_window=spec.local_window is not None,
-            budget=device.max_shared_memory_per_block)
+            budget=device.max_shared_memory_per_block, has_mask=spec.has_mask)
         route = Route("mosaic", *dq_tiles, 0, stages, consumers)
         need = mosaic.dq_scratch(hp, hvp, dq_tiles[1], stages, consumers, call.dtype,
-                                 call.bias_dtype, dbias=spec.has_bias).bytes
+                                 call.bias_dtype, dbias=spec.has_bias,
+                                 has_mask=spec.has_mask).bytes
     else:  # dbias
         wrong = (block_q not in (None, mosaic.ITEM_ROWS)
                  or block_k not in (None, *mosaic.DBIAS_BLOCK_K))
@@ -503,7 +509,8 @@ _MATRIX_ROWS: tuple[tuple[str, dict[str, Any]], ...] = (
     ("bias [1, 1, T, S] (shared by heads)", dict(bias_shape=(1, 1, 4096, 4096))),
     ("bias [B, N, 1, S] (per key)", dict(bias_shape=(4, 16, 1, 4096))),
     ("bias in float32", dict(bias_shape=(1, 16, 4096, 4096), bias_dtype="float32")),
-    ("boolean mask", dict(mask_shape=(4, 1, 4096, 4096))),
+    ("boolean mask [B, 1, T, S]", dict(mask_shape=(4, 1, 4096, 4096))),
+    ("boolean mask [B, 1, 1, S] (per key)", dict(mask_shape=(4, 1, 1, 4096))),
     ("segment ids", dict(present=("q_segment_ids", "kv_segment_ids"))),
     ("sequence lengths", dict(present=("query_seq_lengths", "key_value_seq_lengths"))),
     ("dropout", dict(dropout_rate=0.1)),

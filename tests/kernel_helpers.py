@@ -505,6 +505,13 @@ class KernelBackward:
         return problem, names, inputs
 
 
+def random_mask(seed: int, shape: tuple, hidden_rows: tuple = ()) -> np.ndarray:
+    """A boolean mask hiding about 30% of the entries, and every key of hidden_rows."""
+    mask = np.random.default_rng(seed).random(shape) > 0.3
+    mask[..., list(hidden_rows), :] = False
+    return mask
+
+
 def kernel_backward(dtype: str, shapes: dict, bias_shape: tuple | None, kwargs: dict,
                     block_sizes: Any, bias_dtype: str | None = None) -> KernelBackward:
     """A `KernelBackward` in dtype for shapes (make_inputs' arguments, head dim 64

@@ -116,7 +116,14 @@ TABLE = {
                      ("triton", "triton", "triton", "triton-fused")),
     "bias_per_query": (call(bias_shape=(1, 1, 4096, 1)), "sm90",
                        ("triton", "triton", "triton", "triton")),
-    "mask": (call(mask_shape=(4, 1, 4096, 4096)), "sm90", ("triton", "triton", "triton", None)),
+    # A boolean mask with its own entry per query and key: the Mosaic kernels (int8
+    # tiles); one broadcast along queries (a key padding mask) the Triton kernels; at
+    # d256 the wide backward kernels take none.
+    "mask": (call(mask_shape=(4, 1, 4096, 4096)), "sm90", ("mosaic", "mosaic", "mosaic", None)),
+    "mask_per_key": (call(mask_shape=(4, 1, 1, 4096)), "sm90",
+                     ("triton", "triton", "triton", None)),
+    "mask_d256": (call(256, mask_shape=(4, 1, 4096, 4096)), "sm90",
+                  ("mosaic", "triton", "triton", None)),
     # Segment ids: the Mosaic forward; the Triton backward measured faster.
     "segments": (call(has_segments=True, present=("q_segment_ids", "kv_segment_ids")), "sm90",
                  ("mosaic", "triton", "triton", None)),
@@ -197,7 +204,9 @@ def test_reasons_name_what_refuses():
     dq_reasons = dict(dispatch.plan(TABLE["d256_bias_float32"][0], device=H100).dq.declined)
     assert "232448" in dq_reasons["mosaic"]  # a float32 bias tile leaves no room
     assert "bfloat16 or float16" in reasons["float32"]
-    assert "mask" in reasons["mask"]
+    assert "the mask needs its own entry per query and key" in reasons["mask_per_key"]
+    wide_mask = dict(dispatch.plan(TABLE["mask_d256"][0], device=H100).dkdv.declined)
+    assert "a mask only below a padded head dim of 256" in wide_mask["mosaic"]
     dbias = dict(dispatch.plan(TABLE["dropout_bias_shared_by_heads"][0], device=H100)
                  .dbias.declined)
     assert "no dropout" in dbias["mosaic"]

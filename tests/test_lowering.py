@@ -128,6 +128,15 @@ CASES = {
         kv_segment_ids=jnp.zeros((2, 384), jnp.int32),
         block_sizes=pallas_attn.BlockSizes(forward_backend="mosaic", dq_backend="mosaic",
                                            dkv_backend="mosaic")),
+    # A boolean mask in the Mosaic forward (int8 tiles per consumer): three consumers
+    # at d64 with 128-key tiles; with a bias at d128 and 64-key tiles (64-byte rows).
+    "mosaic_mask_three_consumers": dict(
+        T=200, S=300, is_causal=True, mask=jnp.ones((2, 1, 200, 300), bool),
+        block_sizes=pallas_attn.BlockSizes(forward_backend="mosaic")),
+    "mosaic_mask_bias_block_k64": dict(
+        H=128, mask=jnp.ones((1, 4, 256, 256), bool),
+        bias=jnp.ones((2, 4, 256, 256), jnp.bfloat16),
+        block_sizes=dataclasses.replace(_MOSAIC, block_k=64)),
     # Sequence lengths in every Mosaic role (bands that stop at the key length).
     "mosaic_lengths_window": dict(
         T=256, S=384, N=8, K=2, H=128, local_window_size=(100, 0),

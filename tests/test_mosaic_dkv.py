@@ -32,11 +32,12 @@ from kernel_helpers import (  # no_mosaic_races: an autouse fixture
     make_inputs,
     no_mosaic_races,  # noqa: F401
     plan_for,
+    random_mask,
 )
 
 import pallas_attn
 from pallas_attn.kernels.mosaic import dkv as mosaic_dkv
-from pallas_attn.kernels.mosaic.common import lengths_of, segments_of
+from pallas_attn.kernels.mosaic.common import lengths_of, mask_of, segments_of
 from pallas_attn.kernels.triton import dbias as triton_dbias
 from pallas_attn.kernels.triton import dkdv as triton_dkdv
 from pallas_attn.spec import normalize
@@ -94,6 +95,13 @@ CASES = [
      dict(is_causal=True, q_segment_ids=np.repeat(np.arange(5), 66)[None].repeat(2, 0)), {}),
     ("keys_major_bottom_right_T>S", dict(B=2, T=200, S=100, N=2), None,
      dict(is_causal=True, causal_alignment="bottom_right"), {}),
+    # A boolean mask (int8 tiles per step and consumer, queries by keys at d64 too):
+    # one per batch entry hiding whole rows under causal GQA; one per head with a
+    # batch-shared bias's gradient.
+    ("mask_per_batch_causal_gqa_empty_rows", dict(B=2, T=200, S=260, N=4, K=2), None,
+     dict(is_causal=True, mask=random_mask(8, (2, 1, 200, 260), hidden_rows=(3, 130))), {}),
+    ("mask_per_head_shared_bias", dict(B=2, T=130, S=200, N=2), (1, 2),
+     dict(mask=random_mask(9, (1, 2, 130, 200), hidden_rows=(70,))), {}),
     # Head dim 256: units of 64 keys that the consumers share (`config.is_wide`), each
     # with half of S, dP and the head dims; the whole dS tile copied as dbias.
     ("wide_H256_per_batch_bias_causal", dict(B=2, T=130, S=200, N=2, H=256), (2, 2),
@@ -121,7 +129,8 @@ def _kernel_outputs(dtype: str, shapes: dict, bias_shape: tuple | None, kwargs: 
                              x.operands.get("alibi_slopes"),
                              segments=segments_of(x.operands, "query_ranges"),
                              lengths=lengths_of(x.operands),
-                             dropout_keys=x.operands.get("dropout_keys"))
+                             dropout_keys=x.operands.get("dropout_keys"),
+                             mask=mask_of(x.operands))
     triton_args = x.triton(**TRITON_TILES)
     triton = (*triton_dkdv.dkdv(*triton_args)[:2],
               triton_dbias.dbias(*triton_args, bias) if bias_grad else None)
@@ -248,9 +257,10 @@ def test_batch_shared_dbias_under_vmap(blocks):
 
 
 @pytest.mark.parametrize("kwargs,match", [
-    (dict(mask=True),
-     ("dkv_backend='mosaic'.*no operand besides q, k, v, a bias, ALiBi slopes, sinks, "
-      "segment ids, sequence lengths and dropout, got mask")),
+    (dict(mask=(1, 1, 16, 1)),
+     r"dkv_backend='mosaic'.*the mask needs its own entry per query and key"),
+    (dict(mask=(1, 1, 16, 16), H=256),
+     "dkv_backend='mosaic'.*a mask only below a padded head dim of 256"),
     (dict(dtype=jnp.float32), "dkv_backend='mosaic'.*bfloat16 or float16"),
     (dict(H=32), "dkv_backend='mosaic'.*head dims must pad to"),
     (dict(bias=(2, 1, 16, 16), fuse_dbias=True), "fuse_dbias=True with the Mosaic dK/dV"),
@@ -261,8 +271,8 @@ def test_unsupported_problems_name_the_reason(kwargs, match):
     inputs = make_inputs(1, B=2, T=16, S=16, N=2, H=kwargs.pop("H", 64), dtype=dtype)
     bias = jnp.zeros(kwargs.pop("bias", (1, 2, 16, 16)), kwargs.pop("bias_dtype", dtype))
     blocks = dataclasses.replace(MOSAIC_DKV, fuse_dbias=kwargs.pop("fuse_dbias", None))
-    if kwargs.pop("mask", False):
-        kwargs["mask"] = jnp.ones((1, 1, 16, 16), bool)
+    if "mask" in kwargs:
+        kwargs["mask"] = jnp.ones(kwargs["mask"], bool)
     with pytest.raises(ValueError, match=match):
         pallas_attn.dot_product_attention(inputs["q"], inputs["k"], inputs["v"], bias,
                                           interpret=True, block_sizes=blocks, **kwargs)

@@ -29,13 +29,14 @@ from kernel_helpers import (  # no_mosaic_races: an autouse fixture
     kernel_backward,
     make_inputs,
     no_mosaic_races,  # noqa: F401
+    random_mask,
     run,
 )
 
 import pallas_attn
 from pallas_attn.kernels.core import Problem, logit_scores
 from pallas_attn.kernels.mosaic import dq as mosaic_dq
-from pallas_attn.kernels.mosaic.common import lengths_of, segments_of
+from pallas_attn.kernels.mosaic.common import lengths_of, mask_of, segments_of
 from pallas_attn.kernels.triton import dbias as triton_dbias
 from pallas_attn.kernels.triton import dq as triton_dq
 
@@ -48,6 +49,14 @@ WIDE = dict(block_q_dq=64)  # the wide kernel's (64, 64) tiles at a head dim of 
 # (id, shapes, bias shape as (Bb, Nb) or None, kwargs, tiles)
 CASES = [
     ("plain_ragged", dict(B=1, T=130, S=200, N=2), None, {}, {}),
+    # A boolean mask (int8 tiles per consumer): one per batch entry hiding whole rows
+    # under causal masking (three consumers); one per head with a bias and a soft cap
+    # at d128 (two consumers, turns).
+    ("mask_per_batch_causal_empty_rows", dict(B=2, T=200, S=260, N=2), None,
+     dict(is_causal=True, mask=random_mask(8, (2, 1, 200, 260), hidden_rows=(3, 130))), {}),
+    ("mask_per_head_bias_soft_cap_H128", dict(B=1, T=140, S=200, N=2, H=128), (1, 2),
+     dict(mask=random_mask(9, (1, 2, 140, 200), hidden_rows=(70,)), logits_soft_cap=5.0),
+     {}),
     ("causal_gqa_alibi_per_batch", dict(B=2, T=200, S=150, N=4, K=2), None,
      dict(is_causal=True, alibi_slopes=jnp.array([[0.5, 0.25, 0.125, 0.0625],
                                                    [0.03, 0.2, 0.7, 0.01]])), {}),
@@ -98,7 +107,8 @@ def _kernel_outputs(dtype: str, shapes: dict, bias_shape: tuple | None, kwargs: 
                         dataclasses.replace(MOSAIC_DQ, **blocks))
     mosaic = mosaic_dq.dq(x.problem, x.q, x.k, x.v, x.do, x.stats, x.operands.get("bias"),
                           x.operands.get("alibi_slopes"), segments_of(x.operands, "key_ranges"),
-                          lengths_of(x.operands), x.operands.get("dropout_keys"))
+                          lengths_of(x.operands), x.operands.get("dropout_keys"),
+                          mask_of(x.operands))
     triton = triton_dq.dq(*x.triton(block_q_dq=32, block_k_dq=32, dq_backend="triton"))
     assert mosaic.shape == x.q.shape and mosaic.dtype == x.q.dtype
     return np.asarray(mosaic, np.float32), np.asarray(triton, np.float32), x.T
@@ -214,17 +224,18 @@ def test_gradients_with_the_mosaic_dq_against_reference_and_float64(shapes, bias
 
 
 @pytest.mark.parametrize("kwargs,match", [
-    (dict(mask=True),
-     ("dq_backend='mosaic'.*no operand besides q, k, v, a bias, ALiBi slopes, sinks, "
-      "segment ids, sequence lengths and dropout, got mask")),
+    (dict(mask=(1, 1, 16, 1)),
+     r"dq_backend='mosaic'.*the mask needs its own entry per query and key"),
+    (dict(mask=(1, 1, 16, 16), H=256),
+     "dq_backend='mosaic'.*a mask only below a padded head dim of 256"),
     (dict(dtype=jnp.float32), "dq_backend='mosaic'.*bfloat16 or float16"),
     (dict(H=32), "dq_backend='mosaic'.*head dims must pad to"),
 ])
 def test_unsupported_problems_name_the_reason(kwargs, match):
     dtype = kwargs.pop("dtype", jnp.bfloat16)
     inputs = make_inputs(1, B=2, T=16, S=16, N=2, H=kwargs.pop("H", 64), dtype=dtype)
-    if kwargs.pop("mask", False):
-        kwargs["mask"] = jnp.ones((1, 1, 16, 16), bool)
+    if "mask" in kwargs:
+        kwargs["mask"] = jnp.ones(kwargs["mask"], bool)
     with pytest.raises(ValueError, match=match):
         pallas_attn.dot_product_attention(inputs["q"], inputs["k"], inputs["v"],
                                           interpret=True, block_sizes=MOSAIC_DQ, **kwargs)

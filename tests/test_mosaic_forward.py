@@ -35,6 +35,7 @@ from kernel_helpers import (  # no_mosaic_races: an autouse fixture
     pallas_and_reference,
     plan_for,
     random_bias,
+    random_mask,
     with_routes,
 )
 
@@ -129,6 +130,15 @@ CASES = [
           q_segment_ids=np.repeat(np.arange(4), 50)[None].repeat(2, 0),
           kv_segment_ids=np.concatenate([np.repeat(np.arange(4), 50), np.full(30, 3)])[None]
           .repeat(2, 0)), {}),
+    # A boolean mask (int8 tiles streamed per consumer): one per batch entry under
+    # causal masking with rows it hides entirely (three consumers, a head's first item
+    # before row 0); one per head with a bias and a soft cap at d128 (two consumers,
+    # 64-key tiles).
+    ("mask_per_batch_causal_empty_rows", dict(B=2, T=200, S=260, N=2, H=64),
+     dict(is_causal=True, mask=random_mask(8, (2, 1, 200, 260), hidden_rows=(3, 130))), {}),
+    ("mask_per_head_bias_soft_cap", dict(B=1, T=140, S=200, N=2, H=128),
+     dict(mask=random_mask(9, (1, 2, 140, 200), hidden_rows=(70,)),
+          bias=((1, 2, 140, 200), None), logits_soft_cap=5.0), {}),
     ("segments_unsorted_bias_T<S", dict(B=2, T=140, S=260, N=2, H=64),
      dict(q_segment_ids=np.random.default_rng(1).integers(0, 3, (2, 140)),
           kv_segment_ids=np.random.default_rng(2).integers(0, 3, (2, 260)),
@@ -274,8 +284,8 @@ def test_gradients_through_the_mosaic_forward_match_the_triton_forward():
 # ----------------------------------------------------------------- what it refuses
 @pytest.mark.parametrize("kwargs,match", [
     (dict(dtype=jnp.float32), "bfloat16 or float16"),
-    (dict(mask=True), ("no operand besides q, k, v, a bias, ALiBi slopes, sinks, segment "
-                       "ids, sequence lengths and dropout, got mask")),
+    (dict(mask=(1, 1, 1, 16)), (r"the mask needs its own entry per query and key, got a "
+                                r"mask of shape \(1, 1, 1, 16\)")),
     (dict(bias=(1, 1, 1, 16)), r"broadcast along queries or keys"),
     (dict(bias=(1, 1, 16, 1)), r"broadcast along queries or keys"),
     (dict(H=32), "head dims must pad to"),
@@ -286,8 +296,8 @@ def test_unsupported_problems_name_the_reason(kwargs, match):
     inputs = make_inputs(1, B=1, T=16, S=16, N=1, H=H, dtype=dtype)
     bias_shape = kwargs.pop("bias", None)
     bias = None if bias_shape is None else jnp.zeros(bias_shape, dtype)
-    if kwargs.pop("mask", False):
-        kwargs["mask"] = jnp.ones((1, 1, 16, 16), bool)
+    if "mask" in kwargs:
+        kwargs["mask"] = jnp.ones(kwargs["mask"], bool)
     with pytest.raises(ValueError, match=f"forward_backend='mosaic'.*{match}"):
         pallas_attn.dot_product_attention(inputs["q"], inputs["k"], inputs["v"], bias,
                                           interpret=True, block_sizes=MOSAIC, **kwargs)

@@ -30,6 +30,7 @@ from pallas_attn.kernels.mosaic import fwd as mosaic_fwd
 from pallas_attn.kernels.mosaic.common import (
     dropout_of,
     lengths_of,
+    mask_of,
     row_residuals,
     segments_of,
 )
@@ -268,6 +269,7 @@ def _run_backward(static: tuple[Problem, bool], q, k, v, operands: dict, row_sta
     if lengths[0] is not None and "mosaic" in (plan.dq.backend, plan.dkdv.backend):
         # dO too: the Mosaic kernels read whole tiles of it (P = 0 past the length).
         do = reference.hide_past(do, lengths[0])
+    mask = mask_of(operands) if "mosaic" in (plan.dq.backend, plan.dkdv.backend) else None
     dq_segments = segments_of(operands, "key_ranges") if plan.dq.backend == "mosaic" else ()
     dkv_segments = (segments_of(operands, "query_ranges") if plan.dkdv.backend == "mosaic"
                     else ())
@@ -278,15 +280,15 @@ def _run_backward(static: tuple[Problem, bool], q, k, v, operands: dict, row_sta
     if plan.dq.backend == "mosaic":
         if plan.dkdv.backend == "mosaic" and mosaic_dkv.sums_batch(problem, bias, fused):
             dq, dbias_first = mosaic_dq.dq_and_dbias(problem, q, k, v, do, stats, bias, slopes,
-                                                     dq_segments, lengths, dropout_keys)
+                                                     dq_segments, lengths, dropout_keys, mask)
         else:
             dq = mosaic_dq.dq(problem, q, k, v, do, stats, bias, slopes, dq_segments, lengths,
-                              dropout_keys)
+                              dropout_keys, mask)
     else:
         dq = triton_dq.dq(problem, names, inputs)
     if plan.dkdv.backend == "mosaic":
         dk, dv, dbias = mosaic_dkv.dkdv(problem, q, k, v, do, stats, bias, fused, slopes,
-                                        dbias_first, dkv_segments, lengths, dropout_keys)
+                                        dbias_first, dkv_segments, lengths, dropout_keys, mask)
     else:
         dk, dv, dbias = triton_dkdv.dkdv(problem, names, inputs, bias if fused else None)
     if separate_dbias and plan.dbias.backend == "mosaic":

@@ -26,7 +26,7 @@ from pallas_attn.kernels.mosaic import dbias as mosaic_dbias
 from pallas_attn.kernels.mosaic import dkv as mosaic_dkv
 from pallas_attn.kernels.mosaic import dq as mosaic_dq
 from pallas_attn.kernels.mosaic import fwd as mosaic_fwd
-from pallas_attn.kernels.mosaic.common import row_residuals
+from pallas_attn.kernels.mosaic.common import mask_of, row_residuals
 from pallas_attn.kernels.triton import config as triton_config
 from pallas_attn.kernels.triton import dbias as triton_dbias
 from pallas_attn.kernels.triton import dkdv as triton_dkdv
@@ -144,13 +144,14 @@ def route_tiles(route: Route) -> tuple[int, int, int, int]:
 def kernel_runner(*, batch: int, q_len: int, kv_len: int, heads: int, kv_heads: int,
                   head_dim: int, dtype: Any = jnp.bfloat16, is_causal: bool = False,
                   bias: bool = False, bias_per_batch: bool = False, alibi: bool = False,
-                  soft_cap: float | None = None, block_sizes: BlockSizes | None = None,
-                  interpret: bool = False
+                  soft_cap: float | None = None, mask: bool = False,
+                  block_sizes: BlockSizes | None = None, interpret: bool = False
                   ) -> tuple[Plan, Callable[[str, Route], Callable[[], Any]]]:
     """(plan, runner) for one problem on the current device (lengths multiples of 128).
 
     bias: a [1, N, T, S] bias ([B, N, T, S] with bias_per_batch). alibi: ALiBi slopes
-    per head; soft_cap: logits_soft_cap. plan: what dot_product_attention runs with
+    per head; soft_cap: logits_soft_cap; mask: a random boolean mask [B, 1, T, S] (90%
+    visible). plan: what dot_product_attention runs with
     these block_sizes (TRITON_ONLY: the Triton kernels `tune` sweeps). interpret: run
     the kernels in the Pallas interpreter (the CPU tests).
 
@@ -167,8 +168,10 @@ def kernel_runner(*, batch: int, q_len: int, kv_len: int, heads: int, kv_heads: 
     bias_array = (jax.random.normal(keys[4], (batch if bias_per_batch else 1, heads, q_len,
                                               kv_len), dtype) if bias else None)
     slopes = 2.0 ** (-8.0 * jnp.arange(1, heads + 1) / heads) if alibi else None
-    spec, ops, _ = normalize(q, k, v, bias_array, is_causal=is_causal, alibi_slopes=slopes,
-                             logits_soft_cap=soft_cap)
+    mask_array = (jax.random.bernoulli(keys[4], 0.9, (batch, 1, q_len, kv_len)) if mask
+                  else None)
+    spec, ops, _ = normalize(q, k, v, bias_array, mask_array, is_causal=is_causal,
+                             alibi_slopes=slopes, logits_soft_cap=soft_cap)
     plan = dispatch.plan(dispatch.Call.of(spec, ops), block_sizes=block_sizes,
                          interpret=interpret)
     if q_len % 128 or kv_len % 128:
@@ -182,7 +185,7 @@ def kernel_runner(*, batch: int, q_len: int, kv_len: int, heads: int, kv_heads: 
     delta = jnp.einsum("btnh,btnh->bnt", do.astype(jnp.float32), out.astype(jnp.float32))
     names, bwd_inputs = backward_inputs(qp, kp, vp, optional, row_stats, do, delta)
     mosaic_inputs = (qp, kp, vp, do, row_residuals(row_stats, delta), optional.get("bias"),
-                     optional.get("alibi_slopes"))
+                     optional.get("alibi_slopes"), mask_of(optional))
 
     def runner(role: str, route: Route) -> Callable[[], Any]:
         if role not in ("forward", "dkdv", "dkdv_dbias", "dq", "dbias"):
@@ -199,8 +202,11 @@ def kernel_runner(*, batch: int, q_len: int, kv_len: int, heads: int, kv_heads: 
         def mosaic_kernel(kernel_fn: Callable[..., Any], *flags: bool) -> tuple[Callable, tuple]:
             """A Mosaic backward kernel (mosaic dkv.dkdv, dq.dq or dbias.dbias) on the
             inputs, and those inputs."""
-            return (lambda q, k, v, do, stats, bias, slopes: kernel_fn(
-                p, q, k, v, do, stats, bias, *flags, slopes)), mosaic_inputs
+            def call(q, k, v, do, stats, bias, slopes, mask):
+                masked = {} if mask is None else {"mask": mask}
+                return kernel_fn(p, q, k, v, do, stats, bias, *flags, slopes, **masked)
+
+            return call, mosaic_inputs
 
         mosaic = route.backend == "mosaic"
         if role == "forward":

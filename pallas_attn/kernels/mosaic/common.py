@@ -12,7 +12,8 @@ that issues bulk copies. What they can run and what they allocate is config.py's
   producer's K/V ring; `own_band`, `run_band` and `release_slot` give each consumer
   its part of a band while keeping the ring's barriers and the turns in step.
 * `take_turn`: one step of the consumers' alternation on the tensor cores.
-* `BiasTiles`: a consumer's bias rows read tile by tile through its own buffer.
+* `RowTiles`: a consumer's rows of a bias or mask read tile by tile through its own
+  buffer.
 * `tile_scores` / `tile_gradient`: the shared score rules (`core.logit_scores`,
   semantics/scores.py) on a WGMMA-layout tile.
 * `accumulate`: acc + A B with wgmma; `head_slope`: a head's ALiBi slope;
@@ -174,6 +175,13 @@ def lengths_of(operands: dict[str, Any]) -> tuple[jax.Array | None, jax.Array | 
     return tuple(operands.get(name) for name in config.LENGTHS)
 
 
+def mask_of(operands: dict[str, Any]) -> jax.Array | None:
+    """The caller's boolean mask among a kernel's operands as the Mosaic kernels read it
+    (`config.MASK_DTYPE`: bulk copies and register layouts take no 1-bit type), or None."""
+    mask = operands.get("mask")
+    return None if mask is None else mask.astype(config.MASK_DTYPE)
+
+
 def dropout_of(operands: dict[str, Any]) -> jax.Array | None:
     """The dropout keys among a kernel's operands, or None."""
     return operands.get("dropout_keys")
@@ -303,27 +311,27 @@ class Walk:
             plgpu.set_max_registers(producer_registers(self.consumers), action="decrease")
             self.stream(k_ref, v_ref, k_smem, v_smem, ring, on_item)
 
-    def bias_rows(self, bias_ref, item: Item, row0, buffers, barriers) -> Any:
-        """This consumer's bias stream (`BiasTiles`) over its rows of the item (shared:
-        its half of each tile's keys), through its own buffer and barrier (of one per
-        consumer), or None without a bias."""
-        if bias_ref is None:
+    def row_tiles(self, ref, item: Item, row0, buffers, barriers) -> Any:
+        """This consumer's stream (`RowTiles`) of its rows of the item in a bias or mask
+        ref [B or 1, N or 1, Tp, Sp] (shared: its half of each tile's keys), through its
+        own buffer and barrier (of one per consumer), or None without one."""
+        if ref is None:
             return None
         wg = lax.axis_index("wg")
-        Bb, Nb = self.problem.spec.bias_shape[:2]
-        rows = bias_ref.at[item.b if Bb > 1 else 0, item.n if Nb > 1 else 0,
-                           pl.ds(row0, ROWS_PER_CONSUMER)]
+        Bb, Nb = ref.shape[:2]
+        rows = ref.at[item.b if Bb > 1 else 0, item.n if Nb > 1 else 0,
+                      pl.ds(row0, ROWS_PER_CONSUMER)]
         width = self.block_k // CONSUMERS if self.shared else self.block_k
-        return BiasTiles(rows, buffers.at[wg], barriers.at[wg], self.block_k,
-                         wg * width if self.shared else 0, width)
+        return RowTiles(rows, buffers.at[wg], barriers.at[wg], self.block_k,
+                        wg * width if self.shared else 0, width)
 
 
 @dataclasses.dataclass(frozen=True)
-class BiasTiles:
-    """One consumer's bias rows in global memory, read tile by tile through its own
-    shared-memory buffer: each tile's copy is issued as soon as the previous tile is in
-    registers, one step ahead. Of key tile t the consumer reads `width` keys from
-    `offset` (the whole tile by default)."""
+class RowTiles:
+    """One consumer's rows of a bias or mask in global memory, read tile by tile through
+    its own shared-memory buffer: each tile's copy is issued as soon as the previous
+    tile is in registers, one step ahead. Of key tile t the consumer reads `width` keys
+    from `offset` (the whole tile by default)."""
 
     rows: Any
     buffer: Any
@@ -338,12 +346,12 @@ class BiasTiles:
                                 self.buffer, self.loaded)
 
     def take(self, t, stop) -> jax.Array:
-        """Key tile t of the bias (float32, WGMMA layout); starts tile t + 1 below stop."""
+        """Key tile t (WGMMA layout, the buffer's dtype); starts tile t + 1 below stop."""
         plgpu.barrier_wait(self.loaded)
-        bias = plgpu.load(self.buffer, layout=plgpu.Layout.WGMMA).astype(jnp.float32)
+        tile = plgpu.load(self.buffer, layout=plgpu.Layout.WGMMA)
         plgpu.commit_smem()  # the reads are done before the next copy overwrites
         pl.when(t + 1 < stop)(lambda: self.start(t + 1))
-        return bias
+        return tile
 
 
 def own_band(ctx: TileRanges, tiles: Band, row0, stop, block_k: int,
@@ -400,14 +408,16 @@ def tile_scores(problem: Problem, s: jax.Array, row0, k0, masked: bool, *,
                 bias: jax.Array | None = None, slope: Any = None,
                 row_shift: jax.Array | None = None,
                 segments: tuple[jax.Array, jax.Array] | None = None, kv_length: Any = None,
-                query_dim: int = 0) -> tuple[jax.Array, jax.Array | None]:
+                mask: jax.Array | None = None, query_dim: int = 0
+                ) -> tuple[jax.Array, jax.Array | None]:
     """(scores, t = tanh(logits / cap) or None) of a [rows, keys] tile in the WGMMA
     layout from the raw products s = Q K^T: common.logit_scores, then the band masks
     (causal, window, padded keys) of rows from row0 and keys from k0 where masked,
     invisible entries at -inf. bias: the tile's bias (float32) or None; slope: the
     head's ALiBi slope (a scalar) or None; row_shift: `common.logit_scores`';
     segments: the rows' and the keys' segment ids (`Segments.rows` / `cols`) or None,
-    compared on every tile; kv_length: the batch entry's key length (masked tiles).
+    compared on every tile; kv_length: the batch entry's key length (masked tiles);
+    mask: the tile of the caller's boolean mask or None, applied on every tile.
     query_dim 1: the tile is [keys, rows] (s = K Q^T; `tile_gradient`).
     The Mosaic kernels' one score rule."""
     key_dim = 1 - query_dim
@@ -437,6 +447,8 @@ def tile_scores(problem: Problem, s: jax.Array, row0, k0, masked: bool, *,
             s = jnp.where(visible, s, -jnp.inf)
     if segments is not None:
         s = jnp.where(same_segment(segments, s.shape, query_dim), s, -jnp.inf)
+    if mask is not None:
+        s = jnp.where(mask, s, -jnp.inf)
     return s, cap_tanh
 
 
@@ -453,13 +465,13 @@ def tile_gradient(problem: Problem, s: jax.Array, dp: jax.Array, bias: jax.Array
                   residuals: tuple[jax.Array, jax.Array, jax.Array], row0, k0,
                   masked: bool, slope: Any = None,
                   segments: tuple[jax.Array, jax.Array] | None = None, kv_length: Any = None,
-                  keep: jax.Array | None = None, query_dim: int = 0
-                  ) -> tuple[jax.Array, jax.Array]:
+                  keep: jax.Array | None = None, query_dim: int = 0,
+                  mask: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """(P, dS) of a [rows, keys] tile in the WGMMA layout, float32, from the raw
     products s = Q K^T and dp = dO V^T, the tile's bias (or None), the head's ALiBi
     slope (or None) and its rows' residuals (row reference, log2 row sum, delta;
     `along(query_dim)`). masked applies the band masks (causal, window, padded
-    keys) of rows from row0 and keys from k0; segments, kv_length: `tile_scores`'.
+    keys) of rows from row0 and keys from k0; segments, kv_length, mask: `tile_scores`'.
     keep: dropout's keep decisions or None; then P is the dropped P (kept entries
     scaled by 1 / (1 - rate), for dV) and dS uses dP scaled likewise (the true dS).
     query_dim 1: every tile is transposed, [keys, rows] (s = K Q^T, dp = V dO^T), and
@@ -481,7 +493,8 @@ def tile_gradient(problem: Problem, s: jax.Array, dp: jax.Array, bias: jax.Array
     shifted = slope is not None and log2_units
     s, cap_tanh = tile_scores(problem, s, row0, k0, masked, bias=bias, slope=slope,
                               row_shift=rows_of(row_max + log2_sum) if shifted else None,
-                              segments=segments, kv_length=kv_length, query_dim=query_dim)
+                              segments=segments, kv_length=kv_length, mask=mask,
+                              query_dim=query_dim)
     if cap_tanh is not None:  # dS picks up the cap's derivative 1 - t^2
         dp = dp * scores.soft_cap_slope(cap_tanh)
     prob = (jnp.exp2(s) if shifted
@@ -491,11 +504,13 @@ def tile_gradient(problem: Problem, s: jax.Array, dp: jax.Array, bias: jax.Array
     ds = prob * dp
     if keep is not None:
         prob = jnp.where(keep, prob * problem.dropout_scale, 0.0)
+    # A row may carry NaN residuals (a visible key of its was NaN): the entries another
+    # segment or the mask hides must still give exact zeros to these keys' dK and dV.
     if segments is not None:
-        # A row of another segment may carry NaN residuals (its own keys were NaN): its
-        # hidden entries must still give exact zeros to these keys' dK and dV.
         same = same_segment(segments, s.shape, query_dim)
         prob, ds = jnp.where(same, prob, 0.0), jnp.where(same, ds, 0.0)
+    if mask is not None:
+        prob, ds = jnp.where(mask, prob, 0.0), jnp.where(mask, ds, 0.0)
     return prob, ds
 
 

@@ -39,6 +39,10 @@ DBIAS_BLOCK_K = (64, 128)
 # scores and P may hold (head dim 64 with 128-key tiles, 128 with 64-key tiles).
 FORWARD_THREE_REGISTERS = 128
 
+# A boolean mask as the kernels read it: one byte per entry (the bulk copies and
+# register layouts take no 1-bit type).
+MASK_DTYPE = "int8"
+
 # Default slots (stages) per kernel ring (docs/decisions.md).
 FORWARD_STAGES = 2
 DKV_STAGES = 2
@@ -66,13 +70,15 @@ def is_wide(hp: int, hvp: int) -> bool:
     return WIDE_HEAD_DIM in (hp, hvp)
 
 
-def dkv_keys_major(hp: int, hvp: int, has_bias: bool, has_alibi: bool) -> bool:
+def dkv_keys_major(hp: int, hvp: int, has_bias: bool, has_alibi: bool,
+                   has_mask: bool = False) -> bool:
     """Whether the dK/dV kernel computes its tiles keys by queries (S^T = K Q^T), so
     that P^T and dS^T feed dV's and dK's products from registers: at head dims of 64
-    without a bias (read as queries by keys) or ALiBi. Measured 6-7% faster at 64 and
-    2-5% slower at 128, 21% with ALiBi: the operands held in registers until their
-    products finish crowd the larger accumulators (docs/decisions.md)."""
-    return hp == hvp == 64 and not (has_bias or has_alibi)
+    without a bias or a mask (their tiles are read queries by keys) or ALiBi. Measured
+    6-7% faster at 64 and 2-5% slower at 128, 21% with ALiBi: the operands held in
+    registers until their products finish crowd the larger accumulators
+    (docs/decisions.md)."""
+    return hp == hvp == 64 and not (has_bias or has_alibi or has_mask)
 
 
 def operand_swizzle(hp: int, hvp: int) -> int:
@@ -111,11 +117,14 @@ def producer_registers(consumers: int) -> int:
 # the segment ids, core.segment_ranges).
 SEGMENTS = ("q_segment_ids", "kv_segment_ids", "key_ranges", "query_ranges")
 LENGTHS = ("query_seq_lengths", "key_value_seq_lengths")
-OPERANDS = {"forward": ("bias", "alibi_slopes", "sinks", *SEGMENTS, *LENGTHS, "dropout_keys"),
-            "dq": ("bias", "alibi_slopes", "sinks", *SEGMENTS, *LENGTHS, "dropout_keys"),
-            "dkdv": ("bias", "alibi_slopes", "sinks", *SEGMENTS, *LENGTHS, "dropout_keys"),
+OPERANDS = {"forward": ("bias", "mask", "alibi_slopes", "sinks", *SEGMENTS, *LENGTHS,
+                        "dropout_keys"),
+            "dq": ("bias", "mask", "alibi_slopes", "sinks", *SEGMENTS, *LENGTHS, "dropout_keys"),
+            "dkdv": ("bias", "mask", "alibi_slopes", "sinks", *SEGMENTS, *LENGTHS,
+                     "dropout_keys"),
             "dbias": ("bias", "alibi_slopes", "sinks")}
-_OPERAND_NAMES = {"bias": "a bias", "alibi_slopes": "ALiBi slopes", "sinks": "sinks",
+_OPERAND_NAMES = {"bias": "a bias", "mask": "a mask", "alibi_slopes": "ALiBi slopes",
+                  "sinks": "sinks",
                   "q_segment_ids": "segment ids", "query_seq_lengths": "sequence lengths",
                   "dropout_keys": "dropout"}
 
@@ -132,6 +141,9 @@ def unsupported_scores(spec: AttentionSpec, present: tuple[str, ...], role: str)
     if spec.has_bias and 1 in spec.bias_shape[2:]:
         return (f"the bias needs its own entry per query and key, got a bias of shape "
                 f"{spec.bias_shape} (broadcast along queries or keys)")
+    if spec.has_mask and 1 in spec.mask_shape[2:]:
+        return (f"the mask needs its own entry per query and key, got a mask of shape "
+                f"{spec.mask_shape} (broadcast along queries or keys)")
     return ""
 
 
@@ -146,6 +158,9 @@ def unsupported(dtype: str, spec: AttentionSpec, present: tuple[str, ...], head_
     if not set(dims) <= set(HEAD_DIMS[role]):
         return (f"head dims must pad to {HEAD_DIMS[role]}, got {head_dim} and "
                 f"{value_head_dim}")
+    if spec.has_mask and role in ("dq", "dkdv") and is_wide(*dims):
+        return (f"a mask only below a padded head dim of {WIDE_HEAD_DIM} (the consumers "
+                f"share each tile there), got {head_dim} and {value_head_dim}")
     return ""
 
 
@@ -202,25 +217,26 @@ def forward_default_block_k(hp: int, hvp: int) -> int:
 
 
 def forward_output_staging(hp: int, hvp: int, block_k: int, stages: int, dtype: Any,
-                           bias_dtype: Any, budget: int, consumers: int = CONSUMERS) -> str:
+                           bias_dtype: Any, budget: int, consumers: int = CONSUMERS,
+                           has_mask: bool = False) -> str:
     """Where the forward stages its output tile: in P's buffer ("p") when the shapes
     agree, else in a buffer of its own ("o") where that fits the budget, else in Q's
     ("q", same shape: the next item's Q then loads after the output has left)."""
     if hvp == block_k:
         return "p"
     own = forward_scratch(hp, hvp, block_k, stages, dtype, bias_dtype, staging="o",
-                          consumers=consumers)
+                          consumers=consumers, has_mask=has_mask)
     return "o" if own.bytes <= budget or hvp != hp else "q"
 
 
 def forward_scratch(hp: int, hvp: int, block_k: int, stages: int, dtype: Any,
                     bias_dtype: Any = None, *, staging: str | None = None,
-                    consumers: int = CONSUMERS) -> Scratch:
+                    consumers: int = CONSUMERS, has_mask: bool = False) -> Scratch:
     """The forward: per consumer its Q rows, output (with staging "o"; else staged in
     P's or Q's buffer, `forward_output_staging`; None: in P's where the shapes agree)
-    and P; the K/V ring; with a bias each consumer's bias tile. Barriers: Q per
-    consumer, loaded and consumed per slot for K and V, two consumers' turns, the bias
-    buffers'."""
+    and P; the K/V ring; with a bias each consumer's bias tile, with a mask its mask
+    tile (int8). Barriers: Q per consumer, loaded and consumed per slot for K and V, two
+    consumers' turns, the bias and mask buffers'."""
     rows, c = ROWS_PER_CONSUMER, consumers
     dtype = _name(dtype)
     staging = staging or ("p" if hvp == block_k else "o")
@@ -231,24 +247,28 @@ def forward_scratch(hp: int, hvp: int, block_k: int, stages: int, dtype: Any,
                  ("v", Buffer((stages, block_k, hvp), dtype)),
                  ("p", Buffer((c, rows, block_k), dtype)),
                  ("bias", None if bias_dtype is None
-                  else Buffer((c, rows, block_k), _name(bias_dtype)))),
+                  else Buffer((c, rows, block_k), _name(bias_dtype))),
+                 ("mask", Buffer((c, rows, block_k), MASK_DTYPE, swizzle=block_k)
+                  if has_mask else None)),
         barriers=(("q_loaded", Barriers(c)),
                   ("k_loaded", Barriers(stages)),
                   ("v_loaded", Barriers(stages)),
                   ("k_consumed", Barriers(stages, c)),
                   ("v_consumed", Barriers(stages, c)),
                   ("schedule", Barriers(1, c) if c == 2 else None),
-                  ("bias_loaded", None if bias_dtype is None else Barriers(c))))
+                  ("bias_loaded", None if bias_dtype is None else Barriers(c)),
+                  ("mask_loaded", Barriers(c) if has_mask else None)))
 
 
 def dq_scratch(hp: int, hvp: int, block_k: int, stages: int, consumers: int, dtype: Any,
-               bias_dtype: Any = None, dbias: bool = False) -> Scratch:
+               bias_dtype: Any = None, dbias: bool = False, has_mask: bool = False
+               ) -> Scratch:
     """The dQ kernel: per consumer its rows' Q, dO, three float32 row residuals, dS and
     bias tile, or (`is_wide`) one item's rows, two dS tiles that both consumers fill and a
     bias tile of each consumer's keys; the K/V ring; with dbias (batch entry 0's tiles)
-    a zeroed tile. Barriers: rows per consumer (wide: per item), loaded and consumed per
-    slot for K and V, the turns of two consumers (wide: their exchange), the bias
-    buffers'."""
+    a zeroed tile; with a mask each consumer's mask tile (int8). Barriers: rows per
+    consumer (wide: per item), loaded and consumed per slot for K and V, the turns of
+    two consumers (wide: their exchange), the bias and mask buffers'."""
     rows, c = ROWS_PER_CONSUMER, consumers
     split = is_wide(hp, hvp)
     swizzle = operand_swizzle(hp, hvp)
@@ -265,7 +285,9 @@ def dq_scratch(hp: int, hvp: int, block_k: int, stages: int, consumers: int, dty
                  ("bias", None if bias_dtype is None
                   else Buffer((c, rows, block_k // c if split else block_k),
                               _name(bias_dtype), swizzle)),
-                 ("zeros", Buffer((rows, block_k), dtype, swizzle) if dbias else None)),
+                 ("zeros", Buffer((rows, block_k), dtype, swizzle) if dbias else None),
+                 ("mask", Buffer((c, rows, block_k), MASK_DTYPE, swizzle=block_k)
+                  if has_mask else None)),
         barriers=(("rows_loaded", Barriers(owners, 3)),  # Q, dO, residuals
                   ("k_loaded", Barriers(stages)),
                   ("v_loaded", Barriers(stages)),
@@ -273,23 +295,25 @@ def dq_scratch(hp: int, hvp: int, block_k: int, stages: int, consumers: int, dty
                   ("v_consumed", Barriers(stages, c)),
                   ("schedule", Barriers(1, 2) if c == 2 and not split else None),
                   ("exchange", Barriers(1, c) if split else None),
-                  ("bias_loaded", None if bias_dtype is None else Barriers(c))))
+                  ("bias_loaded", None if bias_dtype is None else Barriers(c)),
+                  ("mask_loaded", Barriers(c) if has_mask else None)))
 
 
 def dkv_scratch(hp: int, hvp: int, stages: int, dtype: Any, bias_dtype: Any = None,
-                zeros: bool = False) -> Scratch:
+                zeros: bool = False, has_mask: bool = False) -> Scratch:
     """The dK/dV kernel: per slot Q, dO, the three float32 row residuals and the bias
-    tile of each consumer; the K and V of each consumer's keys; per consumer P and
-    two dS buffers, or (`is_wide`) two P and two dS tiles of the unit's keys that
-    both consumers fill; the zeroed dbias tile. Barriers: loaded and consumed per
-    slot, K/V's two, and the wide consumers' exchange."""
+    tile and mask tile (int8) of each consumer; the K and V of each consumer's keys;
+    per consumer P and two dS buffers, or (`is_wide`) two P and two dS tiles of the
+    unit's keys that both consumers fill; the zeroed dbias tile. Barriers: loaded and
+    consumed per slot, K/V's two, and the wide consumers' exchange."""
     rows, unit = dkv_tiles(hp, hvp)
     wide = is_wide(hp, hvp)
     c = CONSUMERS
     keys = unit // c  # each consumer's keys of S and dP
     swizzle = operand_swizzle(hp, hvp)
     dtype = _name(dtype)
-    copies = 3 + (c if bias_dtype is not None else 0)  # Q, dO, residuals, bias tiles
+    # Q, dO, residuals, bias and mask tiles
+    copies = 3 + (c if bias_dtype is not None else 0) + (c if has_mask else 0)
     tiles = (rows, unit) if wide else (c, rows, keys)  # P and dS: shared or per consumer
     return Scratch(
         buffers=(("q", Buffer((stages, rows, hp), dtype, swizzle)),
@@ -297,6 +321,8 @@ def dkv_scratch(hp: int, hvp: int, stages: int, dtype: Any, bias_dtype: Any = No
                  ("stats", Buffer((stages, 3, rows), "float32", swizzle=0)),
                  ("bias", None if bias_dtype is None
                   else Buffer((stages, c, rows, keys), _name(bias_dtype), swizzle)),
+                 ("mask", Buffer((stages, c, rows, keys), MASK_DTYPE, swizzle=keys)
+                  if has_mask else None),
                  ("k", Buffer((c, keys, hp), dtype, swizzle)),
                  ("v", Buffer((c, keys, hvp), dtype, swizzle)),
                  ("p", Buffer((2, *tiles) if wide else tiles, dtype, swizzle)),
@@ -332,7 +358,7 @@ def dbias_scratch(hp: int, hvp: int, block_k: int, stages: int, dtype: Any,
 
 
 def forward_consumers(hp: int, hvp: int, block_k: int, stages: int, dtype: Any, *,
-                      bias_dtype: Any, budget: int) -> int:
+                      bias_dtype: Any, budget: int, has_mask: bool = False) -> int:
     """Consumer warpgroups of the forward: 3 (items of 192 query rows, no turns) where a
     consumer's output accumulator and score tile fit its smaller share of the registers
     (`FORWARD_THREE_REGISTERS`), without a bias (its tile would not) and where the
@@ -341,19 +367,23 @@ def forward_consumers(hp: int, hvp: int, block_k: int, stages: int, dtype: Any, 
     held = hvp // 2 + block_k // 2 + block_k // 4
     if bias_dtype is not None or held > FORWARD_THREE_REGISTERS:
         return 2
-    staging = forward_output_staging(hp, hvp, block_k, stages, dtype, None, budget, 3)
-    three = forward_scratch(hp, hvp, block_k, stages, dtype, staging=staging, consumers=3)
+    staging = forward_output_staging(hp, hvp, block_k, stages, dtype, None, budget, 3,
+                                     has_mask)
+    three = forward_scratch(hp, hvp, block_k, stages, dtype, staging=staging, consumers=3,
+                            has_mask=has_mask)
     return 3 if three.bytes <= budget else 2
 
 
 def dq_consumers(hp: int, hvp: int, block_k: int, stages: int, dtype: Any, *,
-                 bias_dtype: Any, has_window: bool, budget: int) -> int:
+                 bias_dtype: Any, has_window: bool, budget: int, has_mask: bool = False
+                 ) -> int:
     """Consumer warpgroups of the dQ kernel: 3 (work items of 192 query rows, no turns)
     without a bias or a local window where their buffers fit, else 2 (items of 128 rows
     that take turns on the tensor cores; `is_wide`: items of 64 rows that both share). With
     a bias three were slower (registers: each consumer also holds its bias tile), with a
-    window too (docs/decisions.md, "Three dQ consumers")."""
-    if bias_dtype is not None or has_window or is_wide(hp, hvp):
+    window too, with a mask above head dim 64 (docs/decisions.md, "Three dQ consumers",
+    "A boolean mask in the Mosaic kernels")."""
+    if bias_dtype is not None or has_window or is_wide(hp, hvp) or (has_mask and hp > 64):
         return 2
-    three = dq_scratch(hp, hvp, block_k, stages, 3, dtype).bytes
+    three = dq_scratch(hp, hvp, block_k, stages, 3, dtype, has_mask=has_mask).bytes
     return 3 if three <= budget else 2

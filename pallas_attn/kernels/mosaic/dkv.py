@@ -129,12 +129,12 @@ class _Tiles:
         return self.unit if self.wide else self.keys
 
 
-def _kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, bias_ref, slopes_ref, lengths, segments,
-            dropout, dk_ref, dv_ref, dbias_ref, smem, barriers, *, problem: Problem,
+def _kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, bias_ref, mask_ref, slopes_ref, lengths,
+            segments, dropout, dk_ref, dv_ref, dbias_ref, smem, barriers, *, problem: Problem,
             tiles_of: _Tiles, programs: int, passes: int, add_dbias: bool, first_entry: int):
     q_smem, do_smem, stats_smem, k_smem, v_smem = (
         smem[name] for name in ("q", "do", "stats", "k", "v"))
-    bias_smem, zero_tile = smem["bias"], smem["zeros"]
+    bias_smem, mask_smem, zero_tile = smem["bias"], smem["mask"], smem["zeros"]
     step_loaded, step_consumed, kv_loaded, kv_consumed = (
         barriers[name] for name in ("step_loaded", "step_consumed", "kv_loaded",
                                     "kv_consumed"))
@@ -146,7 +146,6 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, bias_ref, slopes_ref, length
     items = k_tiles * problem.num_kv_heads * batch_items
     units = -(-items // programs) * passes
     pid, wg = lax.axis_index("program"), lax.axis_index("wg")
-    has_bias = bias_ref is not None
 
     def unit_of(u):
         """(valid, b, kh, k0, first, stop, full_first, full_stop, kv_length) of unit u
@@ -226,13 +225,15 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, bias_ref, slopes_ref, length
                 plgpu.copy_gmem_to_smem(do_ref.at[b, rows, n], do_smem.at[slot], loaded)
                 plgpu.copy_gmem_to_smem(stats_ref.at[b, n, :, rows], stats_smem.at[slot],
                                         loaded)
-                if has_bias:
-                    bb = b if bias_ref.shape[0] > 1 else 0
-                    nb = n if bias_ref.shape[1] > 1 else 0  # a bias shared by the heads
+                for ref, tiles_smem in ((bias_ref, bias_smem), (mask_ref, mask_smem)):
+                    if ref is None:
+                        continue
+                    bb = b if ref.shape[0] > 1 else 0
+                    nb = n if ref.shape[1] > 1 else 0  # one shared by the heads
                     for c in range(CONSUMERS):
                         keys = pl.ds(k0 + c * keys_n, keys_n)
-                        plgpu.copy_gmem_to_smem(bias_ref.at[bb, nb, rows, keys],
-                                                bias_smem.at[slot, c], loaded)
+                        plgpu.copy_gmem_to_smem(ref.at[bb, nb, rows, keys],
+                                                tiles_smem.at[slot, c], loaded)
 
             return step + steps, loaded_units + jnp.where(steps > 0, 1, 0)
 
@@ -255,7 +256,7 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, bias_ref, slopes_ref, length
                              else (smem["p"].at[wg], smem["ds"].at[wg]))
         _consume(problem, tiles_of, wg, unit_of, units, add_dbias, first_entry,
                  (slopes_ref, dk_ref, dv_ref, dbias_ref, segments, dropout),
-                 (q_smem, do_smem, stats_smem, bias_smem,
+                 (q_smem, do_smem, stats_smem, bias_smem, mask_smem,
                   k_smem.at[wg], v_smem.at[wg], p_tiles, ds_tiles),
                  (step_loaded, step_consumed, kv_loaded, kv_consumed, barriers["exchange"]))
 
@@ -267,7 +268,8 @@ def _consume(problem: Problem, tiles_of: _Tiles, wg, unit_of, units, add_dbias: 
     entries first_entry on."""
     slopes_ref, dk_ref, dv_ref, dbias_ref, segments, dropout = refs
     has_dbias = dbias_ref is not None
-    q_smem, do_smem, stats_smem, bias_smem, k_mine, v_mine, p_tiles, ds_tiles = buffers
+    q_smem, do_smem, stats_smem, bias_smem, mask_smem, k_mine, v_mine, p_tiles, ds_tiles = (
+        buffers)
     step_loaded, step_consumed, kv_loaded, kv_consumed, exchange = barriers
     stages = q_smem.shape[0]
     group = problem.group
@@ -336,18 +338,20 @@ def _consume(problem: Problem, tiles_of: _Tiles, wg, unit_of, units, add_dbias: 
                 stats = stats_smem.at[slot]
                 residuals = tuple(plgpu.load(stats.at[j], layout=row_layout)
                                   for j in range(3))
-                bias = None
+                bias = mask = None
                 if bias_smem is not None:
                     bias = plgpu.load(bias_smem.at[slot, wg],
                                       layout=plgpu.Layout.WGMMA).astype(jnp.float32)
+                if mask_smem is not None:
+                    mask = plgpu.load(mask_smem.at[slot, wg], layout=plgpu.Layout.WGMMA) != 0
                 # NOTE: both read here: ptxas places the wait for dP itself, whatever
                 # the source order (docs/decisions.md, "Soft cap tanh during dP").
-                return s_ref[...], dp_ref[...], residuals, bias
+                return s_ref[...], dp_ref[...], residuals, bias, mask
 
-            s, dp, residuals, bias = pl.run_scoped(products, plgpu.ACC(shape, jnp.float32),
-                                                   plgpu.ACC(shape, jnp.float32))
+            s, dp, residuals, bias, mask = pl.run_scoped(
+                products, plgpu.ACC(shape, jnp.float32), plgpu.ACC(shape, jnp.float32))
             prob, ds = tile_gradient(problem, s, dp, bias, residuals, row0, k_own, masked,
-                                     slope, ids, kv_length, keep, query_dim)
+                                     slope, ids, kv_length, keep, query_dim, mask)
             parity = lax.rem(at, 2)
             ds_tile = ds_tiles.at[parity]
             p_buf = p_tiles.at[parity] if wide else p_tiles
@@ -453,7 +457,7 @@ def dkdv(problem: Problem, q: jax.Array, k: jax.Array, v: jax.Array, do: jax.Arr
          stats: jax.Array, bias: jax.Array | None, bias_grad: bool,
          slopes: jax.Array | None = None, dbias_first: jax.Array | None = None,
          segments: tuple[jax.Array, ...] = (), lengths: tuple[Any, Any] = (None, None),
-         dropout_keys: jax.Array | None = None
+         dropout_keys: jax.Array | None = None, mask: jax.Array | None = None
          ) -> tuple[jax.Array, jax.Array, jax.Array | None]:
     """(dk, dv, dbias or None) for padded inputs; stats: the row residuals
     (`common.row_residuals`); slopes: ALiBi slopes [B, N] or None. bias_grad: also write
@@ -462,7 +466,8 @@ def dkdv(problem: Problem, q: jax.Array, k: jax.Array, v: jax.Array, do: jax.Arr
     (`dq.dq_and_dbias`), to which the kernel adds the others'. segments: the segment
     operands (`common.segments_of`, query limits) or (); lengths: the query and key
     lengths (`common.lengths_of`), positions past them zeroed in q, k, v and do;
-    dropout_keys: dropout's program keys or None."""
+    dropout_keys: dropout's program keys or None; mask: the caller's mask as int8
+    (`config.MASK_DTYPE`) or None."""
     name = "mosaic.dkv.dkdv"
     if why := unsupported(problem, "dkdv"):
         raise AssertionError(f"{name} called for an unsupported problem: {why}")
@@ -478,9 +483,11 @@ def dkdv(problem: Problem, q: jax.Array, k: jax.Array, v: jax.Array, do: jax.Arr
     if (route.block_q, route.block_k) != (tiles_of.rows, tiles_of.unit):
         raise AssertionError(f"{name} needs (block_q, block_k) = "
                              f"{(tiles_of.rows, tiles_of.unit)}: {route}")
-    if route.keys_major and (bias is not None or tiles_of.wide):
-        raise AssertionError(f"{name} computes keys by queries only without a bias, and "
-                             f"not at head dim 256: {route}")
+    if route.keys_major and (bias is not None or mask is not None or tiles_of.wide):
+        raise AssertionError(f"{name} computes keys by queries only without a bias or a "
+                             f"mask, and not at head dim 256: {route}")
+    if mask is not None and tiles_of.wide:
+        raise AssertionError(f"{name} takes a mask only below head dim 256: {route}")
     # A bias shared by the batch entries gets their dS tiles added into one buffer
     # (dbias_first, else zeros), a mutable operand of the kernel; the interpreter (no
     # reduce-add copies) runs an item's batch entries as passes of one program.
@@ -495,18 +502,19 @@ def dkdv(problem: Problem, q: jax.Array, k: jax.Array, v: jax.Array, do: jax.Arr
                              else dbias_first) if add_dbias else None)
     scratch = dkv_scratch(hp, hvp, route.num_stages, q.dtype,
                           None if bias is None else bias.dtype,
-                          zeros=bias_grad and not add_dbias)
+                          zeros=bias_grad and not add_dbias, has_mask=mask is not None)
 
     def entry(*refs):
         q_ref, k_ref, v_ref, do_ref, stats_ref, *rest = refs
-        bias_ref, slopes_ref, sum_ref, keys_ref, *length_refs = optional_refs(
-            rest, bias, slopes, dbias_sum, dropout_keys, *lengths)
+        bias_ref, mask_ref, slopes_ref, sum_ref, keys_ref, *length_refs = optional_refs(
+            rest, bias, mask, slopes, dbias_sum, dropout_keys, *lengths)
         rest = rest[sum(x is not None
-                        for x in (bias, slopes, dbias_sum, dropout_keys, *lengths)):]
+                        for x in (bias, mask, slopes, dbias_sum, dropout_keys, *lengths)):]
         segment_refs, (dk_ref, dv_ref, *dbias_ref) = rest[:len(segments)], rest[len(segments):]
         dbias_ref = sum_ref if add_dbias else (dbias_ref[0] if dbias_ref else None)
         scoped(scratch, lambda smem, barriers: _kernel(
-            q_ref, k_ref, v_ref, do_ref, stats_ref, bias_ref, slopes_ref, tuple(length_refs),
+            q_ref, k_ref, v_ref, do_ref, stats_ref, bias_ref, mask_ref, slopes_ref,
+            tuple(length_refs),
             Segments(*segment_refs) if segments else None,
             None if dropout_keys is None else Dropout(keys_ref, problem.spec.dropout_rate),
             dk_ref, dv_ref, dbias_ref, smem, barriers, problem=problem, tiles_of=tiles_of,
@@ -517,7 +525,7 @@ def dkdv(problem: Problem, q: jax.Array, k: jax.Array, v: jax.Array, do: jax.Arr
     if bias_grad and not add_dbias:
         out_type.append(jax.ShapeDtypeStruct(bias.shape, bias.dtype))
     operands = [q, k, v, do, stats,
-                *(x for x in (bias, slopes, dbias_sum, dropout_keys, *lengths)
+                *(x for x in (bias, mask, slopes, dbias_sum, dropout_keys, *lengths)
                   if x is not None), *segments]
     dk, dv, *dbias = launch(entry, out_type, programs, problem.interpret)(*operands)
     if add_dbias:

@@ -14,7 +14,7 @@ consumer warpgroups: three, or two with a bias or a local window
   and the shared score rules (`common.tile_gradient`), and adds dS K into its dQ
   accumulator with a third wgmma that takes dS from registers (from shared memory
   where a dbias copy reads it too, and in the interpreter). The bias comes
-  through each consumer's own buffer one tile ahead (`common.BiasTiles`).
+  through each consumer's own buffer one tile ahead (`common.RowTiles`).
 * Three consumers (items of 192 rows) run without turns: while two compute their
   exponentials and soft-cap tanh, the third's products keep the tensor cores busy
   (docs/decisions.md, "Three dQ consumers"). Items end at the padded length, so the first item of
@@ -86,8 +86,9 @@ from pallas_attn.kernels.mosaic.config import (
 )
 
 
-def _kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, bias_ref, slopes_ref, lengths, segments,
-            dropout, dq_ref, dbias_ref, smem, barriers, *, problem: Problem, programs: int,
+def _kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, bias_ref, mask_ref, slopes_ref, lengths,
+            segments, dropout, dq_ref, dbias_ref, smem, barriers, *, problem: Problem,
+            programs: int,
             consumers: int, wide: bool):
     rows_loaded, schedule = barriers["rows_loaded"], barriers["schedule"]
     exchange = barriers["exchange"]
@@ -167,14 +168,15 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, bias_ref, slopes_ref, length
             residuals = tuple(plgpu.load(mine["stats"].at[j], layout=row_layout)
                               for j in range(3))
             plgpu.commit_smem()  # the reads are done before the next item's copy lands
-            bias = walk.bias_rows(bias_ref, item, row0, smem["bias"], barriers["bias_loaded"])
+            bias = walk.row_tiles(bias_ref, item, row0, smem["bias"], barriers["bias_loaded"])
+            mask = walk.row_tiles(mask_ref, item, row0, smem["mask"], barriers["mask_loaded"])
             dbias = None
             if dbias_ref is not None:  # batch entry 0 writes its dS tiles as dbias
                 dbias = (mine_valid & (item.b == 0),
                          dbias_ref.at[0, item.n, pl.ds(row0, rows_n)])
             dq = _consume(problem, ctx, tiles, lambda t: step + t - tiles.first, row0,
                           tiles.first + steps, mine, ds_tiles, smem["k"], smem["v"], ring,
-                          (schedule, exchange), bias,
+                          (schedule, exchange), (bias, mask),
                           head_slope(slopes_ref, item.valid, item.b, item.n), residuals,
                           dbias, row0 >= 0, segments, dropout, item.b, item.n, cols)
             # Every product of this item is done: its rows' buffers are free (wide: for
@@ -197,12 +199,13 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, bias_ref, slopes_ref, length
 
 
 def _consume(problem: Problem, ctx, tiles, step_of, row0, stop, mine: dict, ds_tiles,
-             k_smem, v_smem, ring, barriers, bias, slope, residuals, dbias, active,
+             k_smem, v_smem, ring, barriers, streams, slope, residuals, dbias, active,
              segments: Segments | None, dropout: Dropout | None, b, n, cols) -> jax.Array:
     """One consumer warpgroup: dQ / scale of rows [row0, row0 + 64) (float32) over key
     tiles [tiles.first, stop), its columns `cols` of it; step_of(t): the ring step of
     tile t (counted over the program's items); active false (rows before 0): it only
-    releases the tiles. barriers: (schedule, exchange), either None.
+    releases the tiles. barriers: (schedule, exchange), either None. streams: its bias
+    and mask streams (`RowTiles`), either None.
 
     With a `schedule` (two consumers) it takes turns with the other consumer as the
     forward's consumers do: a consumer issues S and dP, waits for the other's gradient
@@ -218,6 +221,7 @@ def _consume(problem: Problem, ctx, tiles, step_of, row0, stop, mine: dict, ds_t
     None; dropout: head n's keep decisions or None."""
     k_loaded, v_loaded, k_consumed, v_consumed = ring
     schedule, exchange = barriers
+    bias, mask = streams
     wide = exchange is not None
     block_k = problem.plan.dq.block_k
     rows_n = ROWS_PER_CONSUMER
@@ -243,7 +247,8 @@ def _consume(problem: Problem, ctx, tiles, step_of, row0, stop, mine: dict, ds_t
     def step(t, dq, masked: bool):
         slot = slot_of(t)
         k0 = t * block_k + key0
-        tile_bias = None if bias is None else bias.take(t, own.stop)
+        tile_bias = None if bias is None else bias.take(t, own.stop).astype(jnp.float32)
+        tile_mask = None if mask is None else mask.take(t, own.stop) != 0
         ids = None if segments is None else (row_ids, segments.cols(b, k0, keys_n))
         plgpu.barrier_wait(k_loaded.at[slot])
         plgpu.barrier_wait(v_loaded.at[slot])
@@ -261,7 +266,7 @@ def _consume(problem: Problem, ctx, tiles, step_of, row0, stop, mine: dict, ds_t
         keep = (None if dropout is None
                 else dropout.keep(row_keys, dropout.multipliers(k0, keys_n)))
         _, ds = tile_gradient(problem, s, dp, tile_bias, residuals, row0, k0, masked,
-                              slope, ids, ctx.kv_length, keep)
+                              slope, ids, ctx.kv_length, keep, mask=tile_mask)
         ds_tile = ds_tiles.at[lax.rem(step_of(t), 2)] if wide else ds_tiles
         if dbias is not None and not wide:
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last dbias copy read ds
@@ -292,8 +297,9 @@ def _consume(problem: Problem, ctx, tiles, step_of, row0, stop, mine: dict, ds_t
 
     dims = k_smem.shape[-1] // 2 if wide else k_smem.shape[-1]
     dq = plgpu.layout_cast(jnp.zeros((rows_n, dims), jnp.float32), plgpu.Layout.WGMMA)
-    if bias is not None:
-        pl.when(own.first < own.stop)(lambda: bias.start(own.first))
+    for rows in streams:
+        if rows is not None:
+            pl.when(own.first < own.stop)(lambda rows=rows: rows.start(own.first))
     return run_band(tiles.first, stop, own, lambda t: release_slot(slot_of(t), ring, schedule),
                     step, dq)
 
@@ -301,20 +307,22 @@ def _consume(problem: Problem, ctx, tiles, step_of, row0, stop, mine: dict, ds_t
 def dq(problem: Problem, q: jax.Array, k: jax.Array, v: jax.Array, do: jax.Array,
        stats: jax.Array, bias: jax.Array | None, slopes: jax.Array | None = None,
        segments: tuple[jax.Array, ...] = (), lengths: tuple[Any, Any] = (None, None),
-       dropout_keys: jax.Array | None = None) -> jax.Array:
+       dropout_keys: jax.Array | None = None, mask: jax.Array | None = None) -> jax.Array:
     """dq [B, Tp, N, Hp] for padded inputs; stats: the row residuals
     (`common.row_residuals`); slopes: ALiBi slopes [B, N] or None; segments: the
     segment operands (`common.segments_of`, key limits) or (); lengths: the query and
     key lengths (`common.lengths_of`), positions past them zeroed in q, k, v and do;
-    dropout_keys: dropout's program keys or None."""
+    dropout_keys: dropout's program keys or None; mask: the caller's mask as int8
+    (`config.MASK_DTYPE`) or None."""
     return _launch(problem, q, k, v, do, stats, bias, slopes, segments, lengths,
-                   dropout_keys, False)[0]
+                   dropout_keys, mask, False)[0]
 
 
 def dq_and_dbias(problem: Problem, q: jax.Array, k: jax.Array, v: jax.Array, do: jax.Array,
                  stats: jax.Array, bias: jax.Array, slopes: jax.Array | None = None,
                  segments: tuple[jax.Array, ...] = (), lengths: tuple[Any, Any] = (None, None),
-                 dropout_keys: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+                 dropout_keys: jax.Array | None = None, mask: jax.Array | None = None
+                 ) -> tuple[jax.Array, jax.Array]:
     """(dq, batch entry 0's part of the gradient of a bias shared by the batch entries)
     for padded inputs: `dq`, with the dS tiles of batch entry 0 stored as a dbias of
     the bias's shape [1, N, Tp, Sp] (and zeros outside the bands). The dK/dV kernel
@@ -324,12 +332,12 @@ def dq_and_dbias(problem: Problem, q: jax.Array, k: jax.Array, v: jax.Array, do:
         raise AssertionError(f"mosaic.dq.dq_and_dbias cannot write the dbias of a "
                              f"{bias.dtype} bias of shape {bias.shape}")
     dq_out, dbias = _launch(problem, q, k, v, do, stats, bias, slopes, segments, lengths,
-                            dropout_keys, True)
+                            dropout_keys, mask, True)
     return dq_out, dbias
 
 
 def _launch(problem: Problem, q, k, v, do, stats, bias, slopes, segments: tuple,
-            lengths: tuple, keys, with_dbias: bool) -> list:
+            lengths: tuple, keys, mask, with_dbias: bool) -> list:
     if why := unsupported(problem, "dq"):
         raise AssertionError(f"mosaic.dq.dq called for an unsupported problem: {why}")
     route = problem.plan.dq
@@ -341,15 +349,17 @@ def _launch(problem: Problem, q, k, v, do, stats, bias, slopes, segments: tuple,
     consumers = route.consumers
     wide = is_wide(hp, hvp)
     scratch = dq_scratch(hp, hvp, route.block_k, route.num_stages, consumers, q.dtype,
-                         None if bias is None else bias.dtype, dbias=with_dbias)
+                         None if bias is None else bias.dtype, dbias=with_dbias,
+                         has_mask=mask is not None)
 
     def entry(q_ref, k_ref, v_ref, do_ref, stats_ref, *refs):
-        bias_ref, slopes_ref, keys_ref, *length_refs = optional_refs(refs, bias, slopes, keys,
-                                                                     *lengths)
-        refs = refs[sum(x is not None for x in (bias, slopes, keys, *lengths)):]
+        bias_ref, mask_ref, slopes_ref, keys_ref, *length_refs = optional_refs(
+            refs, bias, mask, slopes, keys, *lengths)
+        refs = refs[sum(x is not None for x in (bias, mask, slopes, keys, *lengths)):]
         segment_refs, (dq_ref, *dbias_ref) = refs[:len(segments)], refs[len(segments):]
         scoped(scratch, lambda smem, barriers: _kernel(
-            q_ref, k_ref, v_ref, do_ref, stats_ref, bias_ref, slopes_ref, tuple(length_refs),
+            q_ref, k_ref, v_ref, do_ref, stats_ref, bias_ref, mask_ref, slopes_ref,
+            tuple(length_refs),
             Segments(*segment_refs) if segments else None,
             None if keys is None else Dropout(keys_ref, problem.spec.dropout_rate), dq_ref,
             dbias_ref[0] if dbias_ref else None, smem, barriers, problem=problem,
@@ -359,7 +369,7 @@ def _launch(problem: Problem, q, k, v, do, stats, bias, slopes, segments: tuple,
     items = -(-Tp // item_rows) * B * N
     programs = problem.plan.programs_for(items)
     operands = [q, k, v, do, stats,
-                *(x for x in (bias, slopes, keys, *lengths) if x is not None), *segments]
+                *(x for x in (bias, mask, slopes, keys, *lengths) if x is not None), *segments]
     out_type = [jax.ShapeDtypeStruct(q.shape, q.dtype)]
     if with_dbias:
         out_type.append(jax.ShapeDtypeStruct(bias.shape, bias.dtype))

@@ -39,15 +39,18 @@ slots) with a producer warpgroup and the consumers:
 * With a bias, each consumer copies its 64 rows of the next key tile's bias into a
   buffer of its own while it works on the current tile (`_consume`), and its
   scores stay in natural units, as in the Triton forward.
+* With a boolean mask, each consumer streams its rows' mask tiles the same way, as
+  int8 (`config.MASK_DTYPE`: the mask is converted once per call), and every tile
+  hides the entries the mask clears.
 
 It writes the same outputs as the Triton forward: the output and the per-row
 residuals (row reference, +inf for rows that see no key, and log2 of the row
 sum), so the Triton backward kernels consume them unchanged.
 
 Scope (config.unsupported): 16-bit inputs, padded head dims 64, 128 or 256, no operand
-besides q, k, v, a bias with its own entry per query and key, ALiBi slopes, sinks,
-segment ids, sequence lengths and dropout keys (no mask; positions past the lengths
-are zeroed before the call, vjp.prepare); causal, local windows in both alignments, soft
+besides q, k, v, a bias and a mask with their own entry per query and key, ALiBi
+slopes, sinks, segment ids, sequence lengths and dropout keys (positions past the
+lengths are zeroed before the call, vjp.prepare); causal, local windows in both alignments, soft
 cap (with the fixed row reference where it applies), ALiBi (each consumer reads its
 item's slope), GQA and ragged lengths are covered. With 128-key tiles a float32 bias
 does not fit next to two K/V slots (config.forward_scratch), so the routing table
@@ -80,15 +83,16 @@ from pallas_attn.kernels.core import (
 )
 from pallas_attn.kernels.mosaic.common import (
     Band,
-    BiasTiles,
     Dropout,
     Item,
+    RowTiles,
     Segments,
     Walk,
     accumulate,
     head_slope,
     launch,
     lengths_of,
+    mask_of,
     optional_refs,
     own_band,
     release_slot,
@@ -113,8 +117,8 @@ from pallas_attn.kernels.mosaic.config import (
 LATE_RESCALE_HEAD_DIM = 256
 
 
-def _kernel(q_ref, k_ref, v_ref, bias_ref, slopes_ref, sinks_ref, lengths, segments, dropout,
-            out_ref, row_max_ref, log2_sum_ref, smem, barriers, *, problem: Problem,
+def _kernel(q_ref, k_ref, v_ref, bias_ref, mask_ref, slopes_ref, sinks_ref, lengths, segments,
+            dropout, out_ref, row_max_ref, log2_sum_ref, smem, barriers, *, problem: Problem,
             programs: int, staging: str):
     q_smem, k_smem, v_smem, p_smem = (smem[name] for name in ("q", "k", "v", "p"))
     o_smem = smem[staging]  # the output tile: its own buffer, or P's or Q's
@@ -159,11 +163,12 @@ def _kernel(q_ref, k_ref, v_ref, bias_ref, slopes_ref, sinks_ref, lengths, segme
             # The previous item's output copies read o_mine, which may be p_mine.
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
             pl.when(active)(lambda: plgpu.barrier_wait(q_loaded.at[wg]))
-            bias = walk.bias_rows(bias_ref, item, row0, smem["bias"], barriers["bias_loaded"])
+            bias = walk.row_tiles(bias_ref, item, row0, smem["bias"], barriers["bias_loaded"])
+            mask = walk.row_tiles(mask_ref, item, row0, smem["mask"], barriers["mask_loaded"])
             acc, m, l_sum = _consume(
                 problem, ctx, tiles, lambda t: walk.slot(step + t - tiles.first), row0,
                 tiles.first + steps, active, q_mine, k_smem, v_smem, p_mine,
-                o_mine.shape[-1], ring, schedule, bias,
+                o_mine.shape[-1], ring, schedule, bias, mask,
                 head_slope(slopes_ref, item.valid, item.b, item.n), segments, dropout, item.b,
                 item.n)
             if staging != "q":  # every Q K^T of this item is done: q_mine is free
@@ -205,7 +210,7 @@ def _kernel(q_ref, k_ref, v_ref, bias_ref, slopes_ref, sinks_ref, lengths, segme
 
 def _consume(problem: Problem, ctx: TileRanges, tiles: Band, slot_of, row0, stop, active,
              q_smem, k_smem, v_smem, p_smem, hv: int, ring, schedule,
-             bias: BiasTiles | None, slope, segments: Segments | None,
+             bias: RowTiles | None, mask: RowTiles | None, slope, segments: Segments | None,
              dropout: Dropout | None, b, n) -> tuple[Any, Any, Any]:
     """One consumer warpgroup: (acc, row reference, row sum) of rows [row0, row0 + 64)
     against key tiles [tiles.first, stop) (stop = tiles.first for no work); active false
@@ -219,8 +224,9 @@ def _consume(problem: Problem, ctx: TileRanges, tiles: Band, slot_of, row0, stop
     one's softmax runs while the other's products do (`run_band` keeps the turns
     paired).
 
-    bias: None, or this consumer's bias stream (`BiasTiles`); scores with a bias stay
-    in natural units (Problem.exp2_factor), as in the Triton forward. slope: the
+    bias: None, or this consumer's bias stream (`RowTiles`); scores with a bias stay
+    in natural units (Problem.exp2_factor), as in the Triton forward. mask: None, or
+    this consumer's stream of the caller's mask (int8, nonzero: visible). slope: the
     head's ALiBi slope or None. segments: the segment ids (batch entry b's rows are
     read once, each key tile's ids per step) or None. dropout: P V takes the kept
     probabilities (head n's mask), the row sum all of them; or None.
@@ -238,7 +244,8 @@ def _consume(problem: Problem, ctx: TileRanges, tiles: Band, slot_of, row0, stop
     def step(t, carry, masked: bool):
         acc, m_prev, l_prev = carry
         slot = slot_of(t)
-        tile_bias = None if bias is None else bias.take(t, own.stop)
+        tile_bias = None if bias is None else bias.take(t, own.stop).astype(jnp.float32)
+        tile_mask = None if mask is None else mask.take(t, own.stop) != 0
         ids = None if segments is None else (row_ids, segments.cols(b, t * block_k, block_k))
         plgpu.barrier_wait(k_loaded.at[slot])
 
@@ -250,7 +257,7 @@ def _consume(problem: Problem, ctx: TileRanges, tiles: Band, slot_of, row0, stop
         s = pl.run_scoped(qk, plgpu.ACC((rows_n, block_k), jnp.float32))
         plgpu.barrier_arrive(k_consumed.at[slot])
         s, _ = tile_scores(problem, s, row0, t * block_k, masked, bias=tile_bias, slope=slope,
-                           segments=ids, kv_length=ctx.kv_length)
+                           segments=ids, kv_length=ctx.kv_length, mask=tile_mask)
         prob, m_next, l_next, alpha = softmax_step(
             problem, s, m_prev, l_prev, rows=lambda x: lax.broadcast_in_dim(x, s.shape, [0]))
         if dropout is not None:
@@ -283,8 +290,9 @@ def _consume(problem: Problem, ctx: TileRanges, tiles: Band, slot_of, row0, stop
              plgpu.layout_cast(jnp.full((rows_n,), softmax_reference_init(problem), jnp.float32),
                                row_layout),
              plgpu.layout_cast(jnp.zeros((rows_n,), jnp.float32), row_layout))
-    if bias is not None:
-        pl.when(own.first < own.stop)(lambda: bias.start(own.first))
+    for rows in (bias, mask):
+        if rows is not None:
+            pl.when(own.first < own.stop)(lambda rows=rows: rows.start(own.first))
     return run_band(tiles.first, stop, own, lambda t: release_slot(slot_of(t), ring, schedule),
                     step, carry)
 
@@ -303,24 +311,26 @@ def forward(problem: Problem, q: jax.Array, k: jax.Array, v: jax.Array,
     row = jax.ShapeDtypeStruct((B, N, Tp), jnp.float32)
     out_type = (jax.ShapeDtypeStruct((B, Tp, N, hvp), dtype), row, row)
     bias, slopes, sinks = (optional.get(x) for x in ("bias", "alibi_slopes", "sinks"))
+    mask = mask_of(optional)
     segments = segments_of(optional, "key_ranges")
     lengths = lengths_of(optional)
     keys = optional.get("dropout_keys")
     bias_dtype = None if bias is None else bias.dtype
     consumers = route.consumers
+    has_mask = mask is not None
     staging = forward_output_staging(hp, hvp, route.block_k, route.num_stages, dtype,
                                      bias_dtype, problem.plan.device.max_shared_memory_per_block,
-                                     consumers)
+                                     consumers, has_mask)
     scratch = forward_scratch(hp, hvp, route.block_k, route.num_stages, dtype, bias_dtype,
-                              staging=staging, consumers=consumers)
+                              staging=staging, consumers=consumers, has_mask=has_mask)
 
     def entry(q_ref, k_ref, v_ref, *refs):
-        bias_ref, slopes_ref, sinks_ref, keys_ref, *length_refs = optional_refs(
-            refs, bias, slopes, sinks, keys, *lengths)
+        bias_ref, mask_ref, slopes_ref, sinks_ref, keys_ref, *length_refs = optional_refs(
+            refs, bias, mask, slopes, sinks, keys, *lengths)
         segment_refs = refs[-3 - len(segments):-3]
         out_ref, row_max_ref, log2_sum_ref = refs[-3:]
         scoped(scratch, lambda smem, barriers: _kernel(
-            q_ref, k_ref, v_ref, bias_ref, slopes_ref, sinks_ref, tuple(length_refs),
+            q_ref, k_ref, v_ref, bias_ref, mask_ref, slopes_ref, sinks_ref, tuple(length_refs),
             Segments(*segment_refs) if segments else None,
             None if keys is None else Dropout(keys_ref, problem.spec.dropout_rate),
             out_ref, row_max_ref,
@@ -329,6 +339,6 @@ def forward(problem: Problem, q: jax.Array, k: jax.Array, v: jax.Array,
     items = -(-Tp // (consumers * ROWS_PER_CONSUMER)) * B * N
     programs = problem.plan.programs_for(items)
     out, row_max, log2_sum = launch(entry, out_type, programs, problem.interpret, consumers)(
-        q, k, v, *(x for x in (bias, slopes, sinks, keys, *lengths) if x is not None),
+        q, k, v, *(x for x in (bias, mask, slopes, sinks, keys, *lengths) if x is not None),
         *segments)
     return out, (row_max, log2_sum)
