@@ -12,8 +12,8 @@ that issues bulk copies. What they can run and what they allocate is config.py's
   producer's K/V ring; `own_band`, `run_band` and `release_slot` give each consumer
   its part of a band while keeping the ring's barriers and the turns in step.
 * `take_turn`: one step of the consumers' alternation on the tensor cores.
-* `RowTiles`: a consumer's rows of a bias or mask read tile by tile through its own
-  buffer.
+* `RowTiles`: a consumer's rows of a bias read tile by tile through its own buffer;
+  `mask_tile`: its rows of a mask tile from the producer's ring.
 * `tile_scores` / `tile_gradient`: the shared score rules (`core.logit_scores`,
   semantics/scores.py) on a WGMMA-layout tile.
 * `accumulate`: acc + A B with wgmma; `head_slope`: a head's ALiBi slope;
@@ -260,12 +260,14 @@ class Walk:
     def slot(self, step):
         return lax.rem(step, jnp.int32(self.stages))
 
-    def stream(self, k_ref, v_ref, k_smem, v_smem, ring, on_item=None) -> None:
+    def stream(self, k_ref, v_ref, k_smem, v_smem, ring, on_item=None, mask=None) -> None:
         """The producer: bulk-copies every item's K and V tiles into the ring.
 
         ring: the (k_loaded, v_loaded, k_consumed, v_consumed) barriers, one of each
         per slot; a slot is refilled once both consumers released it. on_item(item,
-        tiles, steps), if given, runs before each item's copies."""
+        tiles, steps), if given, runs before each item's copies. mask: (the mask ref
+        [B or 1, N or 1, Tp, Sp], its ring [stages, consumers, 64, block_k]) or None; each
+        consumer's rows of the key tile's mask land with K (`mask_tile`)."""
         k_loaded, v_loaded, k_consumed, v_consumed = ring
         block_k, stages, problem = self.block_k, self.stages, self.problem
 
@@ -290,6 +292,16 @@ class Walk:
                                         k_loaded.at[slot])
                 plgpu.copy_gmem_to_smem(v_ref.at[item.b, rows, kh], v_smem.at[slot],
                                         v_loaded.at[slot])
+                if mask is not None:
+                    mask_ref, mask_smem = mask
+                    heads = mask_ref.at[item.b if mask_ref.shape[0] > 1 else 0,
+                                        item.n if mask_ref.shape[1] > 1 else 0]
+                    for c in range(self.consumers):
+                        # Rows before 0 (an idle consumer's): any in range, never read.
+                        row0 = jnp.maximum(item.q0 + c * ROWS_PER_CONSUMER, 0)
+                        plgpu.copy_gmem_to_smem(
+                            heads.at[pl.ds(row0, ROWS_PER_CONSUMER), rows],
+                            mask_smem.at[slot, c], k_loaded.at[slot])
 
             return step + steps
 
@@ -303,18 +315,19 @@ class Walk:
             plgpu.barrier_wait(k_consumed.at[self.slot(step)])
             plgpu.barrier_wait(v_consumed.at[self.slot(step)])
 
-    def produce(self, wg, k_ref, v_ref, k_smem, v_smem, ring, on_item=None) -> None:
+    def produce(self, wg, k_ref, v_ref, k_smem, v_smem, ring, on_item=None,
+                mask=None) -> None:
         """The producer warpgroup's part (wg == consumers, wg the warpgroup index): it
         gives up registers, then streams every item's K and V tiles (`stream`)."""
         @pl.when(wg == self.consumers)
         def _producer():
             plgpu.set_max_registers(producer_registers(self.consumers), action="decrease")
-            self.stream(k_ref, v_ref, k_smem, v_smem, ring, on_item)
+            self.stream(k_ref, v_ref, k_smem, v_smem, ring, on_item, mask)
 
     def row_tiles(self, ref, item: Item, row0, buffers, barriers) -> Any:
-        """This consumer's stream (`RowTiles`) of its rows of the item in a bias or mask
-        ref [B or 1, N or 1, Tp, Sp] (shared: its half of each tile's keys), through its
-        own buffer and barrier (of one per consumer), or None without one."""
+        """This consumer's stream (`RowTiles`) of its rows of the item in a bias ref
+        [B or 1, N or 1, Tp, Sp] (shared: its half of each tile's keys), through its own
+        buffer and barrier (of one per consumer), or None without one."""
         if ref is None:
             return None
         wg = lax.axis_index("wg")
@@ -328,8 +341,8 @@ class Walk:
 
 @dataclasses.dataclass(frozen=True)
 class RowTiles:
-    """One consumer's rows of a bias or mask in global memory, read tile by tile through
-    its own shared-memory buffer: each tile's copy is issued as soon as the previous
+    """One consumer's rows of a bias in global memory, read tile by tile through its own
+    shared-memory buffer: each tile's copy is issued as soon as the previous
     tile is in registers, one step ahead. Of key tile t the consumer reads `width` keys
     from `offset` (the whole tile by default)."""
 
@@ -352,6 +365,15 @@ class RowTiles:
         plgpu.commit_smem()  # the reads are done before the next copy overwrites
         pl.when(t + 1 < stop)(lambda: self.start(t + 1))
         return tile
+
+
+def mask_tile(mask_smem, slot) -> jax.Array | None:
+    """This consumer's rows of the key tile's mask in ring slot `slot` (`Walk.stream`;
+    landed with K), as booleans in the WGMMA layout, or None without a mask."""
+    if mask_smem is None:
+        return None
+    rows = mask_smem.at[slot, lax.axis_index("wg")]
+    return plgpu.load(rows, layout=plgpu.Layout.WGMMA) != 0
 
 
 def own_band(ctx: TileRanges, tiles: Band, row0, stop, block_k: int,

@@ -234,9 +234,9 @@ def forward_scratch(hp: int, hvp: int, block_k: int, stages: int, dtype: Any,
                     consumers: int = CONSUMERS, has_mask: bool = False) -> Scratch:
     """The forward: per consumer its Q rows, output (with staging "o"; else staged in
     P's or Q's buffer, `forward_output_staging`; None: in P's where the shapes agree)
-    and P; the K/V ring; with a bias each consumer's bias tile, with a mask its mask
-    tile (int8). Barriers: Q per consumer, loaded and consumed per slot for K and V, two
-    consumers' turns, the bias and mask buffers'."""
+    and P; the K/V ring, with a mask each consumer's mask rows (int8) per slot; with a
+    bias each consumer's bias tile. Barriers: Q per consumer, loaded (K: and the mask
+    rows) and consumed per slot for K and V, two consumers' turns, the bias buffers'."""
     rows, c = ROWS_PER_CONSUMER, consumers
     dtype = _name(dtype)
     staging = staging or ("p" if hvp == block_k else "o")
@@ -248,16 +248,15 @@ def forward_scratch(hp: int, hvp: int, block_k: int, stages: int, dtype: Any,
                  ("p", Buffer((c, rows, block_k), dtype)),
                  ("bias", None if bias_dtype is None
                   else Buffer((c, rows, block_k), _name(bias_dtype))),
-                 ("mask", Buffer((c, rows, block_k), MASK_DTYPE, swizzle=block_k)
+                 ("mask", Buffer((stages, c, rows, block_k), MASK_DTYPE, swizzle=block_k)
                   if has_mask else None)),
         barriers=(("q_loaded", Barriers(c)),
-                  ("k_loaded", Barriers(stages)),
+                  ("k_loaded", Barriers(stages, 1 + (c if has_mask else 0))),
                   ("v_loaded", Barriers(stages)),
                   ("k_consumed", Barriers(stages, c)),
                   ("v_consumed", Barriers(stages, c)),
                   ("schedule", Barriers(1, c) if c == 2 else None),
-                  ("bias_loaded", None if bias_dtype is None else Barriers(c)),
-                  ("mask_loaded", Barriers(c) if has_mask else None)))
+                  ("bias_loaded", None if bias_dtype is None else Barriers(c))))
 
 
 def dq_scratch(hp: int, hvp: int, block_k: int, stages: int, consumers: int, dtype: Any,
@@ -266,9 +265,9 @@ def dq_scratch(hp: int, hvp: int, block_k: int, stages: int, consumers: int, dty
     """The dQ kernel: per consumer its rows' Q, dO, three float32 row residuals, dS and
     bias tile, or (`is_wide`) one item's rows, two dS tiles that both consumers fill and a
     bias tile of each consumer's keys; the K/V ring; with dbias (batch entry 0's tiles)
-    a zeroed tile; with a mask each consumer's mask tile (int8). Barriers: rows per
-    consumer (wide: per item), loaded and consumed per slot for K and V, the turns of
-    two consumers (wide: their exchange), the bias and mask buffers'."""
+    a zeroed tile; with a mask each consumer's mask rows (int8) per slot. Barriers: rows
+    per consumer (wide: per item), loaded (K: and the mask rows) and consumed per slot
+    for K and V, the turns of two consumers (wide: their exchange), the bias buffers'."""
     rows, c = ROWS_PER_CONSUMER, consumers
     split = is_wide(hp, hvp)
     swizzle = operand_swizzle(hp, hvp)
@@ -286,17 +285,16 @@ def dq_scratch(hp: int, hvp: int, block_k: int, stages: int, consumers: int, dty
                   else Buffer((c, rows, block_k // c if split else block_k),
                               _name(bias_dtype), swizzle)),
                  ("zeros", Buffer((rows, block_k), dtype, swizzle) if dbias else None),
-                 ("mask", Buffer((c, rows, block_k), MASK_DTYPE, swizzle=block_k)
+                 ("mask", Buffer((stages, c, rows, block_k), MASK_DTYPE, swizzle=block_k)
                   if has_mask else None)),
         barriers=(("rows_loaded", Barriers(owners, 3)),  # Q, dO, residuals
-                  ("k_loaded", Barriers(stages)),
+                  ("k_loaded", Barriers(stages, 1 + (c if has_mask else 0))),
                   ("v_loaded", Barriers(stages)),
                   ("k_consumed", Barriers(stages, c)),
                   ("v_consumed", Barriers(stages, c)),
                   ("schedule", Barriers(1, 2) if c == 2 and not split else None),
                   ("exchange", Barriers(1, c) if split else None),
-                  ("bias_loaded", None if bias_dtype is None else Barriers(c)),
-                  ("mask_loaded", Barriers(c) if has_mask else None)))
+                  ("bias_loaded", None if bias_dtype is None else Barriers(c))))
 
 
 def dkv_scratch(hp: int, hvp: int, stages: int, dtype: Any, bias_dtype: Any = None,

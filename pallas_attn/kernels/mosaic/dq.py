@@ -65,6 +65,7 @@ from pallas_attn.kernels.mosaic.common import (
     accumulate,
     head_slope,
     launch,
+    mask_tile,
     optional_refs,
     own_band,
     release_slot,
@@ -120,7 +121,8 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, bias_ref, mask_ref, slopes_r
                         zero_tile, lambda t: rows.at[:, pl.ds(t * block_k, block_k)],
                         tiles.first, tiles.first + steps, dbias_ref.shape[3] // block_k)
 
-    walk.produce(wg, k_ref, v_ref, smem["k"], smem["v"], ring, on_item)
+    walk.produce(wg, k_ref, v_ref, smem["k"], smem["v"], ring, on_item,
+                 None if mask_ref is None else (mask_ref, smem["mask"]))
     if dbias_ref is not None:
         pl.when(wg == consumers)(lambda: plgpu.wait_smem_to_gmem(0))
 
@@ -169,14 +171,13 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, bias_ref, mask_ref, slopes_r
                               for j in range(3))
             plgpu.commit_smem()  # the reads are done before the next item's copy lands
             bias = walk.row_tiles(bias_ref, item, row0, smem["bias"], barriers["bias_loaded"])
-            mask = walk.row_tiles(mask_ref, item, row0, smem["mask"], barriers["mask_loaded"])
             dbias = None
             if dbias_ref is not None:  # batch entry 0 writes its dS tiles as dbias
                 dbias = (mine_valid & (item.b == 0),
                          dbias_ref.at[0, item.n, pl.ds(row0, rows_n)])
             dq = _consume(problem, ctx, tiles, lambda t: step + t - tiles.first, row0,
                           tiles.first + steps, mine, ds_tiles, smem["k"], smem["v"], ring,
-                          (schedule, exchange), (bias, mask),
+                          (schedule, exchange), (bias, smem["mask"]),
                           head_slope(slopes_ref, item.valid, item.b, item.n), residuals,
                           dbias, row0 >= 0, segments, dropout, item.b, item.n, cols)
             # Every product of this item is done: its rows' buffers are free (wide: for
@@ -205,7 +206,8 @@ def _consume(problem: Problem, ctx, tiles, step_of, row0, stop, mine: dict, ds_t
     tiles [tiles.first, stop), its columns `cols` of it; step_of(t): the ring step of
     tile t (counted over the program's items); active false (rows before 0): it only
     releases the tiles. barriers: (schedule, exchange), either None. streams: its bias
-    and mask streams (`RowTiles`), either None.
+    stream (`RowTiles`) and the ring of the caller's mask rows (`Walk.stream`), either
+    None.
 
     With a `schedule` (two consumers) it takes turns with the other consumer as the
     forward's consumers do: a consumer issues S and dP, waits for the other's gradient
@@ -221,7 +223,7 @@ def _consume(problem: Problem, ctx, tiles, step_of, row0, stop, mine: dict, ds_t
     None; dropout: head n's keep decisions or None."""
     k_loaded, v_loaded, k_consumed, v_consumed = ring
     schedule, exchange = barriers
-    bias, mask = streams
+    bias, mask_smem = streams
     wide = exchange is not None
     block_k = problem.plan.dq.block_k
     rows_n = ROWS_PER_CONSUMER
@@ -248,10 +250,10 @@ def _consume(problem: Problem, ctx, tiles, step_of, row0, stop, mine: dict, ds_t
         slot = slot_of(t)
         k0 = t * block_k + key0
         tile_bias = None if bias is None else bias.take(t, own.stop).astype(jnp.float32)
-        tile_mask = None if mask is None else mask.take(t, own.stop) != 0
         ids = None if segments is None else (row_ids, segments.cols(b, k0, keys_n))
         plgpu.barrier_wait(k_loaded.at[slot])
         plgpu.barrier_wait(v_loaded.at[slot])
+        tile_mask = mask_tile(mask_smem, slot)
         keys = pl.ds(key0, keys_n)
 
         def products(s_ref, dp_ref):
@@ -297,9 +299,8 @@ def _consume(problem: Problem, ctx, tiles, step_of, row0, stop, mine: dict, ds_t
 
     dims = k_smem.shape[-1] // 2 if wide else k_smem.shape[-1]
     dq = plgpu.layout_cast(jnp.zeros((rows_n, dims), jnp.float32), plgpu.Layout.WGMMA)
-    for rows in streams:
-        if rows is not None:
-            pl.when(own.first < own.stop)(lambda rows=rows: rows.start(own.first))
+    if bias is not None:
+        pl.when(own.first < own.stop)(lambda: bias.start(own.first))
     return run_band(tiles.first, stop, own, lambda t: release_slot(slot_of(t), ring, schedule),
                     step, dq)
 

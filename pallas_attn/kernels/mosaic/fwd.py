@@ -39,9 +39,9 @@ slots) with a producer warpgroup and the consumers:
 * With a bias, each consumer copies its 64 rows of the next key tile's bias into a
   buffer of its own while it works on the current tile (`_consume`), and its
   scores stay in natural units, as in the Triton forward.
-* With a boolean mask, each consumer streams its rows' mask tiles the same way, as
-  int8 (`config.MASK_DTYPE`: the mask is converted once per call), and every tile
-  hides the entries the mask clears.
+* With a boolean mask, the producer copies each consumer's rows of the key tile's
+  mask, as int8 (`config.MASK_DTYPE`: the mask is converted once per call), into the
+  ring slot with K, and every tile hides the entries the mask clears.
 
 It writes the same outputs as the Triton forward: the output and the per-row
 residuals (row reference, +inf for rows that see no key, and log2 of the row
@@ -93,6 +93,7 @@ from pallas_attn.kernels.mosaic.common import (
     launch,
     lengths_of,
     mask_of,
+    mask_tile,
     optional_refs,
     own_band,
     release_slot,
@@ -131,7 +132,8 @@ def _kernel(q_ref, k_ref, v_ref, bias_ref, mask_ref, slopes_ref, sinks_ref, leng
     walk = Walk(problem, programs, route.block_k, route.num_stages, consumers * rows_n,
                 segments=segments, lengths=lengths)
     wg = lax.axis_index("wg")
-    walk.produce(wg, k_ref, v_ref, k_smem, v_smem, ring)
+    walk.produce(wg, k_ref, v_ref, k_smem, v_smem, ring,
+                 mask=None if mask_ref is None else (mask_ref, smem["mask"]))
 
     @pl.when(wg < consumers)
     def _consumer():
@@ -164,11 +166,10 @@ def _kernel(q_ref, k_ref, v_ref, bias_ref, mask_ref, slopes_ref, sinks_ref, leng
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
             pl.when(active)(lambda: plgpu.barrier_wait(q_loaded.at[wg]))
             bias = walk.row_tiles(bias_ref, item, row0, smem["bias"], barriers["bias_loaded"])
-            mask = walk.row_tiles(mask_ref, item, row0, smem["mask"], barriers["mask_loaded"])
             acc, m, l_sum = _consume(
                 problem, ctx, tiles, lambda t: walk.slot(step + t - tiles.first), row0,
                 tiles.first + steps, active, q_mine, k_smem, v_smem, p_mine,
-                o_mine.shape[-1], ring, schedule, bias, mask,
+                o_mine.shape[-1], ring, schedule, bias, smem["mask"],
                 head_slope(slopes_ref, item.valid, item.b, item.n), segments, dropout, item.b,
                 item.n)
             if staging != "q":  # every Q K^T of this item is done: q_mine is free
@@ -210,7 +211,7 @@ def _kernel(q_ref, k_ref, v_ref, bias_ref, mask_ref, slopes_ref, sinks_ref, leng
 
 def _consume(problem: Problem, ctx: TileRanges, tiles: Band, slot_of, row0, stop, active,
              q_smem, k_smem, v_smem, p_smem, hv: int, ring, schedule,
-             bias: RowTiles | None, mask: RowTiles | None, slope, segments: Segments | None,
+             bias: RowTiles | None, mask_smem, slope, segments: Segments | None,
              dropout: Dropout | None, b, n) -> tuple[Any, Any, Any]:
     """One consumer warpgroup: (acc, row reference, row sum) of rows [row0, row0 + 64)
     against key tiles [tiles.first, stop) (stop = tiles.first for no work); active false
@@ -225,8 +226,8 @@ def _consume(problem: Problem, ctx: TileRanges, tiles: Band, slot_of, row0, stop
     paired).
 
     bias: None, or this consumer's bias stream (`RowTiles`); scores with a bias stay
-    in natural units (Problem.exp2_factor), as in the Triton forward. mask: None, or
-    this consumer's stream of the caller's mask (int8, nonzero: visible). slope: the
+    in natural units (Problem.exp2_factor), as in the Triton forward. mask_smem: the
+    ring of the caller's mask rows (`Walk.stream`) or None. slope: the
     head's ALiBi slope or None. segments: the segment ids (batch entry b's rows are
     read once, each key tile's ids per step) or None. dropout: P V takes the kept
     probabilities (head n's mask), the row sum all of them; or None.
@@ -245,9 +246,9 @@ def _consume(problem: Problem, ctx: TileRanges, tiles: Band, slot_of, row0, stop
         acc, m_prev, l_prev = carry
         slot = slot_of(t)
         tile_bias = None if bias is None else bias.take(t, own.stop).astype(jnp.float32)
-        tile_mask = None if mask is None else mask.take(t, own.stop) != 0
         ids = None if segments is None else (row_ids, segments.cols(b, t * block_k, block_k))
         plgpu.barrier_wait(k_loaded.at[slot])
+        tile_mask = mask_tile(mask_smem, slot)
 
         def qk(acc_ref):
             plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
@@ -290,9 +291,8 @@ def _consume(problem: Problem, ctx: TileRanges, tiles: Band, slot_of, row0, stop
              plgpu.layout_cast(jnp.full((rows_n,), softmax_reference_init(problem), jnp.float32),
                                row_layout),
              plgpu.layout_cast(jnp.zeros((rows_n,), jnp.float32), row_layout))
-    for rows in (bias, mask):
-        if rows is not None:
-            pl.when(own.first < own.stop)(lambda rows=rows: rows.start(own.first))
+    if bias is not None:
+        pl.when(own.first < own.stop)(lambda: bias.start(own.first))
     return run_band(tiles.first, stop, own, lambda t: release_slot(slot_of(t), ring, schedule),
                     step, carry)
 
