@@ -12,7 +12,7 @@ that issues bulk copies. What they can run and what they allocate is config.py's
   producer's K/V ring; `own_band`, `run_band` and `release_slot` give each consumer
   its part of a band while keeping the ring's barriers and the turns in step.
 * `take_turn`: one step of the consumers' alternation on the tensor cores.
-* `RowTiles`: a consumer's rows of a bias read tile by tile through its own buffer;
+* `BiasTiles`: a consumer's bias rows read tile by tile through its own buffer;
   `mask_tile`: its rows of a mask tile from the producer's ring.
 * `tile_scores` / `tile_gradient`: the shared score rules (`core.logit_scores`,
   semantics/scores.py) on a WGMMA-layout tile.
@@ -324,27 +324,27 @@ class Walk:
             plgpu.set_max_registers(producer_registers(self.consumers), action="decrease")
             self.stream(k_ref, v_ref, k_smem, v_smem, ring, on_item, mask)
 
-    def row_tiles(self, ref, item: Item, row0, buffers, barriers) -> Any:
-        """This consumer's stream (`RowTiles`) of its rows of the item in a bias ref
-        [B or 1, N or 1, Tp, Sp] (shared: its half of each tile's keys), through its own
-        buffer and barrier (of one per consumer), or None without one."""
-        if ref is None:
+    def bias_rows(self, bias_ref, item: Item, row0, buffers, barriers) -> Any:
+        """This consumer's bias stream (`BiasTiles`) over its rows of the item (shared:
+        its half of each tile's keys), through its own buffer and barrier (of one per
+        consumer), or None without a bias."""
+        if bias_ref is None:
             return None
         wg = lax.axis_index("wg")
-        Bb, Nb = ref.shape[:2]
-        rows = ref.at[item.b if Bb > 1 else 0, item.n if Nb > 1 else 0,
-                      pl.ds(row0, ROWS_PER_CONSUMER)]
+        Bb, Nb = self.problem.spec.bias_shape[:2]
+        rows = bias_ref.at[item.b if Bb > 1 else 0, item.n if Nb > 1 else 0,
+                           pl.ds(row0, ROWS_PER_CONSUMER)]
         width = self.block_k // CONSUMERS if self.shared else self.block_k
-        return RowTiles(rows, buffers.at[wg], barriers.at[wg], self.block_k,
-                        wg * width if self.shared else 0, width)
+        return BiasTiles(rows, buffers.at[wg], barriers.at[wg], self.block_k,
+                         wg * width if self.shared else 0, width)
 
 
 @dataclasses.dataclass(frozen=True)
-class RowTiles:
-    """One consumer's rows of a bias in global memory, read tile by tile through its own
-    shared-memory buffer: each tile's copy is issued as soon as the previous
-    tile is in registers, one step ahead. Of key tile t the consumer reads `width` keys
-    from `offset` (the whole tile by default)."""
+class BiasTiles:
+    """One consumer's bias rows in global memory, read tile by tile through its own
+    shared-memory buffer: each tile's copy is issued as soon as the previous tile is in
+    registers, one step ahead. Of key tile t the consumer reads `width` keys from
+    `offset` (the whole tile by default)."""
 
     rows: Any
     buffer: Any
@@ -359,12 +359,12 @@ class RowTiles:
                                 self.buffer, self.loaded)
 
     def take(self, t, stop) -> jax.Array:
-        """Key tile t (WGMMA layout, the buffer's dtype); starts tile t + 1 below stop."""
+        """Key tile t of the bias (float32, WGMMA layout); starts tile t + 1 below stop."""
         plgpu.barrier_wait(self.loaded)
-        tile = plgpu.load(self.buffer, layout=plgpu.Layout.WGMMA)
+        bias = plgpu.load(self.buffer, layout=plgpu.Layout.WGMMA).astype(jnp.float32)
         plgpu.commit_smem()  # the reads are done before the next copy overwrites
         pl.when(t + 1 < stop)(lambda: self.start(t + 1))
-        return tile
+        return bias
 
 
 def mask_tile(mask_smem, slot) -> jax.Array | None:

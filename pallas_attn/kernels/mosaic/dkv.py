@@ -60,10 +60,13 @@ kernel.
 With segment ids, a unit's query tiles narrow to its keys' segments and every step
 compares ids; entries of other segments give exact zeros (`common.tile_gradient`). With
 sequence lengths, keys past the length are masked and units past it have no steps
-(positions past the lengths are zeroed in q, k, v and dO before the call).
+(positions past the lengths are zeroed in q, k, v and dO before the call). With a
+boolean mask, each step's slot also holds each consumer's tile of the mask (int8, queries
+by keys: the tiles stay queries by keys, as with a bias), and the entries it clears give
+P = dS = 0.
 
-Scope: the Mosaic kernels' (`config.unsupported`), and a bias gradient only for a
-bias of shape [B, N, T, S] or [1, N, T, S] in the inputs' dtype
+Scope: the Mosaic kernels' (`config.unsupported`; a mask not in the wide kernel), and a
+bias gradient only for a bias of shape [B, N, T, S] or [1, N, T, S] in the inputs' dtype
 (`config.fusable_dbias`).
 """
 

@@ -14,7 +14,7 @@ consumer warpgroups: three, or two with a bias or a local window
   and the shared score rules (`common.tile_gradient`), and adds dS K into its dQ
   accumulator with a third wgmma that takes dS from registers (from shared memory
   where a dbias copy reads it too, and in the interpreter). The bias comes
-  through each consumer's own buffer one tile ahead (`common.RowTiles`).
+  through each consumer's own buffer one tile ahead (`common.BiasTiles`).
 * Three consumers (items of 192 rows) run without turns: while two compute their
   exponentials and soft-cap tanh, the third's products keep the tensor cores busy
   (docs/decisions.md, "Three dQ consumers"). Items end at the padded length, so the first item of
@@ -34,8 +34,10 @@ dQ (times the softmax scale) is stored from registers. Rows that see no key get
 zeros. With segment ids, items and consumers narrow their key tiles to their rows'
 segments and every tile compares ids (`common.Segments`); with sequence lengths, bands
 stop at the key length (positions past the lengths are zeroed in q, k, v and dO before
-the call); with dropout, dS takes the kept dP (`common.Dropout`). Scope: the Mosaic
-kernels' (`config.unsupported`).
+the call); with dropout, dS takes the kept dP (`common.Dropout`); with a boolean mask,
+the producer copies each consumer's rows of the key tile's mask (int8) into the ring slot
+with K (`Walk.stream`), and the entries it clears give dS = 0 (`common.mask_tile`). Scope:
+the Mosaic kernels' (`config.unsupported`; a mask not in the wide kernel).
 
 `dq_and_dbias` also starts the gradient of a bias shared by the batch entries: the
 consumers bulk-copy batch entry 0's dS tiles (already staged in shared memory for
@@ -89,8 +91,7 @@ from pallas_attn.kernels.mosaic.config import (
 
 def _kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, bias_ref, mask_ref, slopes_ref, lengths,
             segments, dropout, dq_ref, dbias_ref, smem, barriers, *, problem: Problem,
-            programs: int,
-            consumers: int, wide: bool):
+            programs: int, consumers: int, wide: bool):
     rows_loaded, schedule = barriers["rows_loaded"], barriers["schedule"]
     exchange = barriers["exchange"]
     ring = tuple(barriers[name] for name in ("k_loaded", "v_loaded", "k_consumed",
@@ -170,7 +171,7 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, bias_ref, mask_ref, slopes_r
             residuals = tuple(plgpu.load(mine["stats"].at[j], layout=row_layout)
                               for j in range(3))
             plgpu.commit_smem()  # the reads are done before the next item's copy lands
-            bias = walk.row_tiles(bias_ref, item, row0, smem["bias"], barriers["bias_loaded"])
+            bias = walk.bias_rows(bias_ref, item, row0, smem["bias"], barriers["bias_loaded"])
             dbias = None
             if dbias_ref is not None:  # batch entry 0 writes its dS tiles as dbias
                 dbias = (mine_valid & (item.b == 0),
@@ -205,8 +206,8 @@ def _consume(problem: Problem, ctx, tiles, step_of, row0, stop, mine: dict, ds_t
     """One consumer warpgroup: dQ / scale of rows [row0, row0 + 64) (float32) over key
     tiles [tiles.first, stop), its columns `cols` of it; step_of(t): the ring step of
     tile t (counted over the program's items); active false (rows before 0): it only
-    releases the tiles. barriers: (schedule, exchange), either None. streams: its bias
-    stream (`RowTiles`) and the ring of the caller's mask rows (`Walk.stream`), either
+    releases the tiles. barriers: (schedule, exchange), either None. streams: (its bias
+    stream (`BiasTiles`), the ring of the caller's mask rows (`Walk.stream`)), either
     None.
 
     With a `schedule` (two consumers) it takes turns with the other consumer as the
@@ -249,7 +250,7 @@ def _consume(problem: Problem, ctx, tiles, step_of, row0, stop, mine: dict, ds_t
     def step(t, dq, masked: bool):
         slot = slot_of(t)
         k0 = t * block_k + key0
-        tile_bias = None if bias is None else bias.take(t, own.stop).astype(jnp.float32)
+        tile_bias = None if bias is None else bias.take(t, own.stop)
         ids = None if segments is None else (row_ids, segments.cols(b, k0, keys_n))
         plgpu.barrier_wait(k_loaded.at[slot])
         plgpu.barrier_wait(v_loaded.at[slot])

@@ -83,9 +83,9 @@ from pallas_attn.kernels.core import (
 )
 from pallas_attn.kernels.mosaic.common import (
     Band,
+    BiasTiles,
     Dropout,
     Item,
-    RowTiles,
     Segments,
     Walk,
     accumulate,
@@ -165,7 +165,7 @@ def _kernel(q_ref, k_ref, v_ref, bias_ref, mask_ref, slopes_ref, sinks_ref, leng
             # The previous item's output copies read o_mine, which may be p_mine.
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
             pl.when(active)(lambda: plgpu.barrier_wait(q_loaded.at[wg]))
-            bias = walk.row_tiles(bias_ref, item, row0, smem["bias"], barriers["bias_loaded"])
+            bias = walk.bias_rows(bias_ref, item, row0, smem["bias"], barriers["bias_loaded"])
             acc, m, l_sum = _consume(
                 problem, ctx, tiles, lambda t: walk.slot(step + t - tiles.first), row0,
                 tiles.first + steps, active, q_mine, k_smem, v_smem, p_mine,
@@ -211,7 +211,7 @@ def _kernel(q_ref, k_ref, v_ref, bias_ref, mask_ref, slopes_ref, sinks_ref, leng
 
 def _consume(problem: Problem, ctx: TileRanges, tiles: Band, slot_of, row0, stop, active,
              q_smem, k_smem, v_smem, p_smem, hv: int, ring, schedule,
-             bias: RowTiles | None, mask_smem, slope, segments: Segments | None,
+             bias: BiasTiles | None, mask_smem, slope, segments: Segments | None,
              dropout: Dropout | None, b, n) -> tuple[Any, Any, Any]:
     """One consumer warpgroup: (acc, row reference, row sum) of rows [row0, row0 + 64)
     against key tiles [tiles.first, stop) (stop = tiles.first for no work); active false
@@ -225,7 +225,7 @@ def _consume(problem: Problem, ctx: TileRanges, tiles: Band, slot_of, row0, stop
     one's softmax runs while the other's products do (`run_band` keeps the turns
     paired).
 
-    bias: None, or this consumer's bias stream (`RowTiles`); scores with a bias stay
+    bias: None, or this consumer's bias stream (`BiasTiles`); scores with a bias stay
     in natural units (Problem.exp2_factor), as in the Triton forward. mask_smem: the
     ring of the caller's mask rows (`Walk.stream`) or None. slope: the
     head's ALiBi slope or None. segments: the segment ids (batch entry b's rows are
@@ -245,7 +245,7 @@ def _consume(problem: Problem, ctx: TileRanges, tiles: Band, slot_of, row0, stop
     def step(t, carry, masked: bool):
         acc, m_prev, l_prev = carry
         slot = slot_of(t)
-        tile_bias = None if bias is None else bias.take(t, own.stop).astype(jnp.float32)
+        tile_bias = None if bias is None else bias.take(t, own.stop)
         ids = None if segments is None else (row_ids, segments.cols(b, t * block_k, block_k))
         plgpu.barrier_wait(k_loaded.at[slot])
         tile_mask = mask_tile(mask_smem, slot)
