@@ -424,26 +424,17 @@ def paged_implementation(implementation: str | None, interpret: bool, why_not_ke
 
 
 def paged_kernel_refusal(q_len: int, num_heads: int, num_kv_heads: int, head_dim: int,
-                         value_head_dim: int, page_size: int) -> str:
+                         value_head_dim: int) -> str:
     """Why the decode kernel cannot read a paged cache in place, or ""."""
     for name, dim in (("query/key", head_dim), ("value", value_head_dim)):
         if dim < 16 or dim != next_power_of_2(dim):
             return (f"the paged kernel reads the cache in place and needs power-of-two head "
                     f"dims >= 16, got {name} {dim}")
-    if page_size % 16:
-        return (f"the paged kernel's key tiles lie in one page and hold a multiple of 16 "
-                f"keys: page_size must be a multiple of 16, got {page_size}")
     rows = q_len * (num_heads // num_kv_heads)
     if rows > DECODE_MAX_ROWS:
         return (f"the paged kernel's tile holds at most {DECODE_MAX_ROWS} query rows "
                 f"(tokens x query heads per kv head), got {rows}")
     return ""
-
-
-def paged_block_k(page_size: int) -> int:
-    """The paged decode kernel's key tile: the largest power of two up to the decode
-    kernel's block_k dividing the page size, so that a tile lies in one page."""
-    return min(DECODE_TILES[0], page_size & -page_size)
 
 
 # ------------------------------------------------------------------ dbias

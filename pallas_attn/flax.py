@@ -503,7 +503,7 @@ class MultiHeadAttention(nnx.Module):
           max_length: most tokens the cache holds (prompt and generated together).
           dtype: cache dtype (default: the dtype of the keys the layer computes, so that
             a bfloat16 model keeps a bfloat16 cache whatever its param_dtype).
-          page_size: tokens per page (a multiple of 16 for the GPU kernel), or None.
+          page_size: tokens per page, or None.
         """
         self.cache_dtype = dtype
         dtype = dtype or self.dtype or self.param_dtype

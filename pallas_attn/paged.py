@@ -101,8 +101,7 @@ def paged_attention(
 
     jax.eval_shape(trace, query, gathered, gathered_v, lengths)
     implementation = dispatch.paged_implementation(
-        implementation, interpret, dispatch.paged_kernel_refusal(
-            T, N, K, H, v_shape[3], page_size))
+        implementation, interpret, dispatch.paged_kernel_refusal(T, N, K, H, v_shape[3]))
     run = _kernel if implementation == "pallas" else _reference
     extra = {name: x for name, x in (("alibi_slopes", alibi_slopes), ("sinks", sinks))
              if x is not None}
@@ -157,13 +156,12 @@ def _kernel(spec, implementation, interpret, q, k_cache, v_cache, table, lengths
 
     B, T, N, H = q.shape
     page_size, K, Hv = k_cache.shape[1], k_cache.shape[2], v_cache.shape[3]
-    if why := dispatch.paged_kernel_refusal(T, N, K, H, Hv, page_size):
+    if why := dispatch.paged_kernel_refusal(T, N, K, H, Hv):
         raise ValueError(f"{why}; use implementation='xla'")
-    block_k = dispatch.paged_block_k(page_size)
     present = ("key_value_seq_lengths", *extra)
     call = dispatch.Call(spec, B, T, table.shape[1] * page_size, N, K, H, Hv,
                          jnp.dtype(q.dtype).name, present=present)
-    plan = dispatch.plan(call, block_sizes=BlockSizes(forward_backend="decode", block_k=block_k),
+    plan = dispatch.plan(call, block_sizes=BlockSizes(forward_backend="decode"),
                          interpret=interpret)
     problem = Problem(spec=spec, batch=B, num_heads=N, num_kv_heads=K, q_len=T,
                       kv_len=call.kv_len, q_pad=T, kv_pad=call.kv_len, head_dim=H,

@@ -61,7 +61,15 @@ def _expected(q, k_cache, v_cache, table, lengths, **kw):
 
 
 CASES = {
+    # Pages smaller than the kernel's 64-key tile, or not a multiple of it, are gathered
+    # into whole tiles row by row (capacities 144, 168 and 240: a last tile past the
+    # table's last page).
     "decode_p16_gqa": dict(page_size=16, pages=9, B=3, T=1, N=8, K=2, lengths=(144, 17, 1)),
+    "spec3_p8_mqa": dict(page_size=8, pages=21, B=2, T=3, N=4, K=1, lengths=(168, 50)),
+    "decode_p24_softcap": dict(page_size=24, pages=7, B=2, T=1, N=2, K=2, lengths=(165, 64),
+                               kw=dict(logits_soft_cap=9.0)),
+    "spec5_p80_straddling_tiles": dict(page_size=80, pages=3, B=2, T=5, N=4, K=2,
+                                       lengths=(240, 100)),
     "spec7_p64_window_softcap": dict(page_size=64, pages=3, B=2, T=7, N=4, K=1,
                                      lengths=(190, 70),
                                      kw=dict(local_window_size=50, logits_soft_cap=9.0)),
@@ -140,13 +148,14 @@ def test_paged_errors_name_the_argument():
     with pytest.raises(ValueError, match="cache_lengths must lie in"):
         pallas_attn.paged_cache_update(k_cache, v_cache, k_cache[:2, :1], v_cache[:2, :1],
                                        table, jnp.array([99, 1]))
-    odd = jnp.zeros((8, 10, 1, 32))
-    with pytest.raises(ValueError, match="page_size must be a multiple of 16"):
-        pallas_attn.paged_attention(q, odd, odd, table, jnp.array([20, 5]),
+    odd = jnp.zeros((8, 16, 1, 24))  # a head dim that is no power of two
+    with pytest.raises(ValueError, match="needs power-of-two head dims >= 16, got query/key "
+                                         "24; use implementation='xla'"):
+        pallas_attn.paged_attention(q[..., :24], odd, odd, table, jnp.array([20, 5]),
                                     implementation="pallas", interpret=True)
     # Left to choose, it runs the reference where the kernel cannot.
-    assert pallas_attn.paged_attention(q, odd, odd, table, jnp.array([20, 5]),
-                                       interpret=True).shape == q.shape
+    assert pallas_attn.paged_attention(q[..., :24], odd, odd, table, jnp.array([20, 5]),
+                                       interpret=True).shape == q[..., :24].shape
     with pytest.raises(NotImplementedError, match="forward only"):
         jax.grad(lambda q: jnp.sum(pallas_attn.paged_attention(
             q, k_cache, v_cache, table, lengths)))(q)

@@ -14,9 +14,10 @@ into the forward's own output and row residuals, so the backward kernels run
 unchanged on a decoded call.
 
 Paged caches (pallas_attn.paged_attention, the problem's present names "page_table"):
-K/V are [pages, page_size, K, H], a key tile lies in one page (block_k divides
-page_size) found through the page table, and each sequence's T new tokens sit at
-positions cache_length - T .. cache_length - 1: the kernel's origin.
+K/V are [pages, page_size, K, H]; a key tile lies in one page where block_k divides
+page_size, else each of its rows is read from its own page (smaller pages are
+gathered into full tiles), the pages found through the page table; each sequence's T
+new tokens sit at positions cache_length - T .. cache_length - 1: the kernel's origin.
 """
 
 from __future__ import annotations
@@ -74,8 +75,15 @@ def decode_kernel(*refs, problem: Problem, names: tuple[str, ...]):
         if not paged:
             return r[name][b, pl.ds(k0, block_k), kh, :]
         page_size = r[name].shape[1]
-        page = r["page_table"][b, lax.div(k0, page_size)]
-        return r[name][page, pl.ds(lax.rem(k0, page_size), block_k), kh, :]
+        table = r["page_table"]
+        if page_size % block_k == 0:  # the tile lies in one page
+            page = table[b, lax.div(k0, page_size)]
+            return r[name][page, pl.ds(lax.rem(k0, page_size), block_k), kh, :]
+        # The tile spans pages: each row's page from the table (past the table's last
+        # page, rows past every length: any page, masked).
+        at = k0 + lax.broadcasted_iota(jnp.int32, (block_k,), 0)
+        pages = table[b, jnp.minimum(lax.div(at, page_size), table.shape[1] - 1)]
+        return r[name][pages, lax.rem(at, page_size), kh, :]
 
     def body(t, carry):
         acc, m_prev, l_prev = carry
