@@ -124,12 +124,12 @@ CASES = [
     # each head's first item starts at row -128 and two of its consumers only release
     # the ring's slots; with sorted segments (the idle consumers' bands) and dropout.
     ("three_consumers_first_item_before_row_0_segments_dropout",
-     dict(B=2, T=200, S=230, N=2, H=64),
+     dict(B=1, T=200, S=230, N=2, H=64),
      dict(is_causal=True, causal_alignment="bottom_right", dropout_rate=0.2,
           dropout_rng=jax.random.key(6),
-          q_segment_ids=np.repeat(np.arange(4), 50)[None].repeat(2, 0),
-          kv_segment_ids=np.concatenate([np.repeat(np.arange(4), 50), np.full(30, 3)])[None]
-          .repeat(2, 0)), {}),
+          q_segment_ids=np.repeat(np.arange(4), 50)[None],
+          kv_segment_ids=np.concatenate([np.repeat(np.arange(4), 50), np.full(30, 3)])[None]),
+     {}),
     # A boolean mask (int8 tiles streamed per consumer): one per batch entry under
     # causal masking with rows it hides entirely (three consumers, a head's first item
     # before row 0); one per head with a bias and a soft cap at d128 (two consumers,

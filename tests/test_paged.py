@@ -65,9 +65,8 @@ CASES = {
     # into whole tiles row by row (capacities 144, 168 and 240: a last tile past the
     # table's last page).
     "decode_p16_gqa": dict(page_size=16, pages=9, B=3, T=1, N=8, K=2, lengths=(144, 17, 1)),
-    "spec3_p8_mqa": dict(page_size=8, pages=21, B=2, T=3, N=4, K=1, lengths=(168, 50)),
-    "decode_p24_softcap": dict(page_size=24, pages=7, B=2, T=1, N=2, K=2, lengths=(165, 64),
-                               kw=dict(logits_soft_cap=9.0)),
+    "spec3_p24_mqa_softcap": dict(page_size=24, pages=7, B=2, T=3, N=4, K=1,
+                                  lengths=(165, 50), kw=dict(logits_soft_cap=9.0)),
     "spec5_p80_straddling_tiles": dict(page_size=80, pages=3, B=2, T=5, N=4, K=2,
                                        lengths=(240, 100)),
     "spec7_p64_window_softcap": dict(page_size=64, pages=3, B=2, T=7, N=4, K=1,
