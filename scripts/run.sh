@@ -46,7 +46,7 @@ fi
 job=${1:-test}; shift || true
 case "$job" in
   # One worker per CPU: the interpreted kernels' compiles are single-threaded.
-  test)  exec .venv/bin/python -m pytest -q -n auto "$@" ;;
+  test)  exec .venv/bin/python -m pytest -q -n auto --dist worksteal "$@" ;;
   bench) exec .venv/bin/python -m pallas_attn bench "$@" ;;
   lint)  exec .venv/bin/ruff check pallas_attn tests examples benchmarks ;;
   *) echo "usage: bash scripts/run.sh {test|bench|lint} [args]" >&2; exit 2 ;;
