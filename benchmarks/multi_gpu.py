@@ -71,11 +71,11 @@ def _mesh(devices, name: str) -> Mesh:
     return Mesh(np.array(devices), (name,), axis_types=(AxisType.Auto,))
 
 
-def data_parallel(devices, gpu: bool) -> dict:
+def data_parallel(devices, gpu: bool, per_device: int | None = None) -> dict:
     lm = _example()
     cfg = lm.Config(layers=4, d_model=1024, heads=8, kv_heads=2, seq_len=2048,
                     dtype="bfloat16") if gpu else lm.Config(**lm.TINY)
-    per_device = 8 if gpu else 2
+    per_device = per_device or (8 if gpu else 2)
 
     def run(devs):
         mesh = _mesh(devs, "data")
@@ -233,6 +233,8 @@ def main() -> None:
                         help="ring sequence lengths (default: 131072 and 524288 on a GPU)")
     parser.add_argument("--only", choices=("data", "heads", "ring"), nargs="+",
                         default=("data", "heads", "ring"))
+    parser.add_argument("--batch", type=int, default=None,
+                        help="the data-parallel step's batch per device (default 8 on a GPU)")
     args = parser.parse_args()
     gpu = on_nvidia_gpu()
     devices = jax.devices()
@@ -250,7 +252,7 @@ def main() -> None:
                 json.dump(rows, f, indent=1)
 
     if "data" in args.only:
-        emit(data_parallel(devices, gpu))
+        emit(data_parallel(devices, gpu, args.batch))
     if "heads" in args.only:
         emit(head_parallel(devices, gpu))
     if "ring" in args.only:

@@ -235,3 +235,56 @@ def test_ring_under_x64(implementation):
     """jax_enable_x64 (Python ints become int64) changes nothing in ring attention."""
     with jax.enable_x64(True):
         _check("zigzag", implementation, "causal_everything", devices=2, T=32)
+
+
+@pytest.mark.parametrize("origin,features", [
+    ((160, 96), "causal_window_alibi_dropout_lengths"),
+    ((0, 96), "soft_cap_segments_bottom_right"),
+])
+def test_ring_blocks_run_on_the_mosaic_kernels(origin, features):
+    """A block with an origin (what ring attention's steps compute) on the Mosaic
+    forward, dQ and dK/dV kernels (interpreted): output, logsumexp and gradients equal
+    the reference's for the same block. Every position rule counts from the origin: the
+    causal diagonal and the window cross the block, ALiBi takes the global distance,
+    dropout the global positions' mask, the lengths are global."""
+    from pallas_attn import dispatch
+    from pallas_attn.kernels import vjp
+    from pallas_attn.semantics import reference
+    from pallas_attn.spec import normalize
+
+    B, T, S, N, K, H = 2, 128, 128, 2, 1, 64
+    ks = jax.random.split(jax.random.key(sum(origin)), 5)
+    q, k, v, ct = (jax.random.normal(key, shape, jnp.float32).astype(jnp.bfloat16)
+                   for key, shape in zip(ks, [(B, T, N, H), (B, S, K, H), (B, S, K, H),
+                                              (B, T, N, H)], strict=False))
+    ct_lse = jax.random.normal(ks[4], (B, N, T), jnp.float32)
+    if features.startswith("causal"):
+        options = dict(is_causal=True, local_window_size=(100, 0),
+                       alibi_slopes=jnp.array([0.3, 0.05]), dropout_rate=0.2,
+                       dropout_rng=jax.random.key(2), query_seq_lengths=jnp.array([270, 250]),
+                       key_value_seq_lengths=jnp.array([200, 180]))
+    else:
+        options = dict(is_causal=True, causal_alignment="bottom_right", logits_soft_cap=5.0,
+                       q_segment_ids=jnp.arange(T)[None].repeat(B, 0) // 50,
+                       kv_segment_ids=jnp.arange(S)[None].repeat(B, 0) // 40)
+    spec, ops, _ = normalize(q, k, v, sequence_ways=3, **options)
+    ops = ops._replace(origin=jnp.array(origin, jnp.int32))
+    blocks = pallas_attn.BlockSizes(forward_backend="mosaic", dq_backend="mosaic",
+                                    dkv_backend="mosaic")
+    plan = dispatch.plan(dispatch.Call.of(spec, ops), block_sizes=blocks, interpret=True)
+    assert (plan.forward.backend, plan.dq.backend, plan.dkdv.backend) == ("mosaic",) * 3
+
+    def results(attention):
+        def fn(q, k, v):
+            return attention(spec, ops._replace(query=q, key=k, value=v))
+        (out, lse), pullback = jax.vjp(fn, q, k, v)
+        hidden = jnp.isinf(lse)
+        grads = pullback((ct, jnp.where(hidden, 0.0, ct_lse)))
+        return [np.asarray(x, np.float32) for x in (out, lse, *grads)]
+
+    kernel = results(lambda spec, ops: vjp.attention(spec, ops, plan))
+    expected = results(reference.attention)
+    for name, got, want in zip(("out", "lse", "dq", "dk", "dv"), kernel, expected,
+                               strict=True):
+        np.testing.assert_allclose(got, want, atol=3e-2, rtol=3e-2, err_msg=name)
+    assert np.isinf(expected[1]).any() or features.startswith("causal")

@@ -31,6 +31,7 @@ from pallas_attn.kernels.mosaic.common import (
     dropout_of,
     lengths_of,
     mask_of,
+    origin_of,
     row_residuals,
     segments_of,
 )
@@ -265,10 +266,11 @@ def _run_backward(static: tuple[Problem, bool], q, k, v, operands: dict, row_sta
     stats = row_residuals(row_stats, delta) if "mosaic" in mosaic_roles else None
     slopes = operands.get("alibi_slopes")
     lengths = lengths_of(operands)
+    origin = origin_of(operands)
     dropout_keys = dropout_of(operands)
     if lengths[0] is not None and "mosaic" in (plan.dq.backend, plan.dkdv.backend):
         # dO too: the Mosaic kernels read whole tiles of it (P = 0 past the length).
-        do = reference.hide_past(do, lengths[0])
+        do = reference.hide_past(do, lengths[0], 0 if origin is None else origin[0])
     mask = mask_of(operands) if "mosaic" in (plan.dq.backend, plan.dkdv.backend) else None
     dq_segments = segments_of(operands, "key_ranges") if plan.dq.backend == "mosaic" else ()
     dkv_segments = (segments_of(operands, "query_ranges") if plan.dkdv.backend == "mosaic"
@@ -280,15 +282,17 @@ def _run_backward(static: tuple[Problem, bool], q, k, v, operands: dict, row_sta
     if plan.dq.backend == "mosaic":
         if plan.dkdv.backend == "mosaic" and mosaic_dkv.sums_batch(problem, bias, fused):
             dq, dbias_first = mosaic_dq.dq_and_dbias(problem, q, k, v, do, stats, bias, slopes,
-                                                     dq_segments, lengths, dropout_keys, mask)
+                                                     dq_segments, lengths, dropout_keys, mask,
+                                                     origin)
         else:
             dq = mosaic_dq.dq(problem, q, k, v, do, stats, bias, slopes, dq_segments, lengths,
-                              dropout_keys, mask)
+                              dropout_keys, mask, origin)
     else:
         dq = triton_dq.dq(problem, names, inputs)
     if plan.dkdv.backend == "mosaic":
         dk, dv, dbias = mosaic_dkv.dkdv(problem, q, k, v, do, stats, bias, fused, slopes,
-                                        dbias_first, dkv_segments, lengths, dropout_keys, mask)
+                                        dbias_first, dkv_segments, lengths, dropout_keys, mask,
+                                        origin)
     else:
         dk, dv, dbias = triton_dkdv.dkdv(problem, names, inputs, bias if fused else None)
     if separate_dbias and plan.dbias.backend == "mosaic":

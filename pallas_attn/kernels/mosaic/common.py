@@ -133,6 +133,7 @@ class Dropout:
 
     keys: Any
     rate: float
+    origin: Any = None  # the origin ref [2] (positions of query 0 and key 0) or None
 
     def row_keys(self, b, n, row0, size: int = ROWS_PER_CONSUMER,
                  query_dim: int = 0) -> jax.Array:
@@ -142,12 +143,16 @@ class Dropout:
         # An invalid work item's head may lie past the keys: it reads the last one.
         key = self.keys[0 if shared else b,
                         0 if shared else jnp.minimum(n, self.keys.shape[1] - 1)]
+        if self.origin is not None:  # the mask of global positions
+            row0 = row0 + self.origin[0]
         rows = row0 + plgpu.broadcasted_iota(jnp.int32, (size,), 0, layout=along(query_dim))
         return dropout_lib.row_keys(key, rows)
 
     def multipliers(self, k0, size: int, query_dim: int = 0) -> jax.Array:
         """The hash multipliers of keys [k0, k0 + size) along a WGMMA tile's other
         dimension."""
+        if self.origin is not None:
+            k0 = k0 + self.origin[1]
         cols = k0 + plgpu.broadcasted_iota(jnp.int32, (size,), 0,
                                            layout=along(1 - query_dim))
         return dropout_lib.col_multipliers(cols)
@@ -173,6 +178,11 @@ def chunk_limits(ranges: jax.Array) -> jax.Array:
 def lengths_of(operands: dict[str, Any]) -> tuple[jax.Array | None, jax.Array | None]:
     """The query and key lengths [B] among a kernel's operands (None where absent)."""
     return tuple(operands.get(name) for name in config.LENGTHS)
+
+
+def origin_of(operands: dict[str, Any]) -> jax.Array | None:
+    """The origin [2] int32 among a kernel's operands (ring attention's blocks), or None."""
+    return operands.get("origin")
 
 
 def mask_of(operands: dict[str, Any]) -> jax.Array | None:
@@ -216,6 +226,7 @@ class Walk:
     item_rows: int = ITEM_ROWS
     segments: Segments | None = None
     lengths: tuple[Any, Any] = (None, None)  # query and key length refs [B] or None
+    origin: Any = None  # the origin ref [2] or None
     shared: bool = False  # the consumers share each item's rows (the wide dQ kernel)
 
     @property
@@ -249,7 +260,8 @@ class Walk:
         q_lengths, kv_lengths = self.lengths
         ctx = TileRanges(self.problem, item.b, item.n,
                          q_length=None if q_lengths is None else q_lengths[item.b],
-                         kv_length=None if kv_lengths is None else kv_lengths[item.b])
+                         kv_length=None if kv_lengths is None else kv_lengths[item.b],
+                         origin=origin_pair(self.origin))
         limits = (None if self.segments is None
                   else self.segments.span(item.b, item.q0, self.item_rows))
         tiles = Band(*ctx.key_tiles(jnp.maximum(item.q0, 0), item.q0 + self.item_rows,
@@ -367,6 +379,11 @@ class BiasTiles:
         return bias
 
 
+def origin_pair(origin_ref) -> tuple[Any, Any] | None:
+    """(query 0's position, key 0's position) from the origin ref, or None."""
+    return None if origin_ref is None else (origin_ref[0], origin_ref[1])
+
+
 def mask_tile(mask_smem, slot) -> jax.Array | None:
     """This consumer's rows of the key tile's mask in ring slot `slot` (`Walk.stream`;
     landed with K), as booleans in the WGMMA layout, or None without a mask."""
@@ -430,7 +447,7 @@ def tile_scores(problem: Problem, s: jax.Array, row0, k0, masked: bool, *,
                 bias: jax.Array | None = None, slope: Any = None,
                 row_shift: jax.Array | None = None,
                 segments: tuple[jax.Array, jax.Array] | None = None, kv_length: Any = None,
-                mask: jax.Array | None = None, query_dim: int = 0
+                mask: jax.Array | None = None, query_dim: int = 0, offset: Any = None
                 ) -> tuple[jax.Array, jax.Array | None]:
     """(scores, t = tanh(logits / cap) or None) of a [rows, keys] tile in the WGMMA
     layout from the raw products s = Q K^T: common.logit_scores, then the band masks
@@ -439,10 +456,12 @@ def tile_scores(problem: Problem, s: jax.Array, row0, k0, masked: bool, *,
     head's ALiBi slope (a scalar) or None; row_shift: `common.logit_scores`';
     segments: the rows' and the keys' segment ids (`Segments.rows` / `cols`) or None,
     compared on every tile; kv_length: the batch entry's key length (masked tiles);
-    mask: the tile of the caller's boolean mask or None, applied on every tile.
+    mask: the tile of the caller's boolean mask or None, applied on every tile;
+    offset: the rows' alignment with the keys (TileRanges.offset; problem.offset if None).
     query_dim 1: the tile is [keys, rows] (s = K Q^T; `tile_gradient`).
     The Mosaic kernels' one score rule."""
     key_dim = 1 - query_dim
+    offset = problem.offset if offset is None else offset
 
     def iota(dim):
         return plgpu.broadcasted_iota(jnp.int32, s.shape, dim, layout=plgpu.Layout.WGMMA)
@@ -459,11 +478,11 @@ def tile_scores(problem: Problem, s: jax.Array, row0, k0, masked: bool, *,
     elif slope is not None:
         rows, cols = row0 + iota(query_dim), k0 + iota(key_dim)
     s, cap_tanh = logit_scores(problem, s, rows, cols, bias=bias, slope=slope,
-                               row_shift=row_shift)
+                               row_shift=row_shift, offset=offset)
     if masked:
         rows, cols = row0 + iota(query_dim), k0 + iota(key_dim)
         visible = scores.visibility(
-            rows, cols, problem.spec, problem.offset, kv_length=kv_length,
+            rows, cols, problem.spec, offset, kv_length=kv_length,
             kv_bound=problem.kv_len if problem.kv_pad != problem.kv_len else None)
         if visible is not None:
             s = jnp.where(visible, s, -jnp.inf)
@@ -488,12 +507,14 @@ def tile_gradient(problem: Problem, s: jax.Array, dp: jax.Array, bias: jax.Array
                   masked: bool, slope: Any = None,
                   segments: tuple[jax.Array, jax.Array] | None = None, kv_length: Any = None,
                   keep: jax.Array | None = None, query_dim: int = 0,
-                  mask: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+                  mask: jax.Array | None = None, offset: Any = None
+                  ) -> tuple[jax.Array, jax.Array]:
     """(P, dS) of a [rows, keys] tile in the WGMMA layout, float32, from the raw
     products s = Q K^T and dp = dO V^T, the tile's bias (or None), the head's ALiBi
     slope (or None) and its rows' residuals (row reference, log2 row sum, delta;
     `along(query_dim)`). masked applies the band masks (causal, window, padded
-    keys) of rows from row0 and keys from k0; segments, kv_length, mask: `tile_scores`'.
+    keys) of rows from row0 and keys from k0; segments, kv_length, mask, offset:
+    `tile_scores`'.
     keep: dropout's keep decisions or None; then P is the dropped P (kept entries
     scaled by 1 / (1 - rate), for dV) and dS uses dP scaled likewise (the true dS).
     query_dim 1: every tile is transposed, [keys, rows] (s = K Q^T, dp = V dO^T), and
@@ -516,7 +537,7 @@ def tile_gradient(problem: Problem, s: jax.Array, dp: jax.Array, bias: jax.Array
     s, cap_tanh = tile_scores(problem, s, row0, k0, masked, bias=bias, slope=slope,
                               row_shift=rows_of(row_max + log2_sum) if shifted else None,
                               segments=segments, kv_length=kv_length, mask=mask,
-                              query_dim=query_dim)
+                              query_dim=query_dim, offset=offset)
     if cap_tanh is not None:  # dS picks up the cap's derivative 1 - t^2
         dp = dp * scores.soft_cap_slope(cap_tanh)
     prob = (jnp.exp2(s) if shifted

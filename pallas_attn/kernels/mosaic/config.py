@@ -118,15 +118,16 @@ def producer_registers(consumers: int) -> int:
 SEGMENTS = ("q_segment_ids", "kv_segment_ids", "key_ranges", "query_ranges")
 LENGTHS = ("query_seq_lengths", "key_value_seq_lengths")
 OPERANDS = {"forward": ("bias", "mask", "alibi_slopes", "sinks", *SEGMENTS, *LENGTHS,
-                        "dropout_keys"),
-            "dq": ("bias", "mask", "alibi_slopes", "sinks", *SEGMENTS, *LENGTHS, "dropout_keys"),
+                        "dropout_keys", "origin"),
+            "dq": ("bias", "mask", "alibi_slopes", "sinks", *SEGMENTS, *LENGTHS, "dropout_keys",
+                   "origin"),
             "dkdv": ("bias", "mask", "alibi_slopes", "sinks", *SEGMENTS, *LENGTHS,
-                     "dropout_keys"),
+                     "dropout_keys", "origin"),
             "dbias": ("bias", "alibi_slopes", "sinks")}
 _OPERAND_NAMES = {"bias": "a bias", "mask": "a mask", "alibi_slopes": "ALiBi slopes",
                   "sinks": "sinks",
                   "q_segment_ids": "segment ids", "query_seq_lengths": "sequence lengths",
-                  "dropout_keys": "dropout"}
+                  "dropout_keys": "dropout", "origin": "an origin (ring attention's blocks)"}
 
 
 def unsupported_scores(spec: AttentionSpec, present: tuple[str, ...], role: str) -> str:

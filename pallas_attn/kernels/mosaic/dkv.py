@@ -90,6 +90,7 @@ from pallas_attn.kernels.mosaic.common import (
     head_slope,
     launch,
     optional_refs,
+    origin_pair,
     scoped,
     take_turn,
     tile_gradient,
@@ -133,8 +134,9 @@ class _Tiles:
 
 
 def _kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, bias_ref, mask_ref, slopes_ref, lengths,
-            segments, dropout, dk_ref, dv_ref, dbias_ref, smem, barriers, *, problem: Problem,
-            tiles_of: _Tiles, programs: int, passes: int, add_dbias: bool, first_entry: int):
+            origin, segments, dropout, dk_ref, dv_ref, dbias_ref, smem, barriers, *,
+            problem: Problem, tiles_of: _Tiles, programs: int, passes: int, add_dbias: bool,
+            first_entry: int):
     q_smem, do_smem, stats_smem, k_smem, v_smem = (
         smem[name] for name in ("q", "do", "stats", "k", "v"))
     bias_smem, mask_smem, zero_tile = smem["bias"], smem["mask"], smem["zeros"]
@@ -151,10 +153,10 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, bias_ref, mask_ref, slopes_r
     pid, wg = lax.axis_index("program"), lax.axis_index("wg")
 
     def unit_of(u):
-        """(valid, b, kh, k0, first, stop, full_first, full_stop, kv_length) of unit u
-        of this program (its item's pass u % passes): query tiles [first, stop) of the
-        band, [full_first, full_stop) without band masks; the batch entry's key length
-        or None."""
+        """(valid, b, kh, k0, first, stop, full_first, full_stop, ranges) of unit u of
+        this program (its item's pass u % passes): query tiles [first, stop) of the
+        band, [full_first, full_stop) without band masks; the batch entry's TileRanges
+        (its key length and offset)."""
         # Round r gives program pid item r * programs + pid, the lanes reversed on odd
         # rounds. Under causal masking items run key tiles slowest, the first (the
         # heaviest) first, so heavy and light items even out over the rounds; else
@@ -178,13 +180,14 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, bias_ref, mask_ref, slopes_r
         q_lengths, kv_lengths = lengths
         ctx = TileRanges(problem, b, kh,
                          q_length=None if q_lengths is None else q_lengths[b],
-                         kv_length=None if kv_lengths is None else kv_lengths[b])
+                         kv_length=None if kv_lengths is None else kv_lengths[b],
+                         origin=origin_pair(origin))
         limits = None if segments is None else segments.span(b, k0, unit_n)
         first, stop, full_first, full_stop = ctx.query_tiles(k0, k0 + unit_n, rows_n, limits)
         # An invalid unit (past the last item) gets an empty band.
         stop, full_first, full_stop = (jnp.where(valid, x, first)
                                        for x in (stop, full_first, full_stop))
-        return valid, b, kh, k0, first, stop, full_first, full_stop, ctx.kv_length
+        return valid, b, kh, k0, first, stop, full_first, full_stop, ctx
 
     @pl.when(wg == CONSUMERS)
     def _producer():
@@ -304,7 +307,7 @@ def _consume(problem: Problem, tiles_of: _Tiles, wg, unit_of, units, add_dbias: 
         return ref.at[:, pl.ds(wg * keys_n, keys_n)] if wide else ref
 
     def unit(u, step):
-        valid, b, kh, k0, first, stop, full_first, full_stop, kv_length = unit_of(u)
+        valid, b, kh, k0, first, stop, full_first, full_stop, ranges = unit_of(u)
         k_own = k0 + wg * keys_n
         tiles = stop - first
         bb = b if dbias_ref is not None and dbias_ref.shape[0] > 1 else 0
@@ -354,7 +357,8 @@ def _consume(problem: Problem, tiles_of: _Tiles, wg, unit_of, units, add_dbias: 
             s, dp, residuals, bias, mask = pl.run_scoped(
                 products, plgpu.ACC(shape, jnp.float32), plgpu.ACC(shape, jnp.float32))
             prob, ds = tile_gradient(problem, s, dp, bias, residuals, row0, k_own, masked,
-                                     slope, ids, kv_length, keep, query_dim, mask)
+                                     slope, ids, ranges.kv_length, keep, query_dim, mask,
+                                     ranges.offset)
             parity = lax.rem(at, 2)
             ds_tile = ds_tiles.at[parity]
             p_buf = p_tiles.at[parity] if wide else p_tiles
@@ -460,8 +464,8 @@ def dkdv(problem: Problem, q: jax.Array, k: jax.Array, v: jax.Array, do: jax.Arr
          stats: jax.Array, bias: jax.Array | None, bias_grad: bool,
          slopes: jax.Array | None = None, dbias_first: jax.Array | None = None,
          segments: tuple[jax.Array, ...] = (), lengths: tuple[Any, Any] = (None, None),
-         dropout_keys: jax.Array | None = None, mask: jax.Array | None = None
-         ) -> tuple[jax.Array, jax.Array, jax.Array | None]:
+         dropout_keys: jax.Array | None = None, mask: jax.Array | None = None,
+         origin: jax.Array | None = None) -> tuple[jax.Array, jax.Array, jax.Array | None]:
     """(dk, dv, dbias or None) for padded inputs; stats: the row residuals
     (`common.row_residuals`); slopes: ALiBi slopes [B, N] or None. bias_grad: also write
     the gradient of the (present) bias (`config.fusable_dbias`). dbias_first: for a bias
@@ -470,7 +474,7 @@ def dkdv(problem: Problem, q: jax.Array, k: jax.Array, v: jax.Array, do: jax.Arr
     operands (`common.segments_of`, query limits) or (); lengths: the query and key
     lengths (`common.lengths_of`), positions past them zeroed in q, k, v and do;
     dropout_keys: dropout's program keys or None; mask: the caller's mask as int8
-    (`config.MASK_DTYPE`) or None."""
+    (`config.MASK_DTYPE`) or None; origin: the positions of query 0 and key 0 [2] or None."""
     name = "mosaic.dkv.dkdv"
     if why := unsupported(problem, "dkdv"):
         raise AssertionError(f"{name} called for an unsupported problem: {why}")
@@ -509,17 +513,18 @@ def dkdv(problem: Problem, q: jax.Array, k: jax.Array, v: jax.Array, do: jax.Arr
 
     def entry(*refs):
         q_ref, k_ref, v_ref, do_ref, stats_ref, *rest = refs
-        bias_ref, mask_ref, slopes_ref, sum_ref, keys_ref, *length_refs = optional_refs(
-            rest, bias, mask, slopes, dbias_sum, dropout_keys, *lengths)
-        rest = rest[sum(x is not None
-                        for x in (bias, mask, slopes, dbias_sum, dropout_keys, *lengths)):]
+        bias_ref, mask_ref, slopes_ref, sum_ref, keys_ref, origin_ref, *length_refs = (
+            optional_refs(rest, bias, mask, slopes, dbias_sum, dropout_keys, origin, *lengths))
+        rest = rest[sum(x is not None for x in (bias, mask, slopes, dbias_sum, dropout_keys,
+                                                origin, *lengths)):]
         segment_refs, (dk_ref, dv_ref, *dbias_ref) = rest[:len(segments)], rest[len(segments):]
         dbias_ref = sum_ref if add_dbias else (dbias_ref[0] if dbias_ref else None)
         scoped(scratch, lambda smem, barriers: _kernel(
             q_ref, k_ref, v_ref, do_ref, stats_ref, bias_ref, mask_ref, slopes_ref,
-            tuple(length_refs),
+            tuple(length_refs), origin_ref,
             Segments(*segment_refs) if segments else None,
-            None if dropout_keys is None else Dropout(keys_ref, problem.spec.dropout_rate),
+            None if dropout_keys is None else Dropout(keys_ref, problem.spec.dropout_rate,
+                                                      origin_ref),
             dk_ref, dv_ref, dbias_ref, smem, barriers, problem=problem, tiles_of=tiles_of,
             programs=programs, passes=passes, add_dbias=add_dbias, first_entry=first_entry))
 
@@ -528,7 +533,7 @@ def dkdv(problem: Problem, q: jax.Array, k: jax.Array, v: jax.Array, do: jax.Arr
     if bias_grad and not add_dbias:
         out_type.append(jax.ShapeDtypeStruct(bias.shape, bias.dtype))
     operands = [q, k, v, do, stats,
-                *(x for x in (bias, mask, slopes, dbias_sum, dropout_keys, *lengths)
+                *(x for x in (bias, mask, slopes, dbias_sum, dropout_keys, origin, *lengths)
                   if x is not None), *segments]
     dk, dv, *dbias = launch(entry, out_type, programs, problem.interpret)(*operands)
     if add_dbias:

@@ -90,7 +90,7 @@ from pallas_attn.kernels.mosaic.config import (
 
 
 def _kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, bias_ref, mask_ref, slopes_ref, lengths,
-            segments, dropout, dq_ref, dbias_ref, smem, barriers, *, problem: Problem,
+            origin, segments, dropout, dq_ref, dbias_ref, smem, barriers, *, problem: Problem,
             programs: int, consumers: int, wide: bool):
     rows_loaded, schedule = barriers["rows_loaded"], barriers["schedule"]
     exchange = barriers["exchange"]
@@ -102,7 +102,7 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, bias_ref, mask_ref, slopes_r
     # Wide: both consumers work on one item's 64 rows, else each on 64 of its own.
     row_blocks = 1 if wide else consumers
     walk = Walk(problem, programs, block_k, route.num_stages, row_blocks * rows_n, segments,
-                lengths, shared=wide)
+                lengths, origin, shared=wide)
     wg = lax.axis_index("wg")
     owner = 0 if wide else wg  # of the rows' buffers and barrier
     on_item = None
@@ -269,7 +269,8 @@ def _consume(problem: Problem, ctx, tiles, step_of, row0, stop, mine: dict, ds_t
         keep = (None if dropout is None
                 else dropout.keep(row_keys, dropout.multipliers(k0, keys_n)))
         _, ds = tile_gradient(problem, s, dp, tile_bias, residuals, row0, k0, masked,
-                              slope, ids, ctx.kv_length, keep, mask=tile_mask)
+                              slope, ids, ctx.kv_length, keep, mask=tile_mask,
+                              offset=ctx.offset)
         ds_tile = ds_tiles.at[lax.rem(step_of(t), 2)] if wide else ds_tiles
         if dbias is not None and not wide:
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last dbias copy read ds
@@ -309,22 +310,23 @@ def _consume(problem: Problem, ctx, tiles, step_of, row0, stop, mine: dict, ds_t
 def dq(problem: Problem, q: jax.Array, k: jax.Array, v: jax.Array, do: jax.Array,
        stats: jax.Array, bias: jax.Array | None, slopes: jax.Array | None = None,
        segments: tuple[jax.Array, ...] = (), lengths: tuple[Any, Any] = (None, None),
-       dropout_keys: jax.Array | None = None, mask: jax.Array | None = None) -> jax.Array:
+       dropout_keys: jax.Array | None = None, mask: jax.Array | None = None,
+       origin: jax.Array | None = None) -> jax.Array:
     """dq [B, Tp, N, Hp] for padded inputs; stats: the row residuals
     (`common.row_residuals`); slopes: ALiBi slopes [B, N] or None; segments: the
     segment operands (`common.segments_of`, key limits) or (); lengths: the query and
     key lengths (`common.lengths_of`), positions past them zeroed in q, k, v and do;
     dropout_keys: dropout's program keys or None; mask: the caller's mask as int8
-    (`config.MASK_DTYPE`) or None."""
+    (`config.MASK_DTYPE`) or None; origin: the positions of query 0 and key 0 [2] or None."""
     return _launch(problem, q, k, v, do, stats, bias, slopes, segments, lengths,
-                   dropout_keys, mask, False)[0]
+                   dropout_keys, mask, origin, False)[0]
 
 
 def dq_and_dbias(problem: Problem, q: jax.Array, k: jax.Array, v: jax.Array, do: jax.Array,
                  stats: jax.Array, bias: jax.Array, slopes: jax.Array | None = None,
                  segments: tuple[jax.Array, ...] = (), lengths: tuple[Any, Any] = (None, None),
-                 dropout_keys: jax.Array | None = None, mask: jax.Array | None = None
-                 ) -> tuple[jax.Array, jax.Array]:
+                 dropout_keys: jax.Array | None = None, mask: jax.Array | None = None,
+                 origin: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """(dq, batch entry 0's part of the gradient of a bias shared by the batch entries)
     for padded inputs: `dq`, with the dS tiles of batch entry 0 stored as a dbias of
     the bias's shape [1, N, Tp, Sp] (and zeros outside the bands). The dK/dV kernel
@@ -334,12 +336,12 @@ def dq_and_dbias(problem: Problem, q: jax.Array, k: jax.Array, v: jax.Array, do:
         raise AssertionError(f"mosaic.dq.dq_and_dbias cannot write the dbias of a "
                              f"{bias.dtype} bias of shape {bias.shape}")
     dq_out, dbias = _launch(problem, q, k, v, do, stats, bias, slopes, segments, lengths,
-                            dropout_keys, mask, True)
+                            dropout_keys, mask, origin, True)
     return dq_out, dbias
 
 
 def _launch(problem: Problem, q, k, v, do, stats, bias, slopes, segments: tuple,
-            lengths: tuple, keys, mask, with_dbias: bool) -> list:
+            lengths: tuple, keys, mask, origin, with_dbias: bool) -> list:
     if why := unsupported(problem, "dq"):
         raise AssertionError(f"mosaic.dq.dq called for an unsupported problem: {why}")
     route = problem.plan.dq
@@ -355,15 +357,16 @@ def _launch(problem: Problem, q, k, v, do, stats, bias, slopes, segments: tuple,
                          has_mask=mask is not None)
 
     def entry(q_ref, k_ref, v_ref, do_ref, stats_ref, *refs):
-        bias_ref, mask_ref, slopes_ref, keys_ref, *length_refs = optional_refs(
-            refs, bias, mask, slopes, keys, *lengths)
-        refs = refs[sum(x is not None for x in (bias, mask, slopes, keys, *lengths)):]
+        bias_ref, mask_ref, slopes_ref, keys_ref, origin_ref, *length_refs = optional_refs(
+            refs, bias, mask, slopes, keys, origin, *lengths)
+        refs = refs[sum(x is not None for x in (bias, mask, slopes, keys, origin, *lengths)):]
         segment_refs, (dq_ref, *dbias_ref) = refs[:len(segments)], refs[len(segments):]
         scoped(scratch, lambda smem, barriers: _kernel(
             q_ref, k_ref, v_ref, do_ref, stats_ref, bias_ref, mask_ref, slopes_ref,
-            tuple(length_refs),
+            tuple(length_refs), origin_ref,
             Segments(*segment_refs) if segments else None,
-            None if keys is None else Dropout(keys_ref, problem.spec.dropout_rate), dq_ref,
+            None if keys is None else Dropout(keys_ref, problem.spec.dropout_rate, origin_ref),
+            dq_ref,
             dbias_ref[0] if dbias_ref else None, smem, barriers, problem=problem,
             programs=programs, consumers=consumers, wide=wide))
 
@@ -371,7 +374,8 @@ def _launch(problem: Problem, q, k, v, do, stats, bias, slopes, segments: tuple,
     items = -(-Tp // item_rows) * B * N
     programs = problem.plan.programs_for(items)
     operands = [q, k, v, do, stats,
-                *(x for x in (bias, mask, slopes, keys, *lengths) if x is not None), *segments]
+                *(x for x in (bias, mask, slopes, keys, origin, *lengths) if x is not None),
+                *segments]
     out_type = [jax.ShapeDtypeStruct(q.shape, q.dtype)]
     if with_dbias:
         out_type.append(jax.ShapeDtypeStruct(bias.shape, bias.dtype))

@@ -95,6 +95,7 @@ from pallas_attn.kernels.mosaic.common import (
     mask_of,
     mask_tile,
     optional_refs,
+    origin_of,
     own_band,
     release_slot,
     run_band,
@@ -118,9 +119,9 @@ from pallas_attn.kernels.mosaic.config import (
 LATE_RESCALE_HEAD_DIM = 256
 
 
-def _kernel(q_ref, k_ref, v_ref, bias_ref, mask_ref, slopes_ref, sinks_ref, lengths, segments,
-            dropout, out_ref, row_max_ref, log2_sum_ref, smem, barriers, *, problem: Problem,
-            programs: int, staging: str):
+def _kernel(q_ref, k_ref, v_ref, bias_ref, mask_ref, slopes_ref, sinks_ref, lengths, origin,
+            segments, dropout, out_ref, row_max_ref, log2_sum_ref, smem, barriers, *,
+            problem: Problem, programs: int, staging: str):
     q_smem, k_smem, v_smem, p_smem = (smem[name] for name in ("q", "k", "v", "p"))
     o_smem = smem[staging]  # the output tile: its own buffer, or P's or Q's
     q_loaded, schedule = barriers["q_loaded"], barriers["schedule"]
@@ -130,7 +131,7 @@ def _kernel(q_ref, k_ref, v_ref, bias_ref, mask_ref, slopes_ref, sinks_ref, leng
     consumers = route.consumers
     rows_n = ROWS_PER_CONSUMER
     walk = Walk(problem, programs, route.block_k, route.num_stages, consumers * rows_n,
-                segments=segments, lengths=lengths)
+                segments=segments, lengths=lengths, origin=origin)
     wg = lax.axis_index("wg")
     walk.produce(wg, k_ref, v_ref, k_smem, v_smem, ring,
                  mask=None if mask_ref is None else (mask_ref, smem["mask"]))
@@ -258,7 +259,8 @@ def _consume(problem: Problem, ctx: TileRanges, tiles: Band, slot_of, row0, stop
         s = pl.run_scoped(qk, plgpu.ACC((rows_n, block_k), jnp.float32))
         plgpu.barrier_arrive(k_consumed.at[slot])
         s, _ = tile_scores(problem, s, row0, t * block_k, masked, bias=tile_bias, slope=slope,
-                           segments=ids, kv_length=ctx.kv_length, mask=tile_mask)
+                           segments=ids, kv_length=ctx.kv_length, mask=tile_mask,
+                           offset=ctx.offset)
         prob, m_next, l_next, alpha = softmax_step(
             problem, s, m_prev, l_prev, rows=lambda x: lax.broadcast_in_dim(x, s.shape, [0]))
         if dropout is not None:
@@ -314,6 +316,7 @@ def forward(problem: Problem, q: jax.Array, k: jax.Array, v: jax.Array,
     mask = mask_of(optional)
     segments = segments_of(optional, "key_ranges")
     lengths = lengths_of(optional)
+    origin = origin_of(optional)
     keys = optional.get("dropout_keys")
     bias_dtype = None if bias is None else bias.dtype
     consumers = route.consumers
@@ -325,20 +328,21 @@ def forward(problem: Problem, q: jax.Array, k: jax.Array, v: jax.Array,
                               staging=staging, consumers=consumers, has_mask=has_mask)
 
     def entry(q_ref, k_ref, v_ref, *refs):
-        bias_ref, mask_ref, slopes_ref, sinks_ref, keys_ref, *length_refs = optional_refs(
-            refs, bias, mask, slopes, sinks, keys, *lengths)
+        bias_ref, mask_ref, slopes_ref, sinks_ref, keys_ref, origin_ref, *length_refs = (
+            optional_refs(refs, bias, mask, slopes, sinks, keys, origin, *lengths))
         segment_refs = refs[-3 - len(segments):-3]
         out_ref, row_max_ref, log2_sum_ref = refs[-3:]
         scoped(scratch, lambda smem, barriers: _kernel(
             q_ref, k_ref, v_ref, bias_ref, mask_ref, slopes_ref, sinks_ref, tuple(length_refs),
-            Segments(*segment_refs) if segments else None,
-            None if keys is None else Dropout(keys_ref, problem.spec.dropout_rate),
+            origin_ref, Segments(*segment_refs) if segments else None,
+            None if keys is None else Dropout(keys_ref, problem.spec.dropout_rate, origin_ref),
             out_ref, row_max_ref,
             log2_sum_ref, smem, barriers, problem=problem, programs=programs, staging=staging))
 
     items = -(-Tp // (consumers * ROWS_PER_CONSUMER)) * B * N
     programs = problem.plan.programs_for(items)
     out, row_max, log2_sum = launch(entry, out_type, programs, problem.interpret, consumers)(
-        q, k, v, *(x for x in (bias, mask, slopes, sinks, keys, *lengths) if x is not None),
+        q, k, v, *(x for x in (bias, mask, slopes, sinks, keys, origin, *lengths)
+                   if x is not None),
         *segments)
     return out, (row_max, log2_sum)
