@@ -288,3 +288,26 @@ def test_ring_blocks_run_on_the_mosaic_kernels(origin, features):
                                strict=True):
         np.testing.assert_allclose(got, want, atol=3e-2, rtol=3e-2, err_msg=name)
     assert np.isinf(expected[1]).any() or features.startswith("causal")
+
+
+def test_ring_blocks_on_the_mosaic_kernels_vary_over_the_ring_axis():
+    """Planned for a Hopper GPU (traced here, not run), ring attention's blocks run the
+    Mosaic kernels, whose results must be typed as varying over the ring's axis under
+    shard_map's checks (else the skipped blocks' zeros and the computed ones differ in
+    type)."""
+    from pallas_attn.device import DeviceInfo, lowering_for
+
+    mesh = _mesh(2)
+    seq = P(None, "sp")
+
+    def loss(q, k, v):
+        def inner(q, k, v):
+            out = pallas_attn.ring_attention(q, k, v, axis_name="sp", is_causal=True,
+                                             sequence_layout="zigzag")
+            return jax.lax.psum(jnp.sum(out.astype(jnp.float32)), "sp")
+        return jax.shard_map(inner, mesh=mesh, in_specs=(seq,) * 3, out_specs=P())(q, k, v)
+
+    x = jax.ShapeDtypeStruct((1, 512, 4, 128), jnp.bfloat16)
+    with lowering_for(DeviceInfo()):
+        jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2)))(x, x, x)
+    assert re.search(r"name=wg\b", str(jaxpr))  # the Mosaic kernels' warpgroups
