@@ -49,12 +49,13 @@ sum), so the Triton backward kernels consume them unchanged.
 
 Scope (config.unsupported): 16-bit inputs, padded head dims 64, 128 or 256, no operand
 besides q, k, v, a bias and a mask with their own entry per query and key, ALiBi
-slopes, sinks, segment ids, sequence lengths and dropout keys (positions past the
-lengths are zeroed before the call, vjp.prepare); causal, local windows in both alignments, soft
-cap (with the fixed row reference where it applies), ALiBi (each consumer reads its
-item's slope), GQA and ragged lengths are covered. With 128-key tiles a float32 bias
-does not fit next to two K/V slots (config.forward_scratch), so the routing table
-gives it the Triton forward; block_k 64 runs it here.
+slopes, sinks, segment ids, sequence lengths, dropout keys and an origin (positions past
+the lengths are zeroed before the call, vjp.prepare; ring attention's blocks count every
+position from their origin: `core.TileRanges`, `common.Dropout`); causal, local windows in
+both alignments, soft cap (with the fixed row reference where it applies), ALiBi (each
+consumer reads its item's slope), GQA and ragged lengths are covered. With 128-key
+tiles a float32 bias does not fit next to two K/V slots (config.forward_scratch), so the
+routing table gives it the Triton forward; block_k 64 runs it here.
 
 Key tiles outside an item's band are never loaded. A consumer whose own band is
 narrower than the item's (causal: warpgroup 0 can end a key tile earlier) still
