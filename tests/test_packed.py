@@ -57,8 +57,9 @@ MOSAIC = pallas_attn.BlockSizes(block_q=128, block_k=64, block_q_dkv=64, block_k
 @pytest.mark.parametrize("kw", [{}, dict(is_causal=True)], ids=["full", "causal"])
 def test_the_mosaic_kernels_never_read_a_poisoned_document(kw):
     """The Hopper kernels in the Mosaic GPU interpreter: documents of 64 tokens, so a
-    forward or dQ item (128 rows) holds two and each consumer narrows to its own; the
-    other documents are bit-equal to a clean run's."""
+    forward or dQ item (128 rows) holds two and each consumer narrows to its own; with
+    NaN in the last document's keys and values of batch entry 0, every other document
+    (and entry 1 whole) is finite and equals the reference's."""
     inputs = make_inputs(9, dtype=jnp.bfloat16, B=2, T=256, S=256, N=2, K=1, H=64)
     q, k, v, ct = inputs["q"], inputs["k"], inputs["v"], inputs["ct"]
     segments = jnp.repeat(jnp.arange(4), 64)[None].repeat(2, 0).astype(jnp.int32)
@@ -74,15 +75,15 @@ def test_the_mosaic_kernels_never_read_a_poisoned_document(kw):
         (_, out), grads = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(q, k, v)
         return [np.asarray(x, np.float32) for x in (out, *grads)]
 
-    clean = run(k, v)
     bad = run(k.at[0, poisoned].set(jnp.nan), v.at[0, poisoned].set(jnp.nan))
-    for got, want in zip(bad, clean, strict=True):
-        np.testing.assert_array_equal(got[0, :192], want[0, :192])
-        np.testing.assert_array_equal(got[1], want[1])
     assert np.isnan(bad[0][0, poisoned]).all()
-    want, _ = _grads(q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32),
-                     ct, segments, "xla", **kw)
-    np.testing.assert_allclose(clean[0], want, atol=2e-2, rtol=2e-2)
+    out, grads = _grads(q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32),
+                        ct, segments, "xla", **kw)
+    for got, want in zip(bad, (out, *grads), strict=True):
+        want = np.asarray(want, np.float32)
+        scale = 2e-2 * max(1.0, float(np.abs(want).max()))
+        np.testing.assert_allclose(got[0, :192], want[0, :192], atol=scale, rtol=2e-2)
+        np.testing.assert_allclose(got[1], want[1], atol=scale, rtol=2e-2)
 
 
 def test_unsorted_and_ragged_segments_stay_exact():
