@@ -21,20 +21,13 @@ def padded_head_dim(head_dim: int) -> int:
     return max(16, next_power_of_2(head_dim))
 
 
-def _widest_varying(operands: Any) -> Any:
-    mats = [jax.typeof(x).mat for x in jax.tree.leaves(operands)]
-    return max(mats, key=lambda mat: len(mat.varying)) if mats else None
-
-
 def cast_varying_like(results: Any, operands: Any) -> Any:
     """results typed as varying over the manual mesh axes their operands vary over: a
     Mosaic GPU kernel's results come back typed invariant inside jax.shard_map."""
-    widest = _widest_varying(operands)
-    if widest is None or not widest.varying:
-        return results
+    axes = set().union(*(jax.typeof(x).mat.varying for x in jax.tree.leaves(operands)))
 
     def cast(x):
-        missing = tuple(sorted(set(widest.varying) - set(jax.typeof(x).mat.varying)))
+        missing = tuple(sorted(axes - set(jax.typeof(x).mat.varying)))
         return jax.lax.pcast(x, missing, to="varying") if missing else x
 
     return jax.tree.map(cast, results)
@@ -43,8 +36,9 @@ def cast_varying_like(results: Any, operands: Any) -> Any:
 def varying_like(out_type: Any, operands: Any) -> Any:
     """out_type's ShapeDtypeStructs varying over the manual mesh axes their operands
     vary over: inside jax.shard_map a pallas_call's results must say so."""
-    widest = _widest_varying(operands)
-    if widest is None:
+    mats = [jax.typeof(x).mat for x in jax.tree.leaves(operands)]
+    if not mats:
         return out_type
+    widest = max(mats, key=lambda mat: len(mat.varying))
     return jax.tree.map(
         lambda o: jax.ShapeDtypeStruct(o.shape, o.dtype, manual_axis_type=widest), out_type)

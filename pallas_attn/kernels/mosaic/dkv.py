@@ -81,6 +81,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_attn.kernels import cast_varying_like
 from pallas_attn.kernels.core import Problem, TileRanges, run_tile_loops
 from pallas_attn.kernels.mosaic.common import (
     Dropout,
@@ -536,6 +537,6 @@ def dkdv(problem: Problem, q: jax.Array, k: jax.Array, v: jax.Array, do: jax.Arr
                 *(x for x in (bias, mask, slopes, dbias_sum, dropout_keys, origin, *lengths)
                   if x is not None), *segments]
     dk, dv, *dbias = launch(entry, out_type, programs, problem.interpret)(*operands)
-    if add_dbias:
-        return dk, dv, jax.freeze(dbias_sum)
+    if add_dbias:  # summed through a mutable ref, not one of the kernel's typed results
+        return dk, dv, cast_varying_like(jax.freeze(dbias_sum), operands)
     return dk, dv, dbias[0] if dbias else None
