@@ -179,6 +179,9 @@ def test_kernel_runner_rejects_bad_arguments():
     with pytest.raises(TypeError, match="interpret must be a bool, got 'yes'"):
         autotune.kernel_runner(batch=1, q_len=128, kv_len=128, heads=1, kv_heads=1,
                                head_dim=64, interpret="yes")
+    with pytest.raises(TypeError, match="mask must be a bool, got 1"):
+        autotune.kernel_runner(batch=1, q_len=128, kv_len=128, heads=1, kv_heads=1,
+                               head_dim=64, mask=1)
     with pytest.raises(ValueError, match="multiples of 128, got 100/128"):
         autotune.kernel_runner(batch=1, q_len=100, kv_len=128, heads=1, kv_heads=1,
                                head_dim=64, interpret=True)

@@ -159,8 +159,11 @@ def kernel_runner(*, batch: int, q_len: int, kv_len: int, heads: int, kv_heads: 
     (dK/dV writing dbias), "dq" or "dbias") on the route's backend and tiles, on random
     inputs, and returns a function that runs it once and returns its outputs.
     """
-    if not isinstance(interpret, bool):
-        raise TypeError(f"kernel_runner: interpret must be a bool, got {interpret!r}")
+    flags = dict(is_causal=is_causal, bias=bias, bias_per_batch=bias_per_batch, alibi=alibi,
+                 mask=mask, interpret=interpret)
+    for name, value in flags.items():
+        if not isinstance(value, bool):
+            raise TypeError(f"kernel_runner: {name} must be a bool, got {value!r}")
     keys = jax.random.split(jax.random.key(0), 5)
     q = jax.random.normal(keys[0], (batch, q_len, heads, head_dim), dtype)
     k = jax.random.normal(keys[1], (batch, kv_len, kv_heads, head_dim), dtype)
