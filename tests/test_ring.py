@@ -245,7 +245,7 @@ def test_ring_under_x64():
 @pytest.mark.parametrize("origin,features,H", [
     ((150, 97), "causal_window_alibi_dropout_lengths", 64),
     ((96, 0), "soft_cap_segments_bottom_right", 64),
-    ((150, 97), "causal_dropout", 256),
+    ((150, 97), "causal_dropout_x64", 256),
 ])
 def test_ring_blocks_run_on_the_mosaic_kernels(origin, features, H):
     """A block with an origin on the Mosaic forward, dQ and dK/dV kernels (interpreted),
@@ -255,7 +255,12 @@ def test_ring_blocks_run_on_the_mosaic_kernels(origin, features, H):
     the origin (not a multiple of a tile): the causal diagonal and the window cross the
     block, ALiBi takes the global distance, dropout the global positions' mask, the
     lengths are global. Head dim 64 without ALiBi runs the three-consumer forward and dQ
-    and the keys-by-queries dK/dV; 256 the wide kernels."""
+    and the keys-by-queries dK/dV; 256 the wide kernels, here under jax_enable_x64."""
+    with jax.enable_x64(features.endswith("x64")):  # Python ints as int64 next to the origin
+        _mosaic_block(origin, features, H)
+
+
+def _mosaic_block(origin, features, H):
     from pallas_attn import dispatch
     from pallas_attn.kernels import vjp
     from pallas_attn.semantics import reference
@@ -276,7 +281,8 @@ def test_ring_blocks_run_on_the_mosaic_kernels(origin, features, H):
             is_causal=True, causal_alignment="bottom_right", logits_soft_cap=5.0,
             q_segment_ids=jnp.arange(T)[None].repeat(B, 0) // 50,
             kv_segment_ids=jnp.arange(S)[None].repeat(B, 0) // 40),
-        "causal_dropout": dict(is_causal=True, dropout_rate=0.2, dropout_rng=jax.random.key(3)),
+        "causal_dropout_x64": dict(is_causal=True, dropout_rate=0.2,
+                                   dropout_rng=jax.random.key(3)),
     }[features]
     spec, ops, _ = normalize(q, k, v, sequence_ways=3, **options)
     ops = ops._replace(origin=jnp.array(origin, jnp.int32))
