@@ -34,7 +34,7 @@ from pallas_attn.kernels.triton import dq as triton_dq
 from pallas_attn.kernels.triton import fwd as triton_fwd
 from pallas_attn.kernels.triton.context import backward_inputs
 from pallas_attn.plan import TILE_FIELDS, BlockSizes, Plan, Route
-from pallas_attn.spec import normalize
+from pallas_attn.spec import check_bool, normalize
 from pallas_attn.tuning import cache
 
 # Every role on Triton: what `tune` sweeps.
@@ -159,11 +159,10 @@ def kernel_runner(*, batch: int, q_len: int, kv_len: int, heads: int, kv_heads: 
     (dK/dV writing dbias), "dq" or "dbias") on the route's backend and tiles, on random
     inputs, and returns a function that runs it once and returns its outputs.
     """
-    flags = dict(is_causal=is_causal, bias=bias, bias_per_batch=bias_per_batch, alibi=alibi,
-                 mask=mask, interpret=interpret)
-    for name, value in flags.items():
-        if not isinstance(value, bool):
-            raise TypeError(f"kernel_runner: {name} must be a bool, got {value!r}")
+    is_causal, bias, bias_per_batch, alibi, mask, interpret = (
+        check_bool(name, value) for name, value in (
+            ("is_causal", is_causal), ("bias", bias), ("bias_per_batch", bias_per_batch),
+            ("alibi", alibi), ("mask", mask), ("interpret", interpret)))
     keys = jax.random.split(jax.random.key(0), 5)
     q = jax.random.normal(keys[0], (batch, q_len, heads, head_dim), dtype)
     k = jax.random.normal(keys[1], (batch, kv_len, kv_heads, head_dim), dtype)

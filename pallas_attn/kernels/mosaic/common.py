@@ -33,7 +33,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_attn.kernels import cast_varying_like, int32_indices, varying_like
+from pallas_attn.kernels import cast_varying_like, int32_indices
 from pallas_attn.kernels.core import (
     Problem,
     TileRanges,
@@ -652,7 +652,7 @@ def launch(entry, out_type: Any, programs: int, interpret: bool,
     def run(*operands):
         with int32_indices():
             results = plgpu.kernel(
-                entry, out_type=varying_like(out_type, operands), grid=(programs,),
+                entry, out_type=out_type, grid=(programs,),
                 grid_names=("program",), num_threads=consumers + 1, thread_name="wg",
                 compiler_params=plgpu.CompilerParams(approx_math=True),
                 interpret=params)(*operands)
