@@ -44,8 +44,9 @@ class Shape:
 
     @property
     def label(self) -> str:
-        # Packed rows name their document count: the set holds several.
-        extra = "".join(f" {k}{v}" if k == "packed" else f" {k}" for k, v in self.features)
+        # Packed and paged rows name their documents / page size: the sets hold several.
+        extra = "".join(f" {k}{v}" if k in ("packed", "paged") else f" {k}"
+                        for k, v in self.features)
         gqa = f"/{self.kv_heads}" if self.kv_heads != self.heads else ""
         return (f"B{self.batch} T{self.q_len} S{self.kv_len} N{self.heads}{gqa} "
                 f"H{self.head_dim}{' causal' if self.causal else ''}{extra}")
@@ -318,8 +319,8 @@ def _paged(args: dict[str, Any], page_size: int) -> tuple[Callable[..., jax.Arra
     v_cache = v.reshape(pages, page_size, K, v.shape[-1])[order]
     table = jnp.argsort(order).reshape(B, S // page_size).astype(jnp.int32)
     lengths = args["kwargs"]["key_value_seq_lengths"]
-    fn = jax.jit(lambda q, kc, vc, table, lengths: pallas_attn.paged_attention(
-        q, kc, vc, table, lengths))
+    def fn(q, kc, vc, table, lengths):
+        return pallas_attn.paged_attention(q, kc, vc, table, lengths)
     return fn, (args["query"], k_cache, v_cache, table, lengths)
 
 
@@ -330,10 +331,27 @@ def copy_bandwidth() -> float:
     return 2 * x.nbytes / autotune.time_call(functools.partial(f, x))
 
 
+DECODE_STEPS = 64
+
+
+def time_per_step(fn: Callable[..., jax.Array], q: jax.Array, *rest: Any) -> float:
+    """Seconds per call of fn(q, *rest) inside one jitted program of DECODE_STEPS calls,
+    each step's query fed by the last step's output, as a decoding loop runs it: the
+    device's time per step, without the host's dispatch of every call. The steps are
+    unrolled: a device loop's per-iteration control (a few microseconds) would be
+    counted against the small caches' calls."""
+    def steps(q, *rest):
+        def body(_, q):
+            return q + (fn(q, *rest) * 1e-3).astype(q.dtype)
+        return jax.lax.fori_loop(0, DECODE_STEPS, body, q, unroll=True)
+    return autotune.time_call(functools.partial(jax.jit(steps), q, *rest)) / DECODE_STEPS
+
+
 def decode_benchmark(shapes: Sequence[Shape], *, log: Callable[[str], None] = print,
                      only: Sequence[str] | None = None) -> list[dict[str, Any]]:
     """Forward-only rows with the effective K/V read bandwidth: the bytes of the keys
-    and values every sequence's length covers, over the time."""
+    and values every sequence's length covers, over the time per step of a decoding
+    loop (`time_per_step`)."""
     rows = []
     for shape in shapes:
         args = make_inputs(shape)
@@ -344,7 +362,7 @@ def decode_benchmark(shapes: Sequence[Shape], *, log: Callable[[str], None] = pr
         page_size = dict(shape.features).get("paged")
         if page_size is not None:
             fn, operands = _paged(args, page_size)
-            t = autotune.time_call(functools.partial(fn, *operands))
+            t = time_per_step(fn, *operands)
             row = {"shape": shape.label, "impl": "pallas_attn paged", "fwd_ms": t * 1e3,
                    "kv_tbps": kv_bytes / t / 1e12}
             rows.append(row)
@@ -357,9 +375,8 @@ def decode_benchmark(shapes: Sequence[Shape], *, log: Callable[[str], None] = pr
             try:
                 arrays = {x: y for x, y in kwargs.items() if isinstance(y, jax.Array)}
                 static = {x: y for x, y in kwargs.items() if x not in arrays}
-                fwd = jax.jit(lambda q, k, v, arrays, fn=fn, static=static: fn(
-                    q, k, v, **arrays, **static))
-                t = autotune.time_call(functools.partial(fwd, q, k, v, arrays))
+                t = time_per_step(lambda q, k, v, arrays, fn=fn, static=static: fn(
+                    q, k, v, **arrays, **static), q, k, v, arrays)
                 row.update(fwd_ms=t * 1e3, kv_tbps=kv_bytes / t / 1e12)
             except Exception as e:  # noqa: BLE001 - peers may not support a shape
                 row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"

@@ -45,7 +45,8 @@ PREFER_CHUNKED_DENSE_ELEMENTS = 2**23
 # tiles (docs/decisions.md, "Decode kernel tiles and splits").
 DECODE_MAX_ROWS = 64
 DECODE_PROGRAMS_PER_SM = 2
-DECODE_TILES = (64, 4, 2)  # block_k, warps, stages
+DECODE_TILES = (64, 4, 3)  # block_k, warps, stages
+DECODE_MIN_TILES_PER_SPLIT = 2
 # With sequence lengths the Mosaic kernels need the positions past them zeroed in one
 # pass over q, k and v first (vjp.prepare): about 400 / (T x group) of the forward's
 # time on an H100, so below this many query rows per kv head the Triton kernels (which
@@ -401,7 +402,10 @@ def _decode_route(call: Call, device: DeviceInfo, overrides: BlockSizes, interpr
                          f"{need(stages)} bytes of shared memory, over the device's {budget}")
     key_tiles = -(-call.kv_len // block_k)
     programs = DECODE_PROGRAMS_PER_SM * (2 if interpret else device.num_multiprocessors)
-    splits = max(1, min(key_tiles, -(-programs // (call.batch * call.num_kv_heads))))
+    # At most `programs` in all (rounding up left a few multiprocessors a program more
+    # than the rest, the whole launch waiting on them).
+    splits = max(1, min(key_tiles // DECODE_MIN_TILES_PER_SPLIT,
+                        programs // (call.batch * call.num_kv_heads)))
     return Route("decode", rows_pad, block_k, warps, stages, splits=splits)
 
 

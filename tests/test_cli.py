@@ -51,3 +51,19 @@ def test_bad_arguments_exit_with_usage(argv, capsys):
         main(argv)
     assert e.value.code == 2
     assert "usage" in capsys.readouterr().err
+
+
+def test_decode_rows_time_a_loop_of_chained_steps(monkeypatch):
+    """The decode table's time per step: one jitted loop whose every step reads the last
+    step's output (so none is hoisted or skipped), its time divided by the steps."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    from pallas_attn import bench
+    from pallas_attn.tuning import autotune
+    timed = []
+    monkeypatch.setattr(bench, "DECODE_STEPS", 3)
+    monkeypatch.setattr(autotune, "time_call", lambda fn: timed.append(fn) or 0.6)
+    seconds = bench.time_per_step(lambda q, k: q * k, jnp.ones((2, 4)), jnp.full((2, 4), 2.0))
+    assert seconds == pytest.approx(0.2) and len(timed) == 1
+    np.testing.assert_allclose(timed[0](), np.full((2, 4), 1.002 ** 3), rtol=1e-6)

@@ -137,3 +137,22 @@ def test_unwritten_cache_past_the_lengths_is_never_read():
     want = pallas_attn.dot_product_attention(q, k, v, key_value_seq_lengths=lengths,
                                              implementation="xla")
     np.testing.assert_allclose(got, want, atol=2e-5, rtol=2e-5)
+
+
+def test_splits_merged_in_chunks_with_a_partial_last_chunk(monkeypatch):
+    """Three splits merged two at a time (the last chunk half empty), with sinks and
+    two tokens of four query heads per kv head: the merge kernel's chunks, its masked
+    slots and its rows' tokens and heads."""
+    from pallas_attn.kernels.triton import decode
+    monkeypatch.setattr(decode, "COMBINE_CHUNK", 2)
+    q, k, v, ct = _inputs(B=1, T=2, S=400, N=4, K=1, seed=3)
+    kw = dict(is_causal=True, causal_alignment="bottom_right",
+              sinks=jnp.array([0.5, -1.0, 2.0, 0.0]))
+    plan = pallas_attn.explain(q, k, v, interpret=True, **kw)
+    assert (plan.forward.backend, plan.forward.splits) == ("decode", 3)
+    (_, (out, lse)), grads = _both(q, k, v, ct, **kw)[0]
+    (_, (out_ref, lse_ref)), grads_ref = _both(q, k, v, ct, **kw)[1]
+    np.testing.assert_allclose(out, out_ref, atol=2e-5, rtol=2e-5)
+    np.testing.assert_allclose(lse, lse_ref, atol=2e-5, rtol=2e-5)
+    for got, want in zip(grads, grads_ref, strict=True):
+        np.testing.assert_allclose(got, want, atol=2e-5, rtol=2e-5)

@@ -94,7 +94,8 @@ def prepare(spec: AttentionSpec, ops: Operands, plan: Plan):
         kv_pad=kv_pad, head_dim=H, value_head_dim=Hv, dtype=jnp.dtype(q.dtype).name,
         plan=plan, present=tuple(optional), interpret=plan.interpret)
     differentiable = {name: optional.pop(name) for name in ("bias", "sinks") if name in optional}
-    qp = _pad_axis(_pad_axis(q, 1, q_pad), 3, hp)
+    # The decode kernel gathers its rows from the T queries; the backward pads them.
+    qp = _pad_axis(q if plan.forward.backend == "decode" else _pad_axis(q, 1, q_pad), 3, hp)
     kp = _pad_axis(_pad_axis(k, 1, kv_pad), 3, hp)
     vp = _pad_axis(_pad_axis(v, 1, kv_pad), 3, hvp)
     return problem, qp, kp, vp, differentiable, optional
@@ -242,6 +243,7 @@ def _fused_bwd(problem: Problem, residuals, cotangents):
     bias_grad = bool(marker)
     dq, dk, dv, dbias = _backward((problem, bias_grad), q, k, v, operands, row_stats, d_out,
                                   delta)
+    dq = dq[:, :q.shape[1]]
     d_differentiable = jax.tree.map(jnp.zeros_like, differentiable)
     if dbias is not None:
         d_differentiable["bias"] = dbias
@@ -257,6 +259,11 @@ def _run_backward(static: tuple[Problem, bool], q, k, v, operands: dict, row_sta
     static: (problem, whether the bias needs a gradient)."""
     problem, bias_grad = static
     plan = problem.plan
+    # A decoded forward leaves q, its output and row statistics at T rows.
+    q, do = (_pad_axis(x, 1, problem.q_pad) for x in (q, do))
+    row_stats = (_pad_axis(row_stats[0], 2, problem.q_pad, jnp.inf),
+                 _pad_axis(row_stats[1], 2, problem.q_pad))
+    delta = _pad_axis(delta, 2, problem.q_pad)
     bias = operands.get("bias")
     fused = bias_grad and plan.dbias.fused
     separate_dbias = bias_grad and not fused

@@ -7,11 +7,12 @@ kv group, T new tokens times G query heads, form a single tile (row r is token
 r // G of head r % G), so K/V are read once per group; and the keys are split
 across programs (flash-decoding), so a short batch still fills the device.
 
-Grid (split, batch, kv head). A program runs the forward's online softmax over its
-share of the visible key tiles and writes its unnormalised accumulator, row
-reference and row sum; `combine` merges the splits (a second, small pass in jnp)
-into the forward's own output and row residuals, so the backward kernels run
-unchanged on a decoded call.
+Grid (split, batch, kv head). A program gathers its group's rows from q, runs the
+forward's online softmax over its share of the visible key tiles and writes its
+unnormalised accumulator, row reference and row sum; `combine_kernel` merges the
+splits (one program per query row) into the forward's own output and row residuals,
+so the backward kernels run unchanged on a decoded call. With one split the decode
+program writes those itself: one kernel per call.
 
 Paged caches (pallas_attn.paged_attention, the problem's present names "page_table"):
 K/V are [pages, page_size, K, H]; a key tile lies in one page where block_k divides
@@ -28,6 +29,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_attn.kernels import next_power_of_2
 from pallas_attn.kernels.core import (
     Problem,
     TileRanges,
@@ -40,6 +42,12 @@ from pallas_attn.kernels.triton.config import DECODE_OPERANDS
 from pallas_attn.kernels.triton.context import launch, name_refs
 from pallas_attn.semantics import scores
 
+# The merge of the splits: each program takes one query row and reads this many splits
+# of it per step (one step up to 64 splits: the device's SMs times the programs per SM
+# over the batch's kv heads rarely exceeds it).
+COMBINE_CHUNK = 64
+COMBINE_WARPS = 4
+
 
 def rows(problem: Problem) -> int:
     """The tile's query rows: T tokens x G heads, padded to a power of two >= 16."""
@@ -47,13 +55,21 @@ def rows(problem: Problem) -> int:
     return max(16, 1 << (count - 1).bit_length())
 
 
+def _row_positions(problem: Problem, kh, count: int) -> tuple[jax.Array, jax.Array]:
+    """(token, query head) of each of a tile's `count` rows (token-major, head-minor);
+    rows past T x G repeat the last one, so they compute and store its exact values."""
+    G = problem.group
+    row = jnp.minimum(lax.iota(jnp.int32, count), problem.q_len * G - 1)
+    return lax.div(row, G), kh * G + lax.rem(row, G)
+
+
 def decode_kernel(*refs, problem: Problem, names: tuple[str, ...]):
     r = name_refs(names, refs)
     split, b, kh = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     spec, route = problem.spec, problem.plan.forward
-    block_k, G, R = route.block_k, problem.group, rows(problem)
-    row = lax.broadcasted_iota(jnp.int32, (R, 1), 0)
-    token = lax.div(row, G)
+    block_k, R = route.block_k, rows(problem)
+    token, head = _row_positions(problem, kh, R)
+    token_col = token[:, None]
     kv_length = (r["key_value_seq_lengths"][b]
                  if problem.has("key_value_seq_lengths") else None)
     paged = problem.has("page_table")
@@ -66,34 +82,44 @@ def decode_kernel(*refs, problem: Problem, names: tuple[str, ...]):
     per_split = lax.div(stop - first + (route.splits - 1), route.splits)
     lo = jnp.minimum(first + split * per_split, stop)
     hi = jnp.minimum(lo + per_split, stop)
-    q = r["q"][b, kh, :, :]
-    slope = r["row_slopes"][b, kh, :][:, None] if problem.has("alibi_slopes") else None
+    q = r["q"][b, token, head, :]  # the group's rows, gathered from [B, T, N, H]
+    slope = r["alibi_slopes"][b, head][:, None] if problem.has("alibi_slopes") else None
     tanh = (jnp.tanh if problem.interpret or problem.dtype == "float32"
             else plgpu.approx_tanh)
 
-    def load(name, k0):
+    def pages_of(k0):
+        """The page (or each row's page) of the key tile from k0; None unpaged."""
         if not paged:
-            return r[name][b, pl.ds(k0, block_k), kh, :]
-        page_size = r[name].shape[1]
-        table = r["page_table"]
+            return None
+        page_size, table = r["k"].shape[1], r["page_table"]
         if page_size % block_k == 0:  # the tile lies in one page
-            page = table[b, lax.div(k0, page_size)]
-            return r[name][page, pl.ds(lax.rem(k0, page_size), block_k), kh, :]
+            return table[b, jnp.minimum(lax.div(k0, page_size), table.shape[1] - 1)]
         # The tile spans pages: each row's page from the table (past the table's last
         # page, rows past every length: any page, masked).
         at = k0 + lax.broadcasted_iota(jnp.int32, (block_k,), 0)
-        pages = table[b, jnp.minimum(lax.div(at, page_size), table.shape[1] - 1)]
+        return table[b, jnp.minimum(lax.div(at, page_size), table.shape[1] - 1)]
+
+    def load(name, k0, pages):
+        if not paged:
+            return r[name][b, pl.ds(k0, block_k), kh, :]
+        page_size = r[name].shape[1]
+        if page_size % block_k == 0:
+            return r[name][pages, pl.ds(lax.rem(k0, page_size), block_k), kh, :]
+        at = k0 + lax.broadcasted_iota(jnp.int32, (block_k,), 0)
         return r[name][pages, lax.rem(at, page_size), kh, :]
 
     def body(t, carry):
-        acc, m_prev, l_prev = carry
+        acc, m_prev, l_prev, pages = carry
         k0 = t * block_k
-        k = load("k", k0)
+        # The next tile's pages are read a step ahead: its K/V loads need not wait on them.
+        next_pages = pages_of(k0 + block_k)
+        k = load("k", k0, pages)
         s = plgpu.dot(q, k, trans_b=True, precision=problem.precision)
         cols = k0 + lax.broadcasted_iota(jnp.int32, (1, block_k), 1)
-        s, _ = logit_scores(problem, s, token, cols, slope=slope, tanh=tanh, offset=ctx.offset)
+        s, _ = logit_scores(problem, s, token_col, cols, slope=slope, tanh=tanh,
+                            offset=ctx.offset)
         visible = scores.visibility(
-            token, cols, spec, ctx.offset, q_bound=problem.q_len,
+            token_col, cols, spec, ctx.offset,
             kv_bound=problem.kv_len if problem.kv_pad != problem.kv_len else None,
             q_length=ctx.q_length, kv_length=ctx.kv_length)
         if visible is not None:
@@ -101,85 +127,109 @@ def decode_kernel(*refs, problem: Problem, names: tuple[str, ...]):
         prob, m_next, l_next, alpha = softmax_step(problem, s, m_prev, l_prev)
         if alpha is not None:
             acc = acc * alpha[:, None]
-        v = load("v", k0)
+        v = load("v", k0, pages)
         if ctx.kv_length is not None:  # values past the length (unwritten cache) stay out
-            rows = k0 + lax.broadcasted_iota(jnp.int32, (block_k, 1), 0)
-            v = jnp.where(rows < ctx.kv_length, v, jnp.zeros_like(v))
+            keys = k0 + lax.broadcasted_iota(jnp.int32, (block_k, 1), 0)
+            v = jnp.where(keys < ctx.kv_length, v, jnp.zeros_like(v))
         acc = acc + plgpu.dot(prob.astype(v.dtype), v, precision=problem.precision)
-        return acc, m_next, l_next
+        return acc, m_next, l_next, next_pages
 
     init = (jnp.zeros((R, r["v"].shape[-1]), jnp.float32),
             jnp.full((R,), softmax_reference_init(problem), jnp.float32),
-            jnp.zeros((R,), jnp.float32))
-    acc, m, l_sum = lax.fori_loop(lo, hi, body, init)
-    r["acc"][split, b, kh, :, :] = acc
-    r["row_max"][split, b, kh, :] = m
-    r["row_sum"][split, b, kh, :] = l_sum
+            jnp.zeros((R,), jnp.float32), pages_of(lo * block_k))
+    acc, m, l_sum, _ = lax.fori_loop(lo, hi, body, init)
+    if route.splits == 1:  # the program holds whole rows: it writes the results
+        sink = r["sinks"][head] if problem.has("sinks") else None
+        _store_rows(r, b, token, head, *_normalise(problem, acc, m, l_sum, sink))
+        return
+    r["acc"][b, kh, :, split, :] = acc
+    r["part_max"][b, kh, :, split] = m
+    r["part_sum"][b, kh, :, split] = l_sum
 
 
-def forward(problem: Problem, q: jax.Array, k: jax.Array, v: jax.Array,
-            optional: dict[str, jax.Array]) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
-    """(out [B, Tp, N, Hvp], (row_max, log2_sum) [B, N, Tp]), as the forward kernel's;
-    k, v [B, S, K, H] or, with optional["page_table"], the caches [pages, size, K, H]."""
-    B, Tp, N, Hp = q.shape
-    T, K, G, R = problem.q_len, problem.num_kv_heads, problem.group, rows(problem)
-    Hvp = v.shape[-1]
-    route = problem.plan.forward
-    # Rows of one kv group: token-major, head-minor, padded to R.
-    grouped = q[:, :T].reshape(B, T, K, G, Hp).transpose(0, 2, 1, 3, 4).reshape(B, K, T * G, Hp)
-    names, inputs = ["q", "k", "v"], [_pad_rows(grouped, R), k, v]
-    for name in (*DECODE_OPERANDS, "page_table"):
-        if name == "sinks":  # merged by `combine`, not read by the kernel
-            continue
-        if name in optional:
-            names.append(name)
-            inputs.append(optional[name])
-    if "alibi_slopes" in optional:  # each row's head's slope
-        slopes = jnp.broadcast_to(optional["alibi_slopes"].reshape(B, K, 1, G),
-                                  (B, K, T, G)).reshape(B, K, T * G)
-        names.append("row_slopes")
-        inputs.append(_pad_rows(slopes, R))
-    splits = route.splits
-    out_shape = [jax.ShapeDtypeStruct((splits, B, K, R, Hvp), jnp.float32),
-                 jax.ShapeDtypeStruct((splits, B, K, R), jnp.float32),
-                 jax.ShapeDtypeStruct((splits, B, K, R), jnp.float32)]
-    acc, row_max, row_sum = launch(decode_kernel, problem, (*names, "acc", "row_max", "row_sum"),
-                                   inputs, out_shape, (splits, B, K), route.num_warps,
-                                   route.num_stages, "pallas_attn_decode")
-    sinks = None
-    if "sinks" in optional:  # each row's head's sink
-        sinks = jnp.broadcast_to(optional["sinks"].reshape(1, K, 1, G), (B, K, T, G))
-        sinks = _pad_rows(sinks.reshape(B, K, T * G), R)
-    out, row_max, log2_sum = combine(problem, acc, row_max, row_sum, sinks)
-    # Back to [B, Tp, N, Hvp] and [B, N, Tp]; padded rows see nothing (row max +inf).
-    out = out[:, :, :T * G].reshape(B, K, T, G, Hvp).transpose(0, 2, 1, 3, 4)
-    out = jnp.pad(out.reshape(B, T, N, Hvp), ((0, 0), (0, Tp - T), (0, 0), (0, 0)))
+def combine_kernel(*refs, problem: Problem, names: tuple[str, ...], chunk: int):
+    """One query row (program (b, kv head, row)): merges the splits' partial softmaxes,
+    `chunk` splits per step against a running row reference, then the head's sink,
+    into the results."""
+    r = name_refs(names, refs)
+    b, kh, row = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    splits = problem.plan.forward.splits
+    token, head = lax.div(row, problem.group), kh * problem.group + lax.rem(row, problem.group)
+    empty = softmax_reference_init(problem)  # a split without keys: sum 0, weight <= 1
 
-    def stats(x, fill):
-        x = x[:, :, :T * G].reshape(B, K, T, G).transpose(0, 1, 3, 2).reshape(B, N, T)
-        return jnp.pad(x, ((0, 0), (0, 0), (0, Tp - T)), constant_values=fill)
+    def merge(c, carry):
+        acc, m, total = carry
+        at = pl.ds(c * chunk, chunk)
+        kept = c * chunk + lax.iota(jnp.int32, chunk) < splits
+        part_max = plgpu.load(r["part_max"].at[b, kh, row, at], mask=kept, other=empty)
+        part_sum = plgpu.load(r["part_sum"].at[b, kh, row, at], mask=kept, other=0.0)
+        part_acc = plgpu.load(r["acc"].at[b, kh, row, at, :], mask=kept[:, None], other=0.0)
+        m_next = jnp.maximum(m, jnp.max(part_max))
+        alpha, weight = problem.exp2_of(m - m_next), problem.exp2_of(part_max - m_next)
+        return (acc * alpha + jnp.sum(part_acc * weight[:, None], axis=0), m_next,
+                total * alpha + jnp.sum(part_sum * weight))
 
-    return out.astype(q.dtype), (stats(row_max, jnp.inf), stats(log2_sum, 0.0))
+    acc, m, total = lax.fori_loop(0, -(-splits // chunk), merge, (
+        jnp.zeros((r["acc"].shape[-1],), jnp.float32), jnp.float32(empty), jnp.float32(0.0)))
+    sink = r["sinks"][head] if problem.has("sinks") else None
+    _store_rows(r, b, token, head, *_normalise(problem, acc, m, total, sink))
 
 
-def combine(problem: Problem, acc: jax.Array, row_max: jax.Array, row_sum: jax.Array,
-            sinks: jax.Array | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Merges the splits' partial softmaxes (and each row's sink, [B, K, R]): (out, row
-    reference, log2 row sum), the forward kernel's row residuals (+inf and 0 for rows
-    that see no key)."""
-    m = jnp.max(row_max, axis=0)
-    weight = problem.exp2_of(row_max - m)  # a split without keys: sum 0, weight <= 1
-    total = jnp.sum(row_sum * weight, axis=0)
-    acc = jnp.sum(acc * weight[..., None], axis=0)
-    if sinks is not None:
-        alpha, m, total = merge_sink(problem, sinks, m, total)
+def _normalise(problem: Problem, acc: jax.Array, m: jax.Array, total: jax.Array,
+               sink: jax.Array | None) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(output, row reference, log2 row sum) of rows (or one row) from their merged
+    accumulator, reference and sum, after the head's sink: the forward kernel's results
+    (+inf and 0 for rows that see no key)."""
+    if sink is not None:
+        alpha, m, total = merge_sink(problem, sink, m, total)
         acc = acc * alpha[..., None]
     seen = total != 0.0  # NaN: seen, so a NaN in a visible input shows
     out = acc / jnp.where(seen, total, 1.0)[..., None]
     return out, jnp.where(seen, m, jnp.inf), jnp.log2(jnp.where(seen, total, 1.0))
 
 
-def _pad_rows(x: jax.Array, rows_: int) -> jax.Array:
-    widths = [(0, 0)] * x.ndim
-    widths[2] = (0, rows_ - x.shape[2])
-    return jnp.pad(x, widths)
+def _store_rows(r: dict, b, token, head, out, m, log2_sum) -> None:
+    """The results of rows (or one row) at their tokens and query heads."""
+    r["out"][b, token, head, :] = out.astype(r["out"].dtype)
+    r["row_max"][b, head, token] = m
+    r["log2_sum"][b, head, token] = log2_sum
+
+
+def forward(problem: Problem, q: jax.Array, k: jax.Array, v: jax.Array,
+            optional: dict[str, jax.Array]) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+    """(out [B, T, N, Hvp], (row_max, log2_sum) [B, N, T]): the forward kernel's results
+    for the T query rows, from q [B, T or more, N, Hp]; k, v [B, S, K, H] or, with
+    optional["page_table"], the caches [pages, size, K, H]. With the keys split over
+    several programs, a second kernel merges their partial results."""
+    B, N = q.shape[0], q.shape[2]
+    T, K, R = problem.q_len, problem.num_kv_heads, rows(problem)
+    Hvp = v.shape[-1]
+    route = problem.plan.forward
+    names, inputs = ["q", "k", "v"], [q, k, v]
+    for name in (*DECODE_OPERANDS, "page_table"):
+        if name in optional:
+            names.append(name)
+            inputs.append(optional[name])
+    stats = jax.ShapeDtypeStruct((B, N, T), jnp.float32)
+    results = [jax.ShapeDtypeStruct((B, T, N, Hvp), q.dtype), stats, stats]
+    result_names = ("out", "row_max", "log2_sum")
+    splits = route.splits
+    if splits == 1:
+        out, row_max, log2_sum = launch(
+            decode_kernel, problem, (*names, *result_names), inputs, results, (1, B, K),
+            route.num_warps, route.num_stages, "pallas_attn_decode")
+        return out, (row_max, log2_sum)
+    chunk = min(COMBINE_CHUNK, next_power_of_2(splits))
+    slots = -(-splits // chunk) * chunk  # slots past `splits` are never written or read
+    partial = jax.ShapeDtypeStruct((B, K, R, slots), jnp.float32)
+    acc, part_max, part_sum = launch(
+        decode_kernel, problem, (*names, "acc", "part_max", "part_sum"), inputs,
+        [jax.ShapeDtypeStruct((B, K, R, slots, Hvp), jnp.float32), partial, partial],
+        (splits, B, K), route.num_warps, route.num_stages, "pallas_attn_decode")
+    merged = [acc, part_max, part_sum, *([optional["sinks"]] if "sinks" in optional else [])]
+    merged_names = ("acc", "part_max", "part_sum", *(("sinks",) if "sinks" in optional else ()))
+    out, row_max, log2_sum = launch(
+        combine_kernel, problem, (*merged_names, *result_names), merged, results,
+        (B, K, T * problem.group), COMBINE_WARPS, 1, "pallas_attn_decode_combine",
+        chunk=chunk)
+    return out, (row_max, log2_sum)
