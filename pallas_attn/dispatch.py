@@ -41,8 +41,9 @@ from pallas_attn.tuning import cache
 PREFER_CHUNKED_ELEMENTS = 2**20
 PREFER_CHUNKED_DENSE_ELEMENTS = 2**23
 # The decode kernel: the most query rows (tokens x query heads of a kv group) its one
-# tile holds, the programs it aims for per multiprocessor (splitting the keys), and its
-# tiles (docs/decisions.md, "Decode kernel tiles and splits").
+# tile holds, the programs it aims for per multiprocessor (splitting the keys), its
+# tiles, and the fewest key tiles a split takes (docs/decisions.md, "Decode kernel
+# tiles and splits").
 DECODE_MAX_ROWS = 64
 DECODE_PROGRAMS_PER_SM = 2
 DECODE_TILES = (64, 4, 3)  # block_k, warps, stages
