@@ -44,8 +44,8 @@ class Shape:
 
     @property
     def label(self) -> str:
-        # Packed and paged rows name their documents / page size: the sets hold several.
-        extra = "".join(f" {k}{v}" if k in ("packed", "paged") else f" {k}"
+        # Rows of documents and pages name their count / size: the sets hold several.
+        extra = "".join(f" {k}{v}" if k in ("packed", "paged", "mask_documents") else f" {k}"
                         for k, v in self.features)
         gqa = f"/{self.kv_heads}" if self.kv_heads != self.heads else ""
         return (f"B{self.batch} T{self.q_len} S{self.kv_len} N{self.heads}{gqa} "
@@ -95,6 +95,10 @@ def make_inputs(shape: Shape, seed: int = 0) -> dict[str, Any]:
         elif name == "packed":  # `value` documents of equal length in every row
             ids = jnp.arange(T, dtype=jnp.int32) // (T // int(value))
             args["kwargs"]["q_segment_ids"] = jnp.broadcast_to(ids, (B, T))
+        elif name == "mask_documents":  # `value` documents as a block-diagonal mask
+            doc = jnp.arange(T) // (T // int(value))
+            args["kwargs"]["mask"] = jnp.broadcast_to(doc[:, None] == doc[None, :],
+                                                      (B, 1, T, S))
         elif name == "sinks":
             args["kwargs"]["sinks"] = jnp.linspace(-1.0, 2.0, N, dtype=jnp.float32)
         elif name == "paged":  # decode_benchmark reads K/V from pages of this size
@@ -281,6 +285,8 @@ def feature_shapes() -> list[Shape]:
         Shape(**base, features=(("segments", None),)),
         Shape(**base, features=(("packed", 4),)),
         Shape(**base, features=(("packed", 16),)),
+        Shape(**base, features=(("mask_documents", 4),)),  # packed 4 as a boolean mask
+        Shape(**base, features=(("mask_documents", 16),)),
         Shape(**base, features=(("sinks", None),)),
         Shape(**base, features=(("lengths", 0),)),  # every key valid: the cost alone
         Shape(**dict(base, batch=2, q_len=8192, kv_len=8192)),

@@ -86,6 +86,85 @@ def test_the_mosaic_kernels_never_read_a_poisoned_document(kw):
         np.testing.assert_allclose(got[1], want[1], atol=scale, rtol=2e-2)
 
 
+@pytest.mark.parametrize("causal", [False, True], ids=["documents", "causal_documents"])
+@pytest.mark.parametrize("blocks", [BLOCKS, MOSAIC], ids=["triton", "mosaic"])
+def test_a_document_mask_never_reads_a_poisoned_document(blocks, causal):
+    """The same documents as a boolean mask [B, 1, T, S] (block-diagonal, or causal
+    within each document): the kernels skip the tiles outside each row's first-to-last
+    visible key (core.mask_ranges), so NaN keys and values of a document no other row
+    sees never reach the others; a kernel reading those tiles would turn them NaN."""
+    inputs = make_inputs(11, dtype=jnp.bfloat16, B=2, T=256, S=256, N=2, K=1, H=64)
+    q, k, v, ct = inputs["q"], inputs["k"], inputs["v"], inputs["ct"]
+    doc = jnp.repeat(jnp.arange(4), 64)
+    mask = doc[:, None] == doc[None, :]
+    if causal:
+        mask = mask & jnp.tri(256, dtype=bool)
+    mask = jnp.broadcast_to(mask, (2, 1, 256, 256))
+    poisoned = slice(192, 256)
+
+    def run(impl, k, v):
+        def loss(q, k, v):
+            out = pallas_attn.dot_product_attention(
+                q, k, v, mask=mask, implementation=impl,
+                **(dict(interpret=True, block_sizes=blocks) if impl == "pallas" else {}))
+            return jnp.sum(out.astype(jnp.float32) * ct), out
+
+        (_, out), grads = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(q, k, v)
+        return [np.asarray(x, np.float32) for x in (out, *grads)]
+
+    bad = run("pallas", k.at[0, poisoned].set(jnp.nan), v.at[0, poisoned].set(jnp.nan))
+    assert np.isnan(bad[0][0, poisoned]).all()
+    f32 = [x.astype(jnp.float32) for x in (q, k, v)]
+    want = [np.asarray(x, np.float32) for x in _masked_reference(*f32, ct, mask)]
+    for got, ref in zip(bad, want, strict=True):
+        scale = 2e-2 * max(1.0, float(np.abs(ref).max()))
+        np.testing.assert_allclose(got[0, :192], ref[0, :192], atol=scale, rtol=2e-2)
+        np.testing.assert_allclose(got[1], ref[1], atol=scale, rtol=2e-2)
+
+
+def _masked_reference(q, k, v, ct, mask):
+    def loss(q, k, v):
+        out = pallas_attn.dot_product_attention(q, k, v, mask=mask, implementation="xla")
+        return jnp.sum(out * ct), out
+
+    (_, out), grads = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(q, k, v)
+    return (out, *grads)
+
+
+def test_mask_ranges_bound_every_visible_entry(monkeypatch):
+    """core.mask_ranges against the mask itself, in chunks of keys: each row's range
+    runs from its first chunk holding a visible key (in any head) to its last, each
+    key's over the rows that see a key of its chunk; empty
+    [n, 0) for rows and keys that see nothing and for padding; broadcast dims too."""
+    from pallas_attn.kernels import core
+
+    CHUNK = 4  # noqa: N806 - several chunks in 11 keys
+    monkeypatch.setattr(core, "MASK_RANGE_CHUNK", CHUNK)
+    rng = np.random.default_rng(3)
+    mask = rng.random((2, 3, 9, 11)) < 0.08
+    mask[1, :, 4] = False
+    keys, queries = (np.asarray(x) for x in core.mask_ranges(jnp.asarray(mask), 2, 9, 11, 12, 16))
+    seen = mask.any(axis=1)
+    for b in range(2):
+        for i in range(12):  # each row: its first chunk with a visible key to its last
+            cols = np.flatnonzero(seen[b, i]) if i < 9 else []
+            want = ([cols[0] // CHUNK * CHUNK, min(11, (cols[-1] // CHUNK + 1) * CHUNK)]
+                    if len(cols) else [11, 0])
+            np.testing.assert_array_equal(keys[b, :, i], want)
+        for j in range(16):  # each key: the rows that see a key of its chunk
+            chunk = slice(j // CHUNK * CHUNK, j // CHUNK * CHUNK + CHUNK)
+            rows = np.flatnonzero(seen[b, :, chunk].any(axis=1)) if j < 11 else []
+            want = [rows[0], rows[-1] + 1] if len(rows) else [9, 0]
+            np.testing.assert_array_equal(queries[b, :, j], want)
+    keys, queries = core.mask_ranges(jnp.ones((1, 1, 1, 11), bool), 2, 9, 11, 12, 16)
+    np.testing.assert_array_equal(keys[:, :, :9], np.broadcast_to([[0], [11]], (2, 2, 9)))
+    np.testing.assert_array_equal(queries[:, :, :11], np.broadcast_to([[0], [9]], (2, 2, 11)))
+    rows = jnp.array([True, False, True, True, False, False, False, False, False])
+    keys, queries = core.mask_ranges(rows[None, None, :, None], 2, 9, 11, 12, 16)
+    np.testing.assert_array_equal(keys[0, :, :5], [[0, 11, 0, 0, 11], [11, 0, 11, 11, 0]])
+    np.testing.assert_array_equal(queries[1, :, :11], np.broadcast_to([[0], [4]], (2, 11)))
+
+
 def test_unsorted_and_ragged_segments_stay_exact():
     inputs = make_inputs(8, dtype=jnp.float32, B=2, T=100, S=100, N=2, K=2, H=32)
     rng = np.random.default_rng(0)

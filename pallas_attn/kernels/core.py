@@ -340,6 +340,58 @@ def segment_ranges(q_segments: jax.Array, kv_segments: jax.Array, q_len: int, kv
             search(kv_segments, q_segments, kv_len, q_len))
 
 
+# mask_ranges reads the mask once, into whether each chunk of this many keys holds a
+# visible one; the ranges come from that array, a sixteenth of the mask.
+MASK_RANGE_CHUNK = 16
+
+
+def mask_ranges(mask: jax.Array, batch: int, q_len: int, kv_len: int, q_pad: int,
+                kv_pad: int) -> tuple[jax.Array, jax.Array]:
+    """(key_ranges [B, 2, Tp], query_ranges [B, 2, Sp]) int32 of a boolean mask
+    [B or 1, N or 1, T or 1, S or 1], as `segment_ranges` gives them, in chunks of
+    MASK_RANGE_CHUNK keys: for each query row the keys from its first chunk holding a
+    visible key (in any head) to its last, and for each key the query rows from the
+    first that sees a key of its chunk to the last; empty [n, 0) where nothing is
+    visible and for padding. Tiles outside a range hold no visible entry, so the
+    kernels skip them."""
+    seen = jnp.any(mask, axis=1)  # [B or 1, T or 1, S or 1]: visible in some head
+    chunk = MASK_RANGE_CHUNK if seen.shape[2] > 1 else kv_len
+    if seen.shape[2] > 1:
+        width = -(-kv_len // chunk) * chunk
+        seen = jnp.pad(seen, ((0, 0), (0, 0), (0, width - kv_len)))
+        seen = jnp.any(seen.reshape(*seen.shape[:2], -1, chunk), axis=3)
+
+    def bounds(visible, axis, n, scale=1):
+        """[B or 1, 2, m or 1]: first and last + 1 visible index along `axis`, times
+        scale (at most n), or [n, 0]."""
+        if visible.shape[axis] == 1:  # broadcast along this axis: all of it or nothing
+            lo, hi = jnp.where(visible, 0, n), jnp.where(visible, n, 0)
+        else:
+            index = lax.broadcasted_iota(jnp.int32, visible.shape, axis)
+            lo = jnp.min(jnp.where(visible, index * scale, n), axis=axis, keepdims=True)
+            hi = jnp.max(jnp.where(visible, jnp.minimum((index + 1) * scale, n), 0),
+                         axis=axis, keepdims=True)
+        return jnp.moveaxis(jnp.concatenate([lo, hi], axis=axis), axis, 1)
+
+    def padded(found, rows, pad, n):
+        found = jnp.broadcast_to(found, (batch, 2, rows)).astype(jnp.int32)
+        fill = jnp.broadcast_to(jnp.array([n, 0], jnp.int32)[None, :, None],
+                                (batch, 2, pad - rows))
+        return jnp.concatenate([found, fill], axis=2)
+
+    per_chunk = bounds(seen, 1, q_len)  # [B or 1, 2, chunks]
+    per_key = jnp.repeat(per_chunk, chunk, axis=2)[:, :, :kv_len]
+    if seen.shape[2] == 1:  # one chunk: every key
+        per_key = jnp.broadcast_to(per_chunk, (*per_chunk.shape[:2], kv_len))
+    return (padded(bounds(seen, 2, kv_len, chunk), q_len, q_pad, kv_len),
+            padded(per_key, kv_len, kv_pad, q_len))
+
+
+def intersect_ranges(a: jax.Array, b: jax.Array) -> jax.Array:
+    """The ranges [B, 2, n] that both a and b allow."""
+    return jnp.stack([jnp.maximum(a[:, 0], b[:, 0]), jnp.minimum(a[:, 1], b[:, 1])], axis=1)
+
+
 def merge_sink(problem: Problem, sink: Any, m: jax.Array, l_sum: jax.Array
                ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """(alpha, row reference, row sum) after a row's softmax gains the head's sink (a

@@ -22,7 +22,14 @@ import jax.numpy as jnp
 from jax.custom_derivatives import SymbolicZero
 
 from pallas_attn.kernels import padded_head_dim
-from pallas_attn.kernels.core import KERNEL_INPUTS, LOG2E, Problem, segment_ranges
+from pallas_attn.kernels.core import (
+    KERNEL_INPUTS,
+    LOG2E,
+    Problem,
+    intersect_ranges,
+    mask_ranges,
+    segment_ranges,
+)
 from pallas_attn.kernels.mosaic import dbias as mosaic_dbias
 from pallas_attn.kernels.mosaic import dkv as mosaic_dkv
 from pallas_attn.kernels.mosaic import dq as mosaic_dq
@@ -88,6 +95,12 @@ def prepare(spec: AttentionSpec, ops: Operands, plan: Plan):
         optional["key_ranges"], optional["query_ranges"] = segment_ranges(
             optional["q_segment_ids"], optional["kv_segment_ids"], T, S,
             same=ops.kv_segment_ids is ops.q_segment_ids)
+    if ops.mask is not None:
+        # A mask's tiles outside each row's first-to-last visible key hold nothing the
+        # row sees: every kernel skips them, as it skips other segments' tiles.
+        ranges = mask_ranges(ops.mask, B, T, S, q_pad, kv_pad)
+        for name, r in zip(("key_ranges", "query_ranges"), ranges, strict=True):
+            optional[name] = intersect_ranges(optional[name], r) if name in optional else r
 
     problem = Problem(
         spec=spec, batch=B, num_heads=N, num_kv_heads=K, q_len=T, kv_len=S, q_pad=q_pad,

@@ -94,23 +94,33 @@ class Item:
 
 @dataclasses.dataclass(frozen=True)
 class Segments:
-    """Segment ids in global memory ([B, Tp] and [B, Sp] int32) and the limits of what
-    each chunk of ROWS_PER_CONSUMER positions sees through them (`chunk_limits`: keys
-    per chunk of query rows in the forward and dQ kernels, query rows per chunk of keys
-    in the dK/dV kernel)."""
+    """Segment ids in global memory ([B, Tp] and [B, Sp] int32; None where only a mask
+    narrows what rows see) and the limits of what each chunk of ROWS_PER_CONSUMER
+    positions sees (`chunk_limits`: keys per chunk of query rows in the forward and dQ
+    kernels, query rows per chunk of keys in the dK/dV kernel)."""
 
     q_ids: Any
     kv_ids: Any
     limits: Any
 
-    def rows(self, b, row0, query_dim: int = 0) -> jax.Array:
+    @classmethod
+    def of(cls, refs: tuple[Any, ...]) -> Segments | None:
+        """From the refs of `segments_of`'s operands: (ids, ids, limits), (limits,) or ()."""
+        return None if not refs else cls(*refs) if len(refs) == 3 else cls(None, None, refs[0])
+
+    def rows(self, b, row0, query_dim: int = 0) -> jax.Array | None:
         """The query ids of rows [row0, row0 + 64) along a WGMMA tile's dimension
-        query_dim (`tile_gradient`)."""
+        query_dim (`tile_gradient`), or None without ids."""
+        if self.q_ids is None:
+            return None
         return plgpu.load(self.q_ids.at[b, pl.ds(jnp.maximum(row0, 0), ROWS_PER_CONSUMER)],
                           layout=along(query_dim), optimized=False)
 
-    def cols(self, b, k0, size: int, query_dim: int = 0) -> jax.Array:
-        """The key ids of keys [k0, k0 + size) along a WGMMA tile's other dimension."""
+    def cols(self, b, k0, size: int, query_dim: int = 0) -> jax.Array | None:
+        """The key ids of keys [k0, k0 + size) along a WGMMA tile's other dimension, or
+        None without ids."""
+        if self.kv_ids is None:
+            return None
         return plgpu.load(self.kv_ids.at[b, pl.ds(k0, size)],
                           layout=along(1 - query_dim), optimized=False)
 
@@ -198,12 +208,14 @@ def dropout_of(operands: dict[str, Any]) -> jax.Array | None:
 
 
 def segments_of(operands: dict[str, Any], limits: str) -> tuple[jax.Array, ...]:
-    """The segment operands of a Mosaic kernel, () without segment ids: the ids and the
-    chunk limits of `limits` ("key_ranges" or "query_ranges")."""
-    if "q_segment_ids" not in operands:
+    """The segment operands of a Mosaic kernel (`Segments.of`): the ids and the chunk
+    limits of `limits` ("key_ranges" or "query_ranges"); the limits alone where a mask
+    gave the ranges; () without ranges."""
+    if limits not in operands:
         return ()
-    return (operands["q_segment_ids"], operands["kv_segment_ids"],
-            chunk_limits(operands[limits]))
+    ids = ((operands["q_segment_ids"], operands["kv_segment_ids"])
+           if "q_segment_ids" in operands else ())
+    return (*ids, chunk_limits(operands[limits]))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -327,7 +327,7 @@ def _consume(problem: Problem, tiles_of: _Tiles, wg, unit_of, units, add_dbias: 
             slot = lax.rem(at, jnp.int32(stages))
             n = kh * group + h
             row0 = i * rows_n
-            ids = None if segments is None else (segments.rows(b, row0, query_dim), key_ids)
+            ids = None if key_ids is None else (segments.rows(b, row0, query_dim), key_ids)
             keep = (None if dropout is None
                     else dropout.keep(dropout.row_keys(b, n, row0, rows_n, query_dim),
                                       multipliers, query_dim))
@@ -523,7 +523,7 @@ def dkdv(problem: Problem, q: jax.Array, k: jax.Array, v: jax.Array, do: jax.Arr
         scoped(scratch, lambda smem, barriers: _kernel(
             q_ref, k_ref, v_ref, do_ref, stats_ref, bias_ref, mask_ref, slopes_ref,
             tuple(length_refs), origin_ref,
-            Segments(*segment_refs) if segments else None,
+            Segments.of(tuple(segment_refs)),
             None if dropout_keys is None else Dropout(keys_ref, problem.spec.dropout_rate,
                                                       origin_ref),
             dk_ref, dv_ref, dbias_ref, smem, barriers, problem=problem, tiles_of=tiles_of,

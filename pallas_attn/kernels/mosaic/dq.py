@@ -251,7 +251,7 @@ def _consume(problem: Problem, ctx, tiles, step_of, row0, stop, mine: dict, ds_t
         slot = slot_of(t)
         k0 = t * block_k + key0
         tile_bias = None if bias is None else bias.take(t, own.stop)
-        ids = None if segments is None else (row_ids, segments.cols(b, k0, keys_n))
+        ids = None if row_ids is None else (row_ids, segments.cols(b, k0, keys_n))
         plgpu.barrier_wait(k_loaded.at[slot])
         plgpu.barrier_wait(v_loaded.at[slot])
         tile_mask = mask_tile(mask_smem, slot)
@@ -364,7 +364,7 @@ def _launch(problem: Problem, q, k, v, do, stats, bias, slopes, segments: tuple,
         scoped(scratch, lambda smem, barriers: _kernel(
             q_ref, k_ref, v_ref, do_ref, stats_ref, bias_ref, mask_ref, slopes_ref,
             tuple(length_refs), origin_ref,
-            Segments(*segment_refs) if segments else None,
+            Segments.of(tuple(segment_refs)),
             None if keys is None else Dropout(keys_ref, problem.spec.dropout_rate, origin_ref),
             dq_ref,
             dbias_ref[0] if dbias_ref else None, smem, barriers, problem=problem,

@@ -248,7 +248,7 @@ def _consume(problem: Problem, ctx: TileRanges, tiles: Band, slot_of, row0, stop
         acc, m_prev, l_prev = carry
         slot = slot_of(t)
         tile_bias = None if bias is None else bias.take(t, own.stop)
-        ids = None if segments is None else (row_ids, segments.cols(b, t * block_k, block_k))
+        ids = None if row_ids is None else (row_ids, segments.cols(b, t * block_k, block_k))
         plgpu.barrier_wait(k_loaded.at[slot])
         tile_mask = mask_tile(mask_smem, slot)
 
@@ -335,7 +335,7 @@ def forward(problem: Problem, q: jax.Array, k: jax.Array, v: jax.Array,
         out_ref, row_max_ref, log2_sum_ref = refs[-3:]
         scoped(scratch, lambda smem, barriers: _kernel(
             q_ref, k_ref, v_ref, bias_ref, mask_ref, slopes_ref, sinks_ref, tuple(length_refs),
-            origin_ref, Segments(*segment_refs) if segments else None,
+            origin_ref, Segments.of(tuple(segment_refs)),
             None if keys is None else Dropout(keys_ref, problem.spec.dropout_rate, origin_ref),
             out_ref, row_max_ref,
             log2_sum_ref, smem, barriers, problem=problem, programs=programs, staging=staging))
