@@ -45,8 +45,8 @@ from pallas_attn.semantics import scores
 from pallas_attn.spec import OPTIONAL_INPUTS, AttentionSpec
 
 # The kernels' optional operands, in order: the call's, then what the Pallas path derives
-# from them (segment_ranges: the keys each query row can see, the queries each key is
-# seen by, from sorted segment ids).
+# from them (the keys each query row can see, the queries each key is seen by: from
+# sorted segment ids, segment_ranges, and from a mask, mask_ranges).
 KERNEL_INPUTS = (*OPTIONAL_INPUTS, "key_ranges", "query_ranges")
 
 LOG2E = math.log2(math.e)

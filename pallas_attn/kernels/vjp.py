@@ -64,7 +64,8 @@ def _pad_axis(x: jax.Array, axis: int, size: int, value: Any = 0) -> jax.Array:
 
 
 def prepare(spec: AttentionSpec, ops: Operands, plan: Plan):
-    """(problem, q, k, v, differentiable, optional): padded operands and their Problem."""
+    """(problem, q, k, v, differentiable, optional): padded operands and their Problem
+    (q keeps its T rows where the decode kernel runs the forward)."""
     if _mosaic_roles(plan) and (ops.query_seq_lengths is not None
                                 or ops.key_value_seq_lengths is not None):
         # The Mosaic kernels bulk-copy whole tiles, so positions past a length are zeroed
@@ -256,7 +257,6 @@ def _fused_bwd(problem: Problem, residuals, cotangents):
     bias_grad = bool(marker)
     dq, dk, dv, dbias = _backward((problem, bias_grad), q, k, v, operands, row_stats, d_out,
                                   delta)
-    dq = dq[:, :q.shape[1]]
     d_differentiable = jax.tree.map(jnp.zeros_like, differentiable)
     if dbias is not None:
         d_differentiable["bias"] = dbias
@@ -269,10 +269,13 @@ def _fused_bwd(problem: Problem, residuals, cotangents):
 
 def _run_backward(static: tuple[Problem, bool], q, k, v, operands: dict, row_stats, do, delta):
     """(dq, dk, dv, dbias or None) for padded inputs, each role on the plan's backend;
-    static: (problem, whether the bias needs a gradient)."""
+    q, dO and the row statistics may hold only the T rows of a decoded forward (dq comes
+    back at q's rows). static: (problem, whether the bias needs a gradient)."""
     problem, bias_grad = static
     plan = problem.plan
-    # A decoded forward leaves q, its output and row statistics at T rows.
+    # A decoded forward leaves q, its output and row statistics at T rows: padded here,
+    # and dq returned at q's rows.
+    rows = q.shape[1]
     q, do = (_pad_axis(x, 1, problem.q_pad) for x in (q, do))
     row_stats = (_pad_axis(row_stats[0], 2, problem.q_pad, jnp.inf),
                  _pad_axis(row_stats[1], 2, problem.q_pad))
@@ -319,7 +322,7 @@ def _run_backward(static: tuple[Problem, bool], q, k, v, operands: dict, row_sta
         dbias = mosaic_dbias.dbias(problem, q, k, v, do, stats, bias, slopes)
     elif separate_dbias:
         dbias = triton_dbias.dbias(problem, names, inputs, bias)
-    return dq, dk, dv, dbias
+    return dq[:, :rows], dk, dv, dbias
 
 
 def _backward_labels(static: tuple[Problem, bool]):

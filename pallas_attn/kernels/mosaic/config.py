@@ -114,7 +114,7 @@ def producer_registers(consumers: int) -> int:
 
 
 # The operands each role's kernel reads besides q, k and v (the ranges are derived from
-# the segment ids, core.segment_ranges).
+# the segment ids and the mask, core.segment_ranges and core.mask_ranges).
 SEGMENTS = ("q_segment_ids", "kv_segment_ids", "key_ranges", "query_ranges")
 LENGTHS = ("query_seq_lengths", "key_value_seq_lengths")
 OPERANDS = {"forward": ("bias", "mask", "alibi_slopes", "sinks", *SEGMENTS, *LENGTHS,

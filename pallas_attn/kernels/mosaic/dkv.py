@@ -57,9 +57,10 @@ program runs an item's batch entries one after another as passes (so that no two
 programs add to one tile), the only places where it differs from the compiled
 kernel.
 
-With segment ids, a unit's query tiles narrow to its keys' segments and every step
-compares ids; entries of other segments give exact zeros (`common.tile_gradient`). With
-sequence lengths, keys past the length are masked and units past it have no steps
+With segment ids (or a mask: its ranges), a unit's query tiles narrow to the rows that
+see its keys, and with ids every step compares them; entries of other segments give
+exact zeros (`common.tile_gradient`). With sequence lengths, keys past the length are
+masked and units past it have no steps
 (positions past the lengths are zeroed in q, k, v and dO before the call). With a
 boolean mask, each step's slot also holds each consumer's tile of the mask (int8, queries
 by keys: the tiles stay queries by keys, as with a bias), and the entries it clears give

@@ -31,10 +31,11 @@ for its half of dQ's columns. They meet once more at the end of each item before
 rows' buffers are refilled.
 
 dQ (times the softmax scale) is stored from registers. Rows that see no key get
-zeros. With segment ids, items and consumers narrow their key tiles to their rows'
-segments and every tile compares ids (`common.Segments`); with sequence lengths, bands
-stop at the key length (positions past the lengths are zeroed in q, k, v and dO before
-the call); with dropout, dS takes the kept dP (`common.Dropout`); with a boolean mask,
+zeros. With segment ids (or a mask: its ranges), items and consumers narrow their key
+tiles to what their rows see, and with ids every tile compares them
+(`common.Segments`); with sequence lengths, bands stop at the key length (positions
+past the lengths are zeroed in q, k, v and dO before the call); with dropout, dS takes
+the kept dP (`common.Dropout`); with a boolean mask,
 the producer copies each consumer's rows of the key tile's mask (int8) into the ring slot
 with K (`Walk.stream`), and the entries it clears give dS = 0 (`common.mask_tile`). Scope:
 the Mosaic kernels' (`config.unsupported`; a mask not in the wide kernel).

@@ -30,9 +30,10 @@ slots) with a producer warpgroup and the consumers:
   the next item; the row residuals are stored from registers. At head dim 256
   (64-key tiles) the output has no room of its own: it is staged in Q's buffer and
   the next Q loads once it has left.
-* With segment ids, each item's and each consumer's band narrows to the keys its
-  rows' segments hold (`common.Segments`: chunk limits from core.segment_ranges), and
-  every tile compares the rows' ids (read once per item) with the key tile's.
+* With segment ids (or a mask), each item's and each consumer's band narrows to the
+  keys its rows see (`common.Segments`: chunk limits from core.segment_ranges or
+  core.mask_ranges); with ids every tile compares the rows' ids (read once per item)
+  with the key tile's.
 * With dropout, P V takes the kept probabilities (`common.Dropout`: the keep hash
   of semantics/dropout.py on each tile) while the row sum takes all of them; the
   output is scaled by 1 / (1 - rate) once per row.

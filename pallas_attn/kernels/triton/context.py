@@ -151,11 +151,11 @@ class TileContext(TileRanges):
         return _zero_rows_from(x, q0, self.q_length)
 
     def key_limits(self, q0: Any, block_q: int) -> tuple[Any, Any] | None:
-        """The keys that query rows [q0, q0 + block_q) can see through their segments."""
+        """The keys that query rows [q0, q0 + block_q) can see (their segments, the mask)."""
         return self._limits("key_ranges", q0, block_q)
 
     def query_limits(self, k0: Any, block_k: int) -> tuple[Any, Any] | None:
-        """The query rows that see keys [k0, k0 + block_k) through their segments."""
+        """The query rows that see keys [k0, k0 + block_k) (their segments, the mask)."""
         return self._limits("query_ranges", k0, block_k)
 
     def _limits(self, name: str, start: Any, size: int) -> tuple[Any, Any] | None:

@@ -140,7 +140,8 @@ def decode_kernel(*refs, problem: Problem, names: tuple[str, ...]):
     acc, m, l_sum, _ = lax.fori_loop(lo, hi, body, init)
     if route.splits == 1:  # the program holds whole rows: it writes the results
         sink = r["sinks"][head] if problem.has("sinks") else None
-        _store_rows(r, b, token, head, *_normalise(problem, acc, m, l_sum, sink))
+        _store_rows(r, b, token, head,
+                    *_normalise(problem, acc, m, l_sum, sink, _past_length(r, b, token)))
         return
     r["acc"][b, kh, :, split, :] = acc
     r["part_max"][b, kh, :, split] = m
@@ -172,18 +173,30 @@ def combine_kernel(*refs, problem: Problem, names: tuple[str, ...], chunk: int):
     acc, m, total = lax.fori_loop(0, -(-splits // chunk), merge, (
         jnp.zeros((r["acc"].shape[-1],), jnp.float32), jnp.float32(empty), jnp.float32(0.0)))
     sink = r["sinks"][head] if problem.has("sinks") else None
-    _store_rows(r, b, token, head, *_normalise(problem, acc, m, total, sink))
+    _store_rows(r, b, token, head,
+                *_normalise(problem, acc, m, total, sink, _past_length(r, b, token)))
+
+
+def _past_length(r: dict, b, token) -> jax.Array | None:
+    """Whether each row's token lies past its sequence's query length (None without)."""
+    if "query_seq_lengths" not in r:
+        return None
+    return token >= r["query_seq_lengths"][b]
 
 
 def _normalise(problem: Problem, acc: jax.Array, m: jax.Array, total: jax.Array,
-               sink: jax.Array | None) -> tuple[jax.Array, jax.Array, jax.Array]:
+               sink: jax.Array | None, past: jax.Array | None
+               ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """(output, row reference, log2 row sum) of rows (or one row) from their merged
     accumulator, reference and sum, after the head's sink: the forward kernel's results
-    (+inf and 0 for rows that see no key)."""
+    (+inf and 0 for rows that see no key, and for rows past the query length even with
+    a sink, so that the backward skips them)."""
     if sink is not None:
         alpha, m, total = merge_sink(problem, sink, m, total)
         acc = acc * alpha[..., None]
     seen = total != 0.0  # NaN: seen, so a NaN in a visible input shows
+    if past is not None:
+        seen = seen & ~past
     out = acc / jnp.where(seen, total, 1.0)[..., None]
     return out, jnp.where(seen, m, jnp.inf), jnp.log2(jnp.where(seen, total, 1.0))
 
@@ -226,8 +239,9 @@ def forward(problem: Problem, q: jax.Array, k: jax.Array, v: jax.Array,
         decode_kernel, problem, (*names, "acc", "part_max", "part_sum"), inputs,
         [jax.ShapeDtypeStruct((B, K, R, slots, Hvp), jnp.float32), partial, partial],
         (splits, B, K), route.num_warps, route.num_stages, "pallas_attn_decode")
-    merged = [acc, part_max, part_sum, *([optional["sinks"]] if "sinks" in optional else [])]
-    merged_names = ("acc", "part_max", "part_sum", *(("sinks",) if "sinks" in optional else ()))
+    extra = [name for name in ("sinks", "query_seq_lengths") if name in optional]
+    merged = [acc, part_max, part_sum, *(optional[name] for name in extra)]
+    merged_names = ("acc", "part_max", "part_sum", *extra)
     out, row_max, log2_sum = launch(
         combine_kernel, problem, (*merged_names, *result_names), merged, results,
         (B, K, T * problem.group), COMBINE_WARPS, 1, "pallas_attn_decode_combine",
