@@ -167,6 +167,19 @@ CASES = {
         kv_segment_ids=jnp.zeros((2, 384), jnp.int32),
         key_value_seq_lengths=jnp.full((2,), 300, jnp.int32),
         block_sizes=pallas_attn.BlockSizes(dq_backend="mosaic", dkv_backend="mosaic")),
+    # A mask alone in every Mosaic role: its ranges without segment ids.
+    "mosaic_mask_ranges": dict(
+        T=256, S=384, N=8, K=2, H=128, is_causal=True,
+        mask=jnp.ones((2, 1, 256, 384), bool),
+        block_sizes=pallas_attn.BlockSizes(forward_backend="mosaic", dq_backend="mosaic",
+                                           dkv_backend="mosaic")),
+    # The decode kernel: keys split over programs and merged by the merge kernel (sinks,
+    # ALiBi, query lengths, bottom-right causal), and one split writing its results.
+    "decode_splits_merged": dict(
+        T=2, S=256, N=8, K=2, H=128, is_causal=True, causal_alignment="bottom_right",
+        sinks=jnp.zeros(8), alibi_slopes=jnp.ones(8), query_seq_lengths=jnp.array([2, 1])),
+    "decode_one_split": dict(T=1, S=128, N=8, K=2, H=64,
+                             key_value_seq_lengths=jnp.array([100, 7])),
 }
 
 
