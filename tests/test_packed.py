@@ -122,6 +122,25 @@ def test_a_document_mask_never_reads_a_poisoned_document(blocks, causal):
         np.testing.assert_allclose(got[1], ref[1], atol=scale, rtol=2e-2)
 
 
+def test_segments_and_a_mask_skip_what_either_hides():
+    """Segment ids and a mask together: the kernels take the intersection of their
+    ranges. Two documents by ids; the mask lets each row see up to 64 keys past itself,
+    into the next document for the first one's last rows. NaN keys at the start of the
+    second document (visible to its own rows) never reach the first document's."""
+    inputs = make_inputs(12, dtype=jnp.float32, B=1, T=256, S=256, N=2, K=1, H=32)
+    q, k, v, ct = inputs["q"], inputs["k"], inputs["v"], inputs["ct"]
+    segments = jnp.repeat(jnp.arange(2), 128)[None].astype(jnp.int32)
+    pos = jnp.arange(256)
+    mask = (pos[None, :] <= pos[:, None] + 64)[None, None]
+    poisoned = slice(128, 192)
+    bad, bad_grads = _grads(q, k.at[0, poisoned].set(jnp.nan), v.at[0, poisoned].set(jnp.nan),
+                            ct, segments, "pallas", mask=mask)
+    want, want_grads = _grads(q, k, v, ct, segments, "xla", mask=mask)
+    for got, ref in zip((bad, *bad_grads), (want, *want_grads), strict=True):
+        np.testing.assert_allclose(got[0, :128], ref[0, :128], atol=2e-5, rtol=2e-5)
+    assert np.isnan(np.asarray(bad[0, 128:])).all()
+
+
 def _masked_reference(q, k, v, ct, mask):
     def loss(q, k, v):
         out = pallas_attn.dot_product_attention(q, k, v, mask=mask, implementation="xla")
