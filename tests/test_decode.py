@@ -42,17 +42,17 @@ def _both(q, k, v, ct, **kw):
 
 
 CASES = {
-    "decode_lengths_gqa": (dict(B=3, T=1, S=300, N=8, K=2),
-                           lambda B: dict(key_value_seq_lengths=jnp.array([300, 77, 1])[:B])),
+    # A query length of 0 with sinks: that row keeps the +inf row reference (no dq).
+    "decode_lengths_gqa_sinks": (dict(B=3, T=1, S=300, N=8, K=2),
+                                 lambda B: dict(key_value_seq_lengths=jnp.array([300, 77, 1]),
+                                                query_seq_lengths=jnp.array([1, 0, 1]),
+                                                sinks=jnp.linspace(-1.0, 2.0, 8))),
     "mqa_two_tokens_causal": (dict(B=2, T=2, S=200, N=4, K=1),
                               lambda B: dict(is_causal=True, causal_alignment="bottom_right")),
     "mha_softcap_alibi": (dict(B=1, T=3, S=260, N=2, K=2),
                           lambda B: dict(is_causal=True, causal_alignment="bottom_right",
                                          logits_soft_cap=7.0,
                                          alibi_slopes=jnp.array([0.05, 0.3]))),
-    "qlengths_sinks_one_split": (dict(B=2, T=2, S=100, N=4, K=4),
-                                 lambda B: dict(query_seq_lengths=jnp.array([2, 1]),
-                                                sinks=jnp.array([0.3, -0.5, 1.0, 2.0]))),
     "chunk_window_qlengths": (dict(B=2, T=7, S=333, N=8, K=8, Hv=32),
                               lambda B: dict(local_window_size=(60, 0), is_causal=True,
                                              causal_alignment="bottom_right",

@@ -83,6 +83,10 @@ def prepare(spec: AttentionSpec, ops: Operands, plan: Plan):
 
     optional = {name: getattr(ops, name) for name in OPTIONAL_INPUTS
                 if getattr(ops, name) is not None}
+    if "mask" in optional and _mosaic_roles(plan):
+        # The Mosaic kernels read the mask as int8 (mask_of): converted once per call,
+        # with the padding, for the forward and the backward alike.
+        optional["mask"] = mask_of(optional)
     for name, fill in (("bias", 0), ("mask", False)):
         if name in optional:
             x = optional[name]

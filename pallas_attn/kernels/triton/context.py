@@ -125,6 +125,8 @@ class TileContext(TileRanges):
                                    tanh=self.tanh, offset=self.offset)
         mask = (self._load_broadcast("mask", spec.mask_shape, q0, k0, block_q, block_k)
                 if p.has("mask") else None)
+        if mask is not None and mask.dtype != jnp.bool_:  # int8 where Mosaic roles run too
+            mask = mask != 0
         q_seg = kv_seg = None
         if p.has("q_segment_ids"):
             q_seg = self.refs["q_segment_ids"][self.b, pl.ds(q0, block_q)][:, None]
