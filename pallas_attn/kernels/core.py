@@ -302,11 +302,6 @@ def segment_ranges(q_segments: jax.Array, kv_segments: jax.Array, q_len: int, kv
     queries' and keys' ids are one array (self-attention), whose segments are then its
     runs, found in one pass (cummax) instead of binary searches.
     """
-    def pad(ranges, rows, n_cols):
-        fill = jnp.broadcast_to(jnp.array([n_cols, 0], jnp.int32)[None, :, None],
-                                (ranges.shape[0], 2, rows - ranges.shape[2]))
-        return jnp.concatenate([ranges, fill], axis=2)
-
     def ordered(ids):
         return jnp.all(ids[:, 1:] >= ids[:, :-1], axis=1)[:, None]
 
@@ -320,7 +315,8 @@ def segment_ranges(q_segments: jax.Array, kv_segments: jax.Array, q_len: int, kv
         hi = lax.cummin(jnp.where(ends, index + 1, q_len), axis=1, reverse=True)
         runs = jnp.stack([jnp.where(ordered(ids), lo, 0),
                           jnp.where(ordered(ids), hi, q_len)], axis=1)
-        return (pad(runs, q_segments.shape[1], kv_len), pad(runs, kv_segments.shape[1], q_len))
+        return (_pad_ranges(runs, q_segments.shape[1], kv_len),
+                _pad_ranges(runs, kv_segments.shape[1], q_len))
 
     def search(rows, cols, n_rows, n_cols):
         cols = cols[:, :n_cols]
@@ -334,7 +330,7 @@ def segment_ranges(q_segments: jax.Array, kv_segments: jax.Array, q_len: int, kv
         found = jax.vmap(one)(rows[:, :n_rows], cols)
         sorted_ = ordered(cols)[:, :, None]
         found = jnp.where(sorted_, found, jnp.array([0, n_cols], jnp.int32)[None, :, None])
-        return pad(found, rows.shape[1], n_cols)
+        return _pad_ranges(found, rows.shape[1], n_cols)
 
     return (search(q_segments, kv_segments, q_len, kv_len),
             search(kv_segments, q_segments, kv_len, q_len))
@@ -374,17 +370,19 @@ def mask_ranges(mask: jax.Array, batch: int, q_len: int, kv_len: int, q_pad: int
         return jnp.moveaxis(jnp.concatenate([lo, hi], axis=axis), axis, 1)
 
     def padded(found, rows, pad, n):
-        found = jnp.broadcast_to(found, (batch, 2, rows)).astype(jnp.int32)
-        fill = jnp.broadcast_to(jnp.array([n, 0], jnp.int32)[None, :, None],
-                                (batch, 2, pad - rows))
-        return jnp.concatenate([found, fill], axis=2)
+        return _pad_ranges(jnp.broadcast_to(found, (batch, 2, rows)).astype(jnp.int32), pad, n)
 
-    per_chunk = bounds(seen, 1, q_len)  # [B or 1, 2, chunks]
-    per_key = jnp.repeat(per_chunk, chunk, axis=2)[:, :, :kv_len]
-    if seen.shape[2] == 1:  # one chunk: every key
-        per_key = jnp.broadcast_to(per_chunk, (*per_chunk.shape[:2], kv_len))
+    per_key = jnp.repeat(bounds(seen, 1, q_len), chunk, axis=2)[:, :, :kv_len]
     return (padded(bounds(seen, 2, kv_len, chunk), q_len, q_pad, kv_len),
             padded(per_key, kv_len, kv_pad, q_len))
+
+
+def _pad_ranges(ranges: jax.Array, size: int, n: int) -> jax.Array:
+    """Ranges [B, 2, m] padded to [B, 2, size] with the empty range [n, 0), neutral under
+    a tile's min of starts and max of stops."""
+    fill = jnp.broadcast_to(jnp.array([n, 0], jnp.int32)[None, :, None],
+                            (ranges.shape[0], 2, size - ranges.shape[2]))
+    return jnp.concatenate([ranges, fill], axis=2)
 
 
 def intersect_ranges(a: jax.Array, b: jax.Array) -> jax.Array:
