@@ -206,9 +206,10 @@ def test_segment_ranges():
     keys, queries = segment_ranges(q, kv, q_len=5, kv_len=6)
     # Entry 0: keys sorted over the first 6; query row 5 is padding (empty range).
     np.testing.assert_array_equal(keys[0], [[0, 0, 1, 1, 4, 6], [1, 1, 4, 4, 6, 0]])
-    # Entry 1: sorted keys; its queries are unsorted, so every key keeps all rows.
+    # Entry 1: sorted keys; its queries are unsorted, so every key keeps all rows (a stop
+    # past the rows: the range is not exact).
     np.testing.assert_array_equal(keys[1], [[2, 0, 2, 0, 0, 6], [4, 2, 4, 2, 2, 0]])
-    np.testing.assert_array_equal(queries[1][:, :6], [[0] * 6, [5] * 6])
+    np.testing.assert_array_equal(queries[1][:, :6], [[0] * 6, [6] * 6])
     np.testing.assert_array_equal(queries[1][:, 6:], [[5, 5], [0, 0]])
 
 

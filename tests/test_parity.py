@@ -163,7 +163,7 @@ def test_the_version_is_public():
     assert isinstance(pallas_attn.__version__, str) and pallas_attn.__version__.count(".") == 2
 
 
-@pytest.mark.parametrize("impl", ["xla", "xla_chunked"])
+@impls
 def test_a_nan_in_a_visible_key_shows_in_the_rows_that_see_it(impl):
     """Causal: key 3 is NaN; rows 0-2 do not see it and keep their values, every row
     from 3 on gives NaN in its output and logsumexp (not 0 and -inf, the marks of a row
@@ -171,16 +171,16 @@ def test_a_nan_in_a_visible_key_shows_in_the_rows_that_see_it(impl):
     q, k, v = _qkv(T=8, S=8)
     bad = k.at[:, 3, 0, 5].set(jnp.nan)
     clean_out, clean_lse = pallas_attn.dot_product_attention(
-        q, k, v, is_causal=True, return_residual=True, implementation=impl)
+        q, k, v, is_causal=True, return_residual=True, **IMPLS[impl])
     out, lse = pallas_attn.dot_product_attention(q, bad, v, is_causal=True,
-                                                 return_residual=True, implementation=impl)
+                                                 return_residual=True, **IMPLS[impl])
     np.testing.assert_array_equal(out[:, :3], clean_out[:, :3])
     np.testing.assert_array_equal(lse[:, :3], clean_lse[:, :3])
     assert np.isnan(np.asarray(out[:, 3:, 0])).all() and np.isnan(np.asarray(lse[:, 3:, 0])).all()
     assert np.isfinite(np.asarray(out[:, :, 1])).all()  # head 1 reads kv head 1
 
 
-@pytest.mark.parametrize("impl", ["xla", "xla_chunked"])
+@impls
 @pytest.mark.parametrize("hidden", ["mask", "causal_future", "other_segment", "window"])
 def test_nonfinite_hidden_keys_never_change_a_result(impl, hidden):
     """NaN keys and inf values at key 9, which the caller hid from every row (a masked

@@ -170,6 +170,14 @@ class Problem:
     def has(self, name: str) -> bool:
         return name in self.present
 
+    @property
+    def hides_keys(self) -> bool:
+        """Some key can be hidden from some row inside a tile a kernel reads (the
+        lengths aside: positions past them are zeroed in the tiles or before the call)."""
+        spec = self.spec
+        return (spec.is_causal or spec.local_window is not None or self.has("mask")
+                or self.has("q_segment_ids"))
+
 
 # NOTE: kernel index arithmetic uses lax.div / lax.rem on non-negative ints, never jnp's
 # // and %: those add sign-fixing selects that the Triton lowering of JAX 0.11.2 types
@@ -203,6 +211,19 @@ def _zero_unless(condition: Any, value: Any) -> Any:
     select like its boolean predicate (i1), which breaks the arithmetic after it.
     """
     return value * condition.astype(jnp.int32)
+
+
+def finite(x: jax.Array) -> jax.Array:
+    """x with its non-finite entries zeroed: a key or value a row does not see then
+    meets that row's products as zeros, where 0 * NaN would poison the row."""
+    return jnp.where(jnp.abs(x) < jnp.inf, x, jnp.zeros_like(x))
+
+
+def nonfinite_rows(x: jax.Array) -> jax.Array:
+    """[rows] of x [rows, D]: NaN where the row holds a non-finite entry, else 0. Added
+    to a key's score column, it turns the rows that see the key NaN (the visibility
+    rules then hide it from the others), as the reference's `nonfinite_keys` does."""
+    return jnp.sum(jnp.where(jnp.abs(x) < jnp.inf, 0.0, jnp.nan), axis=1)
 
 
 def run_tile_loops(first: Any, stop: Any, full_first: Any, full_stop: Any,
@@ -296,8 +317,9 @@ def segment_ranges(q_segments: jax.Array, kv_segments: jax.Array, q_len: int, kv
     """(key_ranges [B, 2, Tp], query_ranges [B, 2, Sp]) int32 of padded segment ids.
 
     key_ranges[b, :, i] = [lo, hi): the keys of query row i's segment, where a batch
-    entry's key segment ids are sorted (packed sequences); [0, S) otherwise, which
-    skips nothing but stays correct. query_ranges likewise for each key. Padded rows
+    entry's key segment ids are sorted (packed sequences); [0, S + 1) otherwise, which
+    skips nothing but stays correct (a stop past the keys says the range is not exact:
+    rows see only part of it). query_ranges likewise for each key. Padded rows
     and keys get an empty range [len, 0), neutral under a tile's min / max. same: the
     queries' and keys' ids are one array (self-attention), whose segments are then its
     runs, found in one pass (cummax) instead of binary searches.
@@ -314,7 +336,7 @@ def segment_ranges(q_segments: jax.Array, kv_segments: jax.Array, q_len: int, kv
         lo = lax.cummax(jnp.where(starts, index, 0), axis=1)
         hi = lax.cummin(jnp.where(ends, index + 1, q_len), axis=1, reverse=True)
         runs = jnp.stack([jnp.where(ordered(ids), lo, 0),
-                          jnp.where(ordered(ids), hi, q_len)], axis=1)
+                          jnp.where(ordered(ids), hi, q_len + 1)], axis=1)
         return (_pad_ranges(runs, q_segments.shape[1], kv_len),
                 _pad_ranges(runs, kv_segments.shape[1], q_len))
 
@@ -329,7 +351,7 @@ def segment_ranges(q_segments: jax.Array, kv_segments: jax.Array, q_len: int, kv
 
         found = jax.vmap(one)(rows[:, :n_rows], cols)
         sorted_ = ordered(cols)[:, :, None]
-        found = jnp.where(sorted_, found, jnp.array([0, n_cols], jnp.int32)[None, :, None])
+        found = jnp.where(sorted_, found, jnp.array([0, n_cols + 1], jnp.int32)[None, :, None])
         return _pad_ranges(found, rows.shape[1], n_cols)
 
     return (search(q_segments, kv_segments, q_len, kv_len),
@@ -432,9 +454,12 @@ class TileRanges:
         return stop
 
     def key_tiles(self, q0: Any, q_stop: Any, block_k: int,
-                  limits: tuple[Any, Any] | None = None) -> tuple[Any, Any, Any, Any]:
+                  limits: tuple[Any, Any] | None = None,
+                  inner: tuple[Any, Any] | None = None) -> tuple[Any, Any, Any, Any]:
         """(first, stop, full_first, full_stop) key tiles for queries [q0, q_stop);
-        limits: keys [lo, hi) outside which these queries see nothing (their segments)."""
+        limits: keys [lo, hi) outside which these queries see nothing (their segments);
+        inner: keys [lo, hi) that every one of them sees (where their segments overlap),
+        or None: tiles outside it are not full."""
         spec, off = self.p.spec, self.offset
         kv_stop = self.kv_stop()
         lo, hi = scores.key_range(q0, q_stop, spec, off, kv_stop)
@@ -449,6 +474,8 @@ class TileRanges:
             left, right = spec.local_window
             full_lo = jnp.maximum(full_lo, q_stop - 1 + off - left)
             full_hi = jnp.minimum(full_hi, q0 + off + right + 1)
+        if inner is not None:
+            full_lo, full_hi = jnp.maximum(full_lo, inner[0]), jnp.minimum(full_hi, inner[1])
         return (first, stop, *full_tile_span(full_lo, full_hi, block_k, first, stop))
 
     def query_tiles(self, k0: Any, k_stop: Any, block_q: int,

@@ -493,8 +493,10 @@ def tile_scores(problem: Problem, s: jax.Array, row0, k0, masked: bool, *,
                                row_shift=row_shift, offset=offset)
     if masked:
         rows, cols = row0 + iota(query_dim), k0 + iota(key_dim)
+        # Padded rows see nothing: a NaN key must not reach dK/dV through them.
         visible = scores.visibility(
             rows, cols, problem.spec, offset, kv_length=kv_length,
+            q_bound=problem.q_len if problem.q_pad != problem.q_len else None,
             kv_bound=problem.kv_len if problem.kv_pad != problem.kv_len else None)
         if visible is not None:
             s = jnp.where(visible, s, -jnp.inf)
@@ -557,6 +559,8 @@ def tile_gradient(problem: Problem, s: jax.Array, dp: jax.Array, bias: jax.Array
     if log2_units:
         dp = dp - rows_of(delta)
     ds = prob * dp
+    if masked:  # a key the band hides gives exact zeros, NaN values of its included
+        ds = jnp.where(prob == 0.0, 0.0, ds)
     if keep is not None:
         prob = jnp.where(keep, prob * problem.dropout_scale, 0.0)
     # A row may carry NaN residuals (a visible key of its was NaN): the entries another

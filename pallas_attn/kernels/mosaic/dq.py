@@ -47,6 +47,10 @@ dS K) into a dbias of the bias's shape, running the whole band of the item for i
 producer bulk-copies a zeroed tile to the tiles outside the band. The Mosaic dK/dV
 kernel then adds the other entries' dS tiles to it (`dkv.dkdv`), so the sum needs
 no zeroed buffer and entry 0's tiles are written, not added.
+
+A NaN or inf key hidden from a row inside a tile reaches its dq through dS K (dS is
+zeroed where P is 0 in masked tiles, `common.tile_gradient`, so hidden values do not):
+the Triton kernel `triton/dq.py` repair recomputes every tile whose dq holds a NaN.
 """
 
 from __future__ import annotations

@@ -46,7 +46,10 @@ slots) with a producer warpgroup and the consumers:
 
 It writes the same outputs as the Triton forward: the output and the per-row
 residuals (row reference, +inf for rows that see no key, and log2 of the row
-sum), so the Triton backward kernels consume them unchanged.
+sum), so the Triton backward kernels consume them unchanged. Where keys can be hidden
+inside a tile (causal, a window, a mask, segments), a NaN or inf value of a hidden key
+poisons the products of the rows sharing its tile: a row whose output holds a NaN gets a
+NaN log2 row sum, and `triton/fwd.py` repair recomputes the tiles holding such marks.
 
 Scope (config.unsupported): 16-bit inputs, padded head dims 64, 128 or 256, no operand
 besides q, k, v, a bias and a mask with their own entry per query and key, ALiBi
@@ -199,8 +202,11 @@ def _kernel(q_ref, k_ref, v_ref, bias_ref, mask_ref, slopes_ref, sinks_ref, leng
                 out_rows = pl.ds(row0, rows_n)
                 plgpu.copy_smem_to_gmem(o_mine, out_ref.at[item.b, out_rows, item.n])
                 row_max_ref.at[item.b, item.n, out_rows][...] = jnp.where(valid, m, jnp.inf)
-                log2_sum_ref.at[item.b, item.n, out_rows][...] = jnp.log2(
-                    jnp.where(valid, l_sum, 1.0))
+                log2_sum = jnp.log2(jnp.where(valid, l_sum, 1.0))
+                if problem.hides_keys:  # a NaN row, maybe from a hidden key: triton fwd.repair
+                    log2_sum = jnp.where(valid & jnp.isnan(jnp.sum(acc, axis=1)), jnp.nan,
+                                         log2_sum)
+                log2_sum_ref.at[item.b, item.n, out_rows][...] = log2_sum
 
             if staging == "q":  # the next Q goes where the output has just left
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)

@@ -64,6 +64,11 @@ _SMALLEST = ((32, 32, 4, 1), (16, 16, 4, 1))
 
 WARPS = (1, 2, 4, 8, 16)
 
+# The tiles of the kernels that repair the rows of a Mosaic forward or dQ that a hidden
+# non-finite key reached (block_q, block_k, warps, stages): they run where a NaN shows,
+# which is rare, so they are chosen to fit every head dim, not to be fast.
+REPAIR_TILES = (64, 32, 4, 1)
+
 # The optional operands the decode kernel reads (decode.py); the routing table sends
 # a call with any other (a bias, a mask, segments, dropout, an origin) to the forward.
 DECODE_OPERANDS = ("alibi_slopes", "query_seq_lengths", "key_value_seq_lengths", "sinks")

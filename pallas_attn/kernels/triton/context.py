@@ -21,6 +21,8 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_attn.kernels import int32_indices, varying_like
 from pallas_attn.kernels.core import KERNEL_INPUTS, Problem, TileRanges, logit_scores
+from pallas_attn.kernels.triton.config import REPAIR_TILES
+from pallas_attn.plan import Route
 from pallas_attn.semantics import dropout as dropout_lib
 from pallas_attn.semantics import scores
 
@@ -69,7 +71,8 @@ def schedule_query_tiles(num_tiles: int, paired: bool,
 class TileContext(TileRanges):
     """Per-program state for computing score tiles of query head n of batch entry b."""
 
-    def __init__(self, problem: Problem, refs: dict[str, Any], b: Any, n: Any):
+    def __init__(self, problem: Problem, refs: dict[str, Any], b: Any, n: Any,
+                 folds_segments: bool = False):
         super().__init__(
             problem, b, n,
             q_length=(refs["query_seq_lengths"][b]
@@ -78,6 +81,11 @@ class TileContext(TileRanges):
                        if problem.has("key_value_seq_lengths") else None),
             origin=((refs["origin"][0], refs["origin"][1]) if problem.has("origin") else None))
         self.refs = refs
+        # Segment ids without a mask bound the key tiles that a block of query rows sees
+        # whole (`key_tiles`): the kernels that loop key tiles (folds_segments) compare
+        # ids only in the others, the tiles they run with masked=True.
+        self.folds_segments = (folds_segments and problem.has("q_segment_ids")
+                               and not problem.has("mask"))
         spec = problem.spec
         self.slope = refs["alibi_slopes"][b, n] if "alibi_slopes" in refs else None
         self.drop_key = None
@@ -103,13 +111,15 @@ class TileContext(TileRanges):
         cols = pl.ds(k0, block_k) if shape[3] > 1 else pl.ds(0, 1)
         return self.refs[name][bb, nb, rows, cols]
 
-    def scores(self, q: jax.Array, k: jax.Array, q0: Any, k0: Any, masked: bool
+    def scores(self, q: jax.Array, k: jax.Array, q0: Any, k0: Any, masked: bool,
+               poison: jax.Array | None = None
                ) -> tuple[jax.Array, jax.Array | None, jax.Array | None]:
         """Float32 scores [bq, bk] in the problem's units, invisible entries at -inf.
 
         Returns (scores, visible or None, tanh(logits / cap) or None).
         masked=False skips the band masks (causal, window, lengths), for tiles the
-        caller proved fully inside the band.
+        caller proved fully inside the band. poison: [bk] added to the score columns
+        before the visibility rules (core.nonfinite_rows), or None.
         """
         p, spec = self.p, self.p.spec
         block_q, block_k = q.shape[0], k.shape[0]
@@ -123,19 +133,25 @@ class TileContext(TileRanges):
             alibi_rows, alibi_cols = rows.astype(jnp.float32), cols.astype(jnp.float32)
         s, cap_tanh = logit_scores(p, s, alibi_rows, alibi_cols, bias=bias, slope=self.slope,
                                    tanh=self.tanh, offset=self.offset)
+        if poison is not None:
+            s = s + poison[None, :]
         mask = (self._load_broadcast("mask", spec.mask_shape, q0, k0, block_q, block_k)
                 if p.has("mask") else None)
         if mask is not None and mask.dtype != jnp.bool_:  # int8 where Mosaic roles run too
             mask = mask != 0
         q_seg = kv_seg = None
-        if p.has("q_segment_ids"):
+        if p.has("q_segment_ids") and (masked or not self.folds_segments):
             q_seg = self.refs["q_segment_ids"][self.b, pl.ds(q0, block_q)][:, None]
             kv_seg = self.refs["kv_segment_ids"][self.b, pl.ds(k0, block_k)][None, :]
         band_spec = spec if masked else dataclasses.replace(spec, is_causal=False,
                                                             local_window=None)
+        # Rows past the query length and padded rows see nothing in masked tiles: a NaN
+        # key must not reach dK/dV through them.
         visible = scores.visibility(
             rows, cols, band_spec, self.offset, mask=mask, q_segments=q_seg, kv_segments=kv_seg,
+            q_length=self.q_length if masked else None,
             kv_length=self.kv_length if masked else None,
+            q_bound=p.q_len if masked and p.q_pad != p.q_len else None,
             kv_bound=p.kv_len if masked and p.kv_pad != p.kv_len else None)
         if visible is not None:
             s = jnp.where(visible, s, -jnp.inf)
@@ -155,6 +171,23 @@ class TileContext(TileRanges):
     def key_limits(self, q0: Any, block_q: int) -> tuple[Any, Any] | None:
         """The keys that query rows [q0, q0 + block_q) can see (their segments, the mask)."""
         return self._limits("key_ranges", q0, block_q)
+
+    def key_tiles_of(self, q0: Any, block_q: int, block_k: int) -> tuple[Any, Any, Any, Any]:
+        """`key_tiles` of query rows [q0, q0 + block_q), with their segments folded into
+        the full tiles where folds_segments."""
+        inner = None
+        if self.folds_segments:
+            rows = pl.ds(q0, block_q)
+            hi = jnp.min(self.refs["key_ranges"][self.b, 1, rows])
+            # A stop past the keys: unsorted ids, ranges that are not exact (segment_ranges).
+            inner = (jnp.max(self.refs["key_ranges"][self.b, 0, rows]),
+                     jnp.where(hi > self.p.kv_len, 0, hi))
+        return self.key_tiles(q0, q0 + block_q, block_k, self.key_limits(q0, block_q), inner)
+
+    def hides_in_tile(self, masked: bool) -> bool:
+        """Whether a key tile run with `masked` may hide a key from one of its rows."""
+        return masked or self.p.has("mask") or (self.p.has("q_segment_ids")
+                                                 and not self.folds_segments)
 
     def query_limits(self, k0: Any, block_k: int) -> tuple[Any, Any] | None:
         """The query rows that see keys [k0, k0 + block_k) (their segments, the mask)."""
@@ -206,7 +239,21 @@ class TileContext(TileRanges):
         ds = prob * (dp - delta[:, None])
         if cap_tanh is not None:
             ds = ds * scores.soft_cap_slope(cap_tanh)
+        if self.hides_in_tile(masked):  # a hidden key's NaN value (in dP) gives exact zeros
+            ds = jnp.where(prob == 0.0, 0.0, ds)
         return dropped, ds
+
+
+def repairing(problem: Problem, role: str) -> Problem:
+    """The problem with the role's route replaced by the repair kernels' Triton tiles
+    (config.REPAIR_TILES)."""
+    route = Route("triton", *REPAIR_TILES)
+    return dataclasses.replace(problem, plan=dataclasses.replace(problem.plan, **{role: route}))
+
+
+def any_nan(x: jax.Array) -> jax.Array:
+    """Whether x holds a NaN (the Triton lowering has no boolean reductions)."""
+    return jnp.max(jnp.isnan(x).astype(jnp.int32)) > 0
 
 
 def _zero_rows_from(x: jax.Array, start: Any, length: Any) -> jax.Array:
@@ -218,8 +265,10 @@ def _zero_rows_from(x: jax.Array, start: Any, length: Any) -> jax.Array:
 
 def launch(kernel: Callable[..., None], problem: Problem, names: tuple[str, ...],
            inputs: list[jax.Array], outputs: list[jax.ShapeDtypeStruct], grid: tuple[int, ...],
-           warps: int, stages: int, name: str, **params: Any) -> Any:
-    """One pallas_call; names: the kernel's ref names, inputs then outputs."""
+           warps: int, stages: int, name: str, aliases: dict[int, int] | None = None,
+           **params: Any) -> Any:
+    """One pallas_call; names: the kernel's ref names, inputs then outputs; aliases: input
+    index -> output index of the outputs written in place."""
     with int32_indices():
         return pl.pallas_call(
             functools.partial(kernel, problem=problem, names=names, **params),
@@ -229,6 +278,7 @@ def launch(kernel: Callable[..., None], problem: Problem, names: tuple[str, ...]
             out_shape=varying_like(outputs, inputs),
             compiler_params=plgpu.CompilerParams(num_warps=warps, num_stages=stages),
             interpret=problem.interpret,
+            input_output_aliases=aliases or {},
             name=name,
         )(*inputs)
 

@@ -33,8 +33,11 @@ from pallas_attn.kernels import next_power_of_2
 from pallas_attn.kernels.core import (
     Problem,
     TileRanges,
+    finite,
     logit_scores,
     merge_sink,
+    nonfinite_rows,
+    run_tile_loops,
     softmax_reference_init,
     softmax_step,
 )
@@ -78,10 +81,11 @@ def decode_kernel(*refs, problem: Problem, names: tuple[str, ...]):
         q_length=r["query_seq_lengths"][b] if problem.has("query_seq_lengths") else None,
         kv_length=kv_length,
         origin=(kv_length - problem.q_len, 0) if paged else None)
-    first, stop, _, _ = ctx.key_tiles(0, problem.q_len, block_k)
+    first, stop, full_first, full_stop = ctx.key_tiles(0, problem.q_len, block_k)
     per_split = lax.div(stop - first + (route.splits - 1), route.splits)
     lo = jnp.minimum(first + split * per_split, stop)
     hi = jnp.minimum(lo + per_split, stop)
+    full_lo = jnp.clip(full_first, lo, hi)
     q = r["q"][b, token, head, :]  # the group's rows, gathered from [B, T, N, H]
     slope = r["alibi_slopes"][b, head][:, None] if problem.has("alibi_slopes") else None
     tanh = (jnp.tanh if problem.interpret or problem.dtype == "float32"
@@ -108,16 +112,22 @@ def decode_kernel(*refs, problem: Problem, names: tuple[str, ...]):
         at = k0 + lax.broadcasted_iota(jnp.int32, (block_k,), 0)
         return r[name][pages, lax.rem(at, page_size), kh, :]
 
-    def body(t, carry):
+    def body(t, carry, masked):
         acc, m_prev, l_prev, pages = carry
         k0 = t * block_k
         # The next tile's pages are read a step ahead: its K/V loads need not wait on them.
         next_pages = pages_of(k0 + block_k)
         k = load("k", k0, pages)
+        v = load("v", k0, pages) if masked else None
         s = plgpu.dot(q, k, trans_b=True, precision=problem.precision)
         cols = k0 + lax.broadcasted_iota(jnp.int32, (1, block_k), 1)
         s, _ = logit_scores(problem, s, token_col, cols, slope=slope, tanh=tanh,
                             offset=ctx.offset)
+        if masked:  # a tile the band or the length crosses: hidden keys stay out
+            s = s + (nonfinite_rows(k) + nonfinite_rows(v))[None, :]
+            keys = k0 + lax.broadcasted_iota(jnp.int32, (block_k, 1), 0)
+            v = finite(v if ctx.kv_length is None
+                       else jnp.where(keys < ctx.kv_length, v, jnp.zeros_like(v)))
         visible = scores.visibility(
             token_col, cols, spec, ctx.offset,
             kv_bound=problem.kv_len if problem.kv_pad != problem.kv_len else None,
@@ -127,17 +137,16 @@ def decode_kernel(*refs, problem: Problem, names: tuple[str, ...]):
         prob, m_next, l_next, alpha = softmax_step(problem, s, m_prev, l_prev)
         if alpha is not None:
             acc = acc * alpha[:, None]
-        v = load("v", k0, pages)
-        if ctx.kv_length is not None:  # values past the length (unwritten cache) stay out
-            keys = k0 + lax.broadcasted_iota(jnp.int32, (block_k, 1), 0)
-            v = jnp.where(keys < ctx.kv_length, v, jnp.zeros_like(v))
+        if v is None:
+            v = load("v", k0, pages)
         acc = acc + plgpu.dot(prob.astype(v.dtype), v, precision=problem.precision)
         return acc, m_next, l_next, next_pages
 
     init = (jnp.zeros((R, r["v"].shape[-1]), jnp.float32),
             jnp.full((R,), softmax_reference_init(problem), jnp.float32),
             jnp.zeros((R,), jnp.float32), pages_of(lo * block_k))
-    acc, m, l_sum, _ = lax.fori_loop(lo, hi, body, init)
+    acc, m, l_sum, _ = run_tile_loops(lo, hi, full_lo, jnp.clip(full_stop, full_lo, hi), body,
+                                      init)
     if route.splits == 1:  # the program holds whole rows: it writes the results
         sink = r["sinks"][head] if problem.has("sinks") else None
         _store_rows(r, b, token, head,

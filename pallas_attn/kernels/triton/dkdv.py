@@ -54,7 +54,8 @@ def dkdv_kernel(*refs, problem: Problem, names: tuple[str, ...], fused_dbias: bo
     bias_shape = problem.spec.bias_shape
     rows_broadcast = fused_dbias and bias_shape[2] == 1
 
-    # Keys past the length are zeroed once: hidden, they meet no product.
+    # Keys past the length are zeroed once: hidden, they meet no product (other hidden
+    # keys' NaN values reach only dS, which score_gradient zeroes).
     first_head = TileContext(problem, r, b, kh * problem.group)
     k, v = first_head.hide_keys(k, k0), first_head.hide_keys(v, k0)
 

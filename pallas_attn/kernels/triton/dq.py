@@ -1,6 +1,8 @@
 """dQ kernel (Pallas, Triton backend): grid (query tile, batch, head), each program
 looping over the key tiles its rows can see, heavy (late) causal tiles first. Every
-output element is written by exactly one program: bitwise deterministic.
+output element is written by exactly one program: bitwise deterministic. In tiles that
+may hide a key, K's non-finite entries are zeroed for dS K (and dS is 0 wherever P is:
+`TileContext.score_gradient`); `repair` recomputes the Mosaic dQ kernel's NaN tiles.
 """
 
 from __future__ import annotations
@@ -11,19 +13,24 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_attn.kernels.core import Problem, run_tile_loops
-from pallas_attn.kernels.triton.context import TileContext, launch, name_refs
+from pallas_attn.kernels.core import Problem, finite, run_tile_loops
+from pallas_attn.kernels.triton.config import REPAIR_TILES
+from pallas_attn.kernels.triton.context import TileContext, any_nan, launch, name_refs, repairing
 
 
 def dq_kernel(*refs, problem: Problem, names: tuple[str, ...]):
     r = name_refs(names, refs)
+    i = pl.num_programs(0) - 1 - pl.program_id(0)  # heavy (late) query tiles first
+    _dq_tile(problem, r, i, pl.program_id(1), pl.program_id(2))
+
+
+def _dq_tile(problem: Problem, r: dict, i, b, n) -> None:
+    """dq of query tile i of (b, n)."""
     route = problem.plan.dq
     block_q, block_k = route.block_q, route.block_k
-    i = pl.num_programs(0) - 1 - pl.program_id(0)  # heavy (late) query tiles first
-    b, n = pl.program_id(1), pl.program_id(2)
     kh = lax.div(n, problem.group)
     q0 = i * block_q
-    ctx = TileContext(problem, r, b, n)
+    ctx = TileContext(problem, r, b, n, folds_segments=True)
     # Rows past the query length are zeroed: hidden, they meet no product.
     q = ctx.hide_queries(r["q"][b, pl.ds(q0, block_q), n, :], q0)
     do = ctx.hide_queries(r["do"][b, pl.ds(q0, block_q), n, :], q0)
@@ -33,15 +40,37 @@ def dq_kernel(*refs, problem: Problem, names: tuple[str, ...]):
         k0 = t * block_k
         k = r["k"][b, pl.ds(k0, block_k), kh, :]
         v = r["v"][b, pl.ds(k0, block_k), kh, :]
-        if masked:  # the tile the key length crosses: its hidden keys stay out
-            k, v = ctx.hide_keys(k, k0), ctx.hide_keys(v, k0)
+        if ctx.hides_in_tile(masked):  # hidden keys stay out of dS K (and dP: score_gradient)
+            k, v = finite(ctx.hide_keys(k, k0)), ctx.hide_keys(v, k0)
         _, ds = ctx.score_gradient(q, k, v, do, residuals, q0, k0, masked)
         return dq + plgpu.dot(ds.astype(k.dtype), k, precision=problem.precision)
 
-    tiles = ctx.key_tiles(q0, q0 + block_q, block_k, ctx.key_limits(q0, block_q))
+    tiles = ctx.key_tiles_of(q0, block_q, block_k)
     dq = run_tile_loops(*tiles, body, jnp.zeros((block_q, q.shape[-1]), jnp.float32))
     dq = dq * (problem.spec.scale * problem.dropout_scale)  # score_gradient leaves it out
     r["dq"][b, pl.ds(q0, block_q), n, :] = dq.astype(r["dq"].dtype)
+
+
+def repair_kernel(*refs, problem: Problem, names: tuple[str, ...]):
+    """Recomputes query tile i of (b, n) if its dq holds a NaN."""
+    r = name_refs(names, refs)
+    i, b, n = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    block_q = problem.plan.dq.block_q
+    marks = r["dq_in"][b, pl.ds(i * block_q, block_q), n, :]
+    pl.when(any_nan(marks))(lambda: _dq_tile(problem, r, i, b, n))
+
+
+def repair(problem: Problem, names: tuple[str, ...], inputs: list, dq_out: jax.Array
+           ) -> jax.Array:
+    """dq of a Mosaic dQ kernel with the tiles holding a NaN recomputed here, in place
+    (as `fwd.repair` does for the forward: a non-finite key hidden from a row reaches
+    its dq through dS K with dS = 0; this kernel keeps hidden keys out of the product)."""
+    problem = repairing(problem, "dq")
+    block_q, _, warps, stages = REPAIR_TILES
+    B, Tp, N, _ = dq_out.shape
+    return launch(repair_kernel, problem, (*names, "dq_in", "dq"), [*inputs, dq_out],
+                  [jax.ShapeDtypeStruct(dq_out.shape, dq_out.dtype)], (Tp // block_q, B, N),
+                  warps, stages, "pallas_attn_repair_dq", aliases={len(inputs): 0})[0]
 
 
 def dq(problem: Problem, names: tuple[str, ...], inputs: list) -> jax.Array:

@@ -10,6 +10,11 @@ tiles outside the causal/window band or past the key length are skipped; tiles
 crossing the band edge are masked. Writes the output and the per-row residuals:
 the reference (+inf for rows that see no key) and log2 of the row sum (common.py
 says why not the lse).
+
+In a tile that may hide a key from one of its rows (`TileContext.hides_in_tile`), a
+key whose K or V row holds a NaN or inf gets a NaN score column before the visibility
+rules and V's non-finite entries are zeroed: the rows that see it are NaN, the others
+unchanged. `repair` recomputes the rows a Mosaic forward marked for the same reason.
 """
 
 from __future__ import annotations
@@ -23,15 +28,20 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_attn.kernels.core import (
     KERNEL_INPUTS,
     Problem,
+    finite,
     merge_sink,
+    nonfinite_rows,
     run_tile_loops,
     softmax_reference_init,
     softmax_step,
 )
+from pallas_attn.kernels.triton.config import REPAIR_TILES
 from pallas_attn.kernels.triton.context import (
     TileContext,
+    any_nan,
     launch,
     name_refs,
+    repairing,
     schedule_query_tiles,
     scheduled_grid_size,
 )
@@ -42,7 +52,11 @@ def forward_kernel(*refs, problem: Problem, names: tuple[str, ...]):
     b, n = pl.program_id(1), pl.program_id(2)
     num_tiles = problem.q_pad // problem.plan.forward.block_q
     schedule_query_tiles(num_tiles, problem.pairs_query_tiles,
-                         lambda i: _forward_tile(problem, r, TileContext(problem, r, b, n), i))
+                         lambda i: _forward_tile(problem, r, _context(problem, r, b, n), i))
+
+
+def _context(problem: Problem, r: dict, b, n) -> TileContext:
+    return TileContext(problem, r, b, n, folds_segments=True)
 
 
 def _forward_tile(problem: Problem, r: dict, ctx: TileContext, i) -> None:
@@ -58,15 +72,19 @@ def _forward_tile(problem: Problem, r: dict, ctx: TileContext, i) -> None:
         acc, m_prev, l_prev = carry
         k0 = t * block_k
         k = r["k"][b, pl.ds(k0, block_k), kh, :]
-        s, _, _ = ctx.scores(q, k, q0, k0, masked)
+        v = poison = None
+        if ctx.hides_in_tile(masked):  # hidden keys' values stay out
+            v = r["v"][b, pl.ds(k0, block_k), kh, :]
+            poison = nonfinite_rows(k) + nonfinite_rows(v)
+            v = finite(ctx.hide_keys(v, k0))
+        s, _, _ = ctx.scores(q, k, q0, k0, masked, poison)
         prob, m_next, l_next, alpha = softmax_step(problem, s, m_prev, l_prev)
         if alpha is not None:
             acc = acc * alpha[:, None]
         if spec.has_dropout:
             prob = jnp.where(ctx.keep(q0, k0, block_q, block_k), prob, 0.0)
-        v = r["v"][b, pl.ds(k0, block_k), kh, :]
-        if masked:  # the tile the key length crosses: its hidden values stay out
-            v = ctx.hide_keys(v, k0)
+        if v is None:
+            v = r["v"][b, pl.ds(k0, block_k), kh, :]
         acc = acc + plgpu.dot(prob.astype(v.dtype), v, precision=problem.precision)
         return acc, m_next, l_next
 
@@ -75,7 +93,7 @@ def _forward_tile(problem: Problem, r: dict, ctx: TileContext, i) -> None:
         jnp.full((block_q,), softmax_reference_init(problem), jnp.float32),
         jnp.zeros((block_q,), jnp.float32),
     )
-    tiles = ctx.key_tiles(q0, q0 + block_q, block_k, ctx.key_limits(q0, block_q))
+    tiles = ctx.key_tiles_of(q0, block_q, block_k)
     acc, m, l_sum = run_tile_loops(*tiles, body, init)
     if problem.has("sinks"):
         alpha, m, l_sum = merge_sink(problem, r["sinks"][n], m, l_sum)
@@ -90,6 +108,42 @@ def _forward_tile(problem: Problem, r: dict, ctx: TileContext, i) -> None:
     r["out"][b, pl.ds(q0, block_q), n, :] = out.astype(r["out"].dtype)
     r["row_max"][b, n, pl.ds(q0, block_q)] = jnp.where(valid, m, jnp.inf)
     r["log2_sum"][b, n, pl.ds(q0, block_q)] = jnp.log2(jnp.where(valid, l_sum, 1.0))
+
+
+def repair_kernel(*refs, problem: Problem, names: tuple[str, ...]):
+    """Recomputes query tile i of (b, n) if a row of it is marked (a NaN log2 row sum)."""
+    r = name_refs(names, refs)
+    i, b, n = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    block_q = problem.plan.forward.block_q
+    marks = r["sum_in"][b, n, pl.ds(i * block_q, block_q)]
+    pl.when(any_nan(marks))(lambda: _forward_tile(problem, r, _context(problem, r, b, n), i))
+
+
+def repair(problem: Problem, q: jax.Array, k: jax.Array, v: jax.Array,
+           optional: dict[str, jax.Array], out: jax.Array,
+           row_stats: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, tuple[jax.Array,
+                                                                             jax.Array]]:
+    """The results of a Mosaic forward with its marked rows recomputed here, in place.
+
+    The Mosaic kernels read whole key tiles into products with the probabilities, where
+    a NaN or inf key hidden from a row poisons it (0 * NaN); they mark such rows (any row
+    whose output holds a NaN) with a NaN log2 row sum. This kernel recomputes the tiles
+    holding a mark with the Triton forward, which keeps hidden keys out of its products:
+    a row that sees a non-finite key stays NaN, the others get their true values. A
+    program finding no mark only reads its marks."""
+    problem = repairing(problem, "forward")
+    present = [x for x in KERNEL_INPUTS if x in optional]
+    names = ("q", "k", "v", *present, "out_in", "max_in", "sum_in", "out", "row_max",
+             "log2_sum")
+    inputs = [q, k, v, *(optional[x] for x in present), out, *row_stats]
+    outputs = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (out, *row_stats)]
+    B, Tp, N, _ = q.shape
+    first = len(inputs) - 3
+    block_q, _, warps, stages = REPAIR_TILES
+    out, row_max, log2_sum = launch(
+        repair_kernel, problem, names, inputs, outputs, (Tp // block_q, B, N), warps, stages,
+        "pallas_attn_repair_forward", aliases={first: 0, first + 1: 1, first + 2: 2})
+    return out, (row_max, log2_sum)
 
 
 def forward(problem: Problem, q: jax.Array, k: jax.Array, v: jax.Array,

@@ -1,0 +1,122 @@
+"""Keys the caller hid never change a result in the kernels, NaN and inf among them.
+
+A NaN key and an inf value sit where the caller hid them (a masked column, another
+segment, outside a window, causally future), inside tiles the kernels read: the
+Triton kernels in the Pallas interpreter with 16-row tiles (a band's edge tiles and
+the tiles inside it), the decode kernel, and the Mosaic GPU kernels in theirs (their
+forward and dQ rows that a hidden key reached are recomputed by the Triton repair
+kernels; the dK/dV kernel zeroes dS where P is 0). Hidden from every row, the
+outputs, logsumexp and every gradient equal those of clean inputs (bit for bit, but
+for the Mosaic rows the Triton kernels repaired: to bfloat16 rounding); hidden from
+some rows, those rows keep their clean values and the rows that see the key are NaN.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from kernel_helpers import SMALL_BLOCKS, no_mosaic_races  # noqa: F401
+
+import pallas_attn
+
+pytestmark = pytest.mark.timeout(300)
+
+MOSAIC = pallas_attn.BlockSizes(forward_backend="mosaic", dq_backend="mosaic",
+                                dkv_backend="mosaic")
+
+
+def _hiding(case: str, B: int, T: int, S: int) -> tuple[dict, int]:
+    """(the call's arguments, the key they hide from every row, or from all rows but
+    the last for "causal_last_row")."""
+    middle = S // 2 - 4  # inside a tile, away from its edges
+    return {
+        "mask": (dict(mask=jnp.ones((B, 1, T, S), bool).at[..., middle].set(False)), middle),
+        # Sorted ids: the rows' segment is keys [0, middle), whose tiles run whole.
+        "segment": (dict(q_segment_ids=jnp.zeros((B, T), jnp.int32),
+                         kv_segment_ids=jnp.zeros((B, S), jnp.int32).at[:, middle:].set(9)),
+                    middle),
+        # Unsorted ids: no tile runs whole.
+        "segment_unsorted": (dict(q_segment_ids=jnp.zeros((B, T), jnp.int32),
+                                  kv_segment_ids=jnp.zeros((B, S), jnp.int32).at[:, middle].set(9)),
+                             middle),
+        # Bottom-right, 10 keys back: the keys before S - T - 10 are hidden from every row;
+        # the last of them shares a tile with keys that rows see.
+        "window": (dict(local_window_size=(10, 0), causal_alignment="bottom_right"),
+                   S - T - 11),
+        # Top-left causal: a key past the last row, which padded rows would see.
+        "causal_future": (dict(is_causal=True), T + 10),
+        # Bottom-right causal: the last key is hidden from every row but the last.
+        "causal_last_row": (dict(is_causal=True, causal_alignment="bottom_right"), S - 1),
+    }[case]
+
+
+def _results(q, k, v, ct, **kwargs) -> list[np.ndarray]:
+    def loss(q, k, v):
+        out, lse = pallas_attn.dot_product_attention(q, k, v, return_residual=True, **kwargs)
+        finite_lse = jnp.where(jnp.isfinite(lse), lse, 0.0)
+        return jnp.sum(out.astype(jnp.float32) * ct) + jnp.sum(finite_lse), (out, lse)
+
+    (_, aux), grads = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(q, k, v)
+    return [np.asarray(x, np.float32) for x in (*aux, *grads)]
+
+
+def _assert_same(got: np.ndarray, want: np.ndarray, name: str, exact: bool) -> None:
+    if exact:
+        np.testing.assert_array_equal(got, want, err_msg=name)
+        return
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(want), err_msg=name)
+    scale = np.abs(want[np.isfinite(want)]).max()
+    np.testing.assert_allclose(got, want, rtol=0, atol=2e-2 * scale, err_msg=name)
+
+
+def _check(case: str, shapes: tuple, dtype, exact: bool = True, **kwargs) -> None:
+    B, T, S, N, H = shapes
+    rng = np.random.default_rng(3)
+    q, k, v = (jnp.asarray(rng.standard_normal(shape), dtype)
+               for shape in ((B, T, N, H), (B, S, N, H), (B, S, N, H)))
+    ct = jnp.asarray(rng.standard_normal((B, T, N, H)), jnp.float32)
+    hiding, key = _hiding(case, B, T, S)
+    clean = _results(q, k, v, ct, **hiding, **kwargs)
+    dirty = _results(q, k.at[:, key, 0].set(jnp.nan), v.at[:, key, 0].set(jnp.inf), ct,
+                     **hiding, **kwargs)
+    names = ("out", "lse", "dq", "dk", "dv")
+    if case != "causal_last_row":
+        for name, got, want in zip(names, dirty, clean, strict=True):
+            _assert_same(got, want, name, exact)
+        return
+    # Only the last row sees the key: the others keep their values, it turns NaN (head 0,
+    # whose kv head holds the key).
+    for name, got, want in zip(names[:3], dirty, clean, strict=False):
+        _assert_same(got[:, :-1], want[:, :-1], name, exact)
+        assert np.isnan(got[:, -1, 0]).all(), name
+
+
+@pytest.mark.parametrize("case", ["mask", "segment", "segment_unsorted", "window",
+                                  "causal_last_row"])
+def test_triton_kernels(case):
+    """16-row tiles, T=32, S=48: the hidden key lies in a tile inside the band for the
+    mask and segments (those tiles run without band masks) and in an edge tile for the
+    window and causal masking."""
+    _check(case, (1, 32, 48, 2, 16), jnp.float32, implementation="pallas", interpret=True,
+           block_sizes=SMALL_BLOCKS)
+
+
+@pytest.mark.parametrize("case", ["mask", "window", "causal_future", "causal_last_row"])
+def test_mosaic_kernels(case):
+    """The Mosaic forward, dQ and dK/dV kernels, T=100 (padded rows), S=192, head dim 64."""
+    _check(case, (1, 100, 192, 2, 64), jnp.bfloat16, exact=False, implementation="pallas",
+           interpret=True, block_sizes=MOSAIC)
+
+
+@pytest.mark.parametrize("case", ["window", "causal_last_row"])
+def test_decode_kernel(case):
+    """Three query rows against 200 keys (tiles of 64): the window's first tile and the
+    causal band's last tile hide keys."""
+    shapes = (2, 3, 200, 2, 16)
+    plan = pallas_attn.explain(*(jnp.zeros(s) for s in ((2, 3, 2, 16), (2, 200, 2, 16),
+                                                        (2, 200, 2, 16))),
+                               interpret=True, **_hiding(case, 2, 3, 200)[0])
+    assert plan.forward.backend == "decode"
+    _check(case, shapes, jnp.float32, implementation="pallas", interpret=True)
