@@ -47,6 +47,14 @@ def _hiding(case: str, B: int, T: int, S: int) -> tuple[dict, int]:
                    S - T - 11),
         # Top-left causal: a key past the last row, which padded rows would see.
         "causal_future": (dict(is_causal=True), T + 10),
+        # Causal, a third of the rows valid: the key after them is hidden from every valid
+        # row, while rows past the length would see it in whole tiles.
+        "query_lengths": (dict(is_causal=True,
+                               query_seq_lengths=jnp.full((B,), T // 3, jnp.int32)), T // 3 + 2),
+        # Batch entry 0 has no query row; the others' keys end 30 early.
+        "unseen_rows": (dict(query_seq_lengths=jnp.array([0] + [T] * (B - 1), jnp.int32),
+                             key_value_seq_lengths=jnp.array([S] + [S - 30] * (B - 1),
+                                                             jnp.int32)), S - 20),
         # Bottom-right causal: the last key is hidden from every row but the last.
         "causal_last_row": (dict(is_causal=True, causal_alignment="bottom_right"), S - 1),
     }[case]
@@ -94,7 +102,7 @@ def _check(case: str, shapes: tuple, dtype, exact: bool = True, **kwargs) -> Non
 
 
 @pytest.mark.parametrize("case", ["mask", "segment", "segment_unsorted", "window",
-                                  "causal_last_row"])
+                                  "query_lengths", "causal_last_row"])
 def test_triton_kernels(case):
     """16-row tiles, T=32, S=48: the hidden key lies in a tile inside the band for the
     mask and segments (those tiles run without band masks) and in an edge tile for the
@@ -103,14 +111,14 @@ def test_triton_kernels(case):
            block_sizes=SMALL_BLOCKS)
 
 
-@pytest.mark.parametrize("case", ["mask", "causal_future", "causal_last_row"])
+@pytest.mark.parametrize("case", ["mask", "causal_future", "query_lengths", "causal_last_row"])
 def test_mosaic_kernels(case):
     """The Mosaic forward, dQ and dK/dV kernels, T=100 (padded rows), S=128, head dim 64."""
     _check(case, (1, 100, 128, 1, 64), jnp.bfloat16, exact=False, implementation="pallas",
            interpret=True, block_sizes=MOSAIC)
 
 
-@pytest.mark.parametrize("case", ["window", "causal_last_row"])
+@pytest.mark.parametrize("case", ["window", "unseen_rows", "causal_last_row"])
 def test_decode_kernel(case):
     """Three query rows against 200 keys (tiles of 64): the window's first tile and the
     causal band's last tile hide keys."""

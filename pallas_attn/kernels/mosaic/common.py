@@ -459,15 +459,16 @@ def tile_scores(problem: Problem, s: jax.Array, row0, k0, masked: bool, *,
                 bias: jax.Array | None = None, slope: Any = None,
                 row_shift: jax.Array | None = None,
                 segments: tuple[jax.Array, jax.Array] | None = None, kv_length: Any = None,
-                mask: jax.Array | None = None, query_dim: int = 0, offset: Any = None
-                ) -> tuple[jax.Array, jax.Array | None]:
+                mask: jax.Array | None = None, query_dim: int = 0, offset: Any = None,
+                q_length: Any = None) -> tuple[jax.Array, jax.Array | None]:
     """(scores, t = tanh(logits / cap) or None) of a [rows, keys] tile in the WGMMA
     layout from the raw products s = Q K^T: common.logit_scores, then the band masks
     (causal, window, padded keys) of rows from row0 and keys from k0 where masked,
     invisible entries at -inf. bias: the tile's bias (float32) or None; slope: the
     head's ALiBi slope (a scalar) or None; row_shift: `common.logit_scores`';
     segments: the rows' and the keys' segment ids (`Segments.rows` / `cols`) or None,
-    compared on every tile; kv_length: the batch entry's key length (masked tiles);
+    compared on every tile; kv_length / q_length: the batch entry's key / query length
+    (masked tiles; rows past the query length and padded rows see nothing there);
     mask: the tile of the caller's boolean mask or None, applied on every tile;
     offset: the rows' alignment with the keys (TileRanges.offset; problem.offset if None).
     query_dim 1: the tile is [keys, rows] (s = K Q^T; `tile_gradient`).
@@ -493,9 +494,8 @@ def tile_scores(problem: Problem, s: jax.Array, row0, k0, masked: bool, *,
                                row_shift=row_shift, offset=offset)
     if masked:
         rows, cols = row0 + iota(query_dim), k0 + iota(key_dim)
-        # Padded rows see nothing: a NaN key must not reach dK/dV through them.
         visible = scores.visibility(
-            rows, cols, problem.spec, offset, kv_length=kv_length,
+            rows, cols, problem.spec, offset, kv_length=kv_length, q_length=q_length,
             q_bound=problem.q_len if problem.q_pad != problem.q_len else None,
             kv_bound=problem.kv_len if problem.kv_pad != problem.kv_len else None)
         if visible is not None:
@@ -521,7 +521,7 @@ def tile_gradient(problem: Problem, s: jax.Array, dp: jax.Array, bias: jax.Array
                   masked: bool, slope: Any = None,
                   segments: tuple[jax.Array, jax.Array] | None = None, kv_length: Any = None,
                   keep: jax.Array | None = None, query_dim: int = 0,
-                  mask: jax.Array | None = None, offset: Any = None
+                  mask: jax.Array | None = None, offset: Any = None, q_length: Any = None
                   ) -> tuple[jax.Array, jax.Array]:
     """(P, dS) of a [rows, keys] tile in the WGMMA layout, float32, from the raw
     products s = Q K^T and dp = dO V^T, the tile's bias (or None), the head's ALiBi
@@ -551,7 +551,7 @@ def tile_gradient(problem: Problem, s: jax.Array, dp: jax.Array, bias: jax.Array
     s, cap_tanh = tile_scores(problem, s, row0, k0, masked, bias=bias, slope=slope,
                               row_shift=rows_of(row_max + log2_sum) if shifted else None,
                               segments=segments, kv_length=kv_length, mask=mask,
-                              query_dim=query_dim, offset=offset)
+                              query_dim=query_dim, offset=offset, q_length=q_length)
     if cap_tanh is not None:  # dS picks up the cap's derivative 1 - t^2
         dp = dp * scores.soft_cap_slope(cap_tanh)
     prob = (jnp.exp2(s) if shifted

@@ -360,7 +360,7 @@ def _consume(problem: Problem, tiles_of: _Tiles, wg, unit_of, units, add_dbias: 
                 products, plgpu.ACC(shape, jnp.float32), plgpu.ACC(shape, jnp.float32))
             prob, ds = tile_gradient(problem, s, dp, bias, residuals, row0, k_own, masked,
                                      slope, ids, ranges.kv_length, keep, query_dim, mask,
-                                     ranges.offset)
+                                     ranges.offset, ranges.q_length)
             parity = lax.rem(at, 2)
             ds_tile = ds_tiles.at[parity]
             p_buf = p_tiles.at[parity] if wide else p_tiles

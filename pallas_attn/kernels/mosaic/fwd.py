@@ -196,8 +196,10 @@ def _kernel(q_ref, k_ref, v_ref, bias_ref, mask_ref, slopes_ref, sinks_ref, leng
                 # Kept weights are scaled by 1 / (1 - rate) here, once per row.
                 inv = jnp.where(valid, problem.dropout_scale / jnp.where(valid, l_sum, 1.0),
                                 0.0)
-                o_mine[...] = (acc * lax.broadcast_in_dim(inv, acc.shape, [0])).astype(
-                    o_mine.dtype)
+                out = acc * lax.broadcast_in_dim(inv, acc.shape, [0])
+                if problem.hides_keys:  # 0 * NaN: a hidden NaN key in a row that sees nothing
+                    out = jnp.where(lax.broadcast_in_dim(valid, acc.shape, [0]), out, 0.0)
+                o_mine[...] = out.astype(o_mine.dtype)
                 plgpu.commit_smem()
                 out_rows = pl.ds(row0, rows_n)
                 plgpu.copy_smem_to_gmem(o_mine, out_ref.at[item.b, out_rows, item.n])

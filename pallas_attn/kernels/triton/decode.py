@@ -206,7 +206,8 @@ def _normalise(problem: Problem, acc: jax.Array, m: jax.Array, total: jax.Array,
     seen = total != 0.0  # NaN: seen, so a NaN in a visible input shows
     if past is not None:
         seen = seen & ~past
-    out = acc / jnp.where(seen, total, 1.0)[..., None]
+    # Unseen rows: 0, whatever a hidden key's NaN made of their accumulator.
+    out = jnp.where(seen[..., None], acc / jnp.where(seen, total, 1.0)[..., None], 0.0)
     return out, jnp.where(seen, m, jnp.inf), jnp.log2(jnp.where(seen, total, 1.0))
 
 

@@ -48,6 +48,7 @@ def _dq_tile(problem: Problem, r: dict, i, b, n) -> None:
     tiles = ctx.key_tiles_of(q0, block_q, block_k)
     dq = run_tile_loops(*tiles, body, jnp.zeros((block_q, q.shape[-1]), jnp.float32))
     dq = dq * (problem.spec.scale * problem.dropout_scale)  # score_gradient leaves it out
+    dq = ctx.hide_queries(dq, q0)  # rows past the length: 0, whatever a hidden key held
     r["dq"][b, pl.ds(q0, block_q), n, :] = dq.astype(r["dq"].dtype)
 
 
