@@ -244,11 +244,22 @@ class TileContext(TileRanges):
         return dropped, ds
 
 
-def repairing(problem: Problem, role: str) -> Problem:
-    """The problem with the role's route replaced by the repair kernels' Triton tiles
-    (config.REPAIR_TILES)."""
+def launch_repair(kernel: Callable[..., None], problem: Problem, role: str,
+                  names: tuple[str, ...], inputs: list[jax.Array], results: list[jax.Array],
+                  name: str) -> Any:
+    """A repair kernel over every query tile of config.REPAIR_TILES rows: the role runs
+    those tiles; names: the inputs', then the results' as inputs, then as outputs; the
+    results (a Mosaic kernel's, [B, Tp, ...] first) are rewritten in place."""
+    block_q, _, warps, stages = REPAIR_TILES
     route = Route("triton", *REPAIR_TILES)
-    return dataclasses.replace(problem, plan=dataclasses.replace(problem.plan, **{role: route}))
+    problem = dataclasses.replace(problem, plan=dataclasses.replace(problem.plan,
+                                                                    **{role: route}))
+    B, Tp = results[0].shape[:2]
+    first = len(inputs)
+    return launch(kernel, problem, names, [*inputs, *results],
+                  [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in results],
+                  (Tp // block_q, B, problem.num_heads), warps, stages, name,
+                  aliases={first + i: i for i in range(len(results))})
 
 
 def any_nan(x: jax.Array) -> jax.Array:

@@ -14,8 +14,13 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_attn.kernels.core import Problem, finite, run_tile_loops
-from pallas_attn.kernels.triton.config import REPAIR_TILES
-from pallas_attn.kernels.triton.context import TileContext, any_nan, launch, name_refs, repairing
+from pallas_attn.kernels.triton.context import (
+    TileContext,
+    any_nan,
+    launch,
+    launch_repair,
+    name_refs,
+)
 
 
 def dq_kernel(*refs, problem: Problem, names: tuple[str, ...]):
@@ -66,12 +71,8 @@ def repair(problem: Problem, names: tuple[str, ...], inputs: list, dq_out: jax.A
     """dq of a Mosaic dQ kernel with the tiles holding a NaN recomputed here, in place
     (as `fwd.repair` does for the forward: a non-finite key hidden from a row reaches
     its dq through dS K with dS = 0; this kernel keeps hidden keys out of the product)."""
-    problem = repairing(problem, "dq")
-    block_q, _, warps, stages = REPAIR_TILES
-    B, Tp, N, _ = dq_out.shape
-    return launch(repair_kernel, problem, (*names, "dq_in", "dq"), [*inputs, dq_out],
-                  [jax.ShapeDtypeStruct(dq_out.shape, dq_out.dtype)], (Tp // block_q, B, N),
-                  warps, stages, "pallas_attn_repair_dq", aliases={len(inputs): 0})[0]
+    return launch_repair(repair_kernel, problem, "dq", (*names, "dq_in", "dq"), inputs,
+                         [dq_out], "pallas_attn_repair_dq")[0]
 
 
 def dq(problem: Problem, names: tuple[str, ...], inputs: list) -> jax.Array:

@@ -35,13 +35,12 @@ from pallas_attn.kernels.core import (
     softmax_reference_init,
     softmax_step,
 )
-from pallas_attn.kernels.triton.config import REPAIR_TILES
 from pallas_attn.kernels.triton.context import (
     TileContext,
     any_nan,
     launch,
+    launch_repair,
     name_refs,
-    repairing,
     schedule_query_tiles,
     scheduled_grid_size,
 )
@@ -131,18 +130,13 @@ def repair(problem: Problem, q: jax.Array, k: jax.Array, v: jax.Array,
     holding a mark with the Triton forward, which keeps hidden keys out of its products:
     a row that sees a non-finite key stays NaN, the others get their true values. A
     program finding no mark only reads its marks."""
-    problem = repairing(problem, "forward")
     present = [x for x in KERNEL_INPUTS if x in optional]
     names = ("q", "k", "v", *present, "out_in", "max_in", "sum_in", "out", "row_max",
              "log2_sum")
-    inputs = [q, k, v, *(optional[x] for x in present), out, *row_stats]
-    outputs = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (out, *row_stats)]
-    B, Tp, N, _ = q.shape
-    first = len(inputs) - 3
-    block_q, _, warps, stages = REPAIR_TILES
-    out, row_max, log2_sum = launch(
-        repair_kernel, problem, names, inputs, outputs, (Tp // block_q, B, N), warps, stages,
-        "pallas_attn_repair_forward", aliases={first: 0, first + 1: 1, first + 2: 2})
+    out, row_max, log2_sum = launch_repair(
+        repair_kernel, problem, "forward", names,
+        [q, k, v, *(optional[x] for x in present)], [out, *row_stats],
+        "pallas_attn_repair_forward")
     return out, (row_max, log2_sum)
 
 
