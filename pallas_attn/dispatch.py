@@ -190,7 +190,7 @@ def _triton_tiles(call: Call, device: DeviceInfo, overrides: BlockSizes, interpr
     """Each role's Triton tiles: the overrides over the cached or the heuristic ones."""
     spec = call.spec
     budget = device.max_shared_memory_per_block
-    smem = dict(bias_dtype=call.bias_dtype, has_mask=spec.has_mask)
+    smem = dict(bias_dtype=call.bias_dtype, has_mask=spec.has_mask, hides_keys=spec.hides_keys)
     features = {"is_causal": spec.is_causal, "has_bias": spec.has_bias,
                 "has_dropout": spec.has_dropout, "has_window": spec.local_window is not None}
     tuned = None if interpret else cache.lookup(device, call.dtype, call.head_dim,

@@ -75,6 +75,13 @@ class AttentionSpec:
     def has_dropout(self) -> bool:
         return self.dropout_rate > 0.0
 
+    @property
+    def hides_keys(self) -> bool:
+        """Some key can be hidden from some row inside a tile a kernel reads (the lengths
+        aside: positions past them are zeroed in the tiles or before the call)."""
+        return (self.is_causal or self.local_window is not None or self.has_mask
+                or self.has_segments)
+
     def offset(self, q_len: int, kv_len: int) -> int:
         """Query position i is aligned with key position i + offset."""
         return kv_len - q_len if self.causal_alignment == "bottom_right" else 0

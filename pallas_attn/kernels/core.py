@@ -170,14 +170,6 @@ class Problem:
     def has(self, name: str) -> bool:
         return name in self.present
 
-    @property
-    def hides_keys(self) -> bool:
-        """Some key can be hidden from some row inside a tile a kernel reads (the
-        lengths aside: positions past them are zeroed in the tiles or before the call)."""
-        spec = self.spec
-        return (spec.is_causal or spec.local_window is not None or self.has("mask")
-                or self.has("q_segment_ids"))
-
 
 # NOTE: kernel index arithmetic uses lax.div / lax.rem on non-negative ints, never jnp's
 # // and %: those add sign-fixing selects that the Triton lowering of JAX 0.11.2 types

@@ -117,10 +117,10 @@ SWEEP["dbias"] = SWEEP["dq"]  # the same four tiles per step as the dQ kernel
 
 
 def sweep_entries(role: str, head_dim: int, value_head_dim: int, dtype: Any, budget: int,
-                  q_len: int, kv_len: int, bias_dtype: Any = None
+                  q_len: int, kv_len: int, bias_dtype: Any = None, hides_keys: bool = False
                   ) -> list[tuple[int, int, int, int]]:
     """The Triton tiles `tune` times for one role: the sweep grid and the ladder, within
-    the lengths and the shared-memory budget."""
+    the lengths and the shared-memory budget (`hides_keys`: AttentionSpec.hides_keys)."""
     pairs, warps, stages = SWEEP[role]
     if role == "dbias" and bias_dtype is None:
         bias_dtype = dtype  # the dbias kernel exists only with a bias
@@ -131,7 +131,7 @@ def sweep_entries(role: str, head_dim: int, value_head_dim: int, dtype: Any, bud
         if entry in entries or bq > max(16, q_len) or bk > max(16, kv_len):
             continue
         need = triton_config.shared_memory(role, entry, head_dim, value_head_dim, dtype,
-                                           bias_dtype=bias_dtype)
+                                           bias_dtype=bias_dtype, hides_keys=hides_keys)
         if need <= budget:
             entries.append(entry)
     return entries
@@ -280,7 +280,7 @@ def tune_problem(*, batch: int, q_len: int, kv_len: int, heads: int, kv_heads: i
     for role in kernels:
         entries = sweep_entries(role, head_dim, head_dim, dtype,
                                 device.max_shared_memory_per_block, q_len, kv_len,
-                                bias_dtype=bias_dtype)
+                                bias_dtype=bias_dtype, hides_keys=is_causal)
         current = tiles[role]
         if current not in entries:
             entries.insert(0, current)

@@ -98,8 +98,10 @@ def clamp(tiles: Tiles, q_len: int, kv_len: int) -> Tiles:
 
 
 def shared_memory(role: str, tiles: Tiles, head_dim: int, value_head_dim: int, dtype: Any,
-                  *, bias_dtype: Any = None, has_mask: bool = False) -> int:
-    """Bytes of shared memory Triton stages for one role's kernel with these tiles."""
+                  *, bias_dtype: Any = None, has_mask: bool = False,
+                  hides_keys: bool = False) -> int:
+    """Bytes of shared memory Triton stages for one role's kernel with these tiles;
+    `hides_keys`: AttentionSpec.hides_keys."""
     block_q, block_k, _, stages = tiles
     hd, hv = padded_head_dim(head_dim), padded_head_dim(value_head_dim)
     size = jnp.dtype(dtype).itemsize
@@ -112,8 +114,11 @@ def shared_memory(role: str, tiles: Tiles, head_dim: int, value_head_dim: int, d
         return (block_k * (hd + hv) * size + stages * block_q * (hd + hv) * size
                 + 2 * block_q * block_k * size + score_inputs)
     if role == "dq":
+        # Where a tile may hide a key, K with its non-finite entries zeroed is staged
+        # apart from the loaded K for dS K (H100: exactly block_k * hd * size more).
+        cleaned = block_k * hd * size if hides_keys else 0
         return (block_q * (hd + hv) * size + stages * block_k * (hd + hv) * size
-                + block_q * block_k * size + score_inputs)
+                + block_q * block_k * size + score_inputs + cleaned)
     if role == "dbias":
         # Q, dO, K and V are all loaded inside the loop, so every one is multi-buffered;
         # the bias tile is not staged. Measured on an H100 at head dim 128, bf16:
