@@ -119,10 +119,12 @@ class Problem:
                       rows: Callable[[jax.Array], jax.Array] = lambda x: x[:, None]
                       ) -> jax.Array:
         """Normalised probabilities of a score tile from the forward's row residuals;
-        rows(x) broadcasts a per-row vector against the tile."""
+        rows(x) broadcasts a per-row vector against the tile. Never above 1: a backward
+        kernel's products may round a logit up from the forward's, by an ulp of 64 at
+        |logit| ~ 1e9, which would make P 2^64 (`normalised`)."""
         if self.exp2_factor == 1.0:
-            return jnp.exp2(s - rows(row_max + log2_sum))
-        return jnp.exp2((s - rows(row_max)) * self.exp2_factor - rows(log2_sum))
+            return normalised(s - rows(row_max + log2_sum))
+        return normalised((s - rows(row_max)) * self.exp2_factor - rows(log2_sum))
 
     def logsumexp(self, row_max: jax.Array, log2_sum: jax.Array) -> jax.Array:
         """Natural-log lse from the row residuals (+inf for a row that sees no key).
@@ -169,6 +171,11 @@ class Problem:
 
     def has(self, name: str) -> bool:
         return name in self.present
+
+
+def normalised(x: jax.Array) -> jax.Array:
+    """exp2(x) for log2 probabilities x <= 0, at most 1 where rounding put x above 0."""
+    return jnp.exp2(jnp.minimum(x, 0.0))
 
 
 # NOTE: kernel index arithmetic uses lax.div / lax.rem on non-negative ints, never jnp's

@@ -39,6 +39,7 @@ from pallas_attn.kernels.core import (
     TileRanges,
     log2_row_shift,
     logit_scores,
+    normalised,
     run_tile_loops,
 )
 from pallas_attn.kernels.mosaic import config
@@ -554,7 +555,7 @@ def tile_gradient(problem: Problem, s: jax.Array, dp: jax.Array, bias: jax.Array
                               query_dim=query_dim, offset=offset, q_length=q_length)
     if cap_tanh is not None:  # dS picks up the cap's derivative 1 - t^2
         dp = dp * scores.soft_cap_slope(cap_tanh)
-    prob = (jnp.exp2(s) if shifted
+    prob = (normalised(s) if shifted
             else problem.probabilities(s, row_max, log2_sum, rows=rows_of))
     if log2_units:
         dp = dp - rows_of(delta)
