@@ -174,8 +174,9 @@ class Problem:
 
 
 def normalised(x: jax.Array) -> jax.Array:
-    """exp2(x) for log2 probabilities x <= 0, at most 1 where rounding put x above 0."""
-    return jnp.exp2(jnp.minimum(x, 0.0))
+    """exp2(x) for log2 probabilities x <= 0, at most 1 where rounding put x above 0; NaN
+    stays NaN (a select: the Triton lowering's minimum returns the operand not NaN)."""
+    return jnp.exp2(jnp.where(x > 0.0, 0.0, x))
 
 
 # NOTE: kernel index arithmetic uses lax.div / lax.rem on non-negative ints, never jnp's
