@@ -190,7 +190,7 @@ def _triton_tiles(call: Call, device: DeviceInfo, overrides: BlockSizes, interpr
     """Each role's Triton tiles: the overrides over the cached or the heuristic ones."""
     spec = call.spec
     budget = device.max_shared_memory_per_block
-    smem = dict(bias_dtype=call.bias_dtype, has_mask=spec.has_mask, hides_keys=spec.hides_keys)
+    smem = dict(bias_dtype=call.bias_dtype, has_mask=spec.has_mask)
     features = {"is_causal": spec.is_causal, "has_bias": spec.has_bias,
                 "has_dropout": spec.has_dropout, "has_window": spec.local_window is not None}
     tuned = None if interpret else cache.lookup(device, call.dtype, call.head_dim,
@@ -198,12 +198,20 @@ def _triton_tiles(call: Call, device: DeviceInfo, overrides: BlockSizes, interpr
                                                 features)
     chosen = {}
     for role in ("forward", "dkdv", "dq", *(("dbias",) if spec.has_bias else ())):
-        def fits(tiles, role=role):
+        def need(tiles, role=role):
+            masked = triton.masked_key_tiles(spec.hides_keys, spec.has_kv_lengths,
+                                             call.kv_len, tiles[1])
             return triton.shared_memory(role, tiles, call.head_dim, call.value_head_dim,
-                                        call.dtype, **smem) <= budget
+                                        call.dtype, masked_tiles=masked, **smem)
 
-        if tuned is not None and None not in tuned.tiles(role):
-            base = triton.clamp(tuned.tiles(role), call.q_len, call.kv_len)
+        def fits(tiles, need=need):
+            return need(tiles) <= budget
+
+        cached = (None if tuned is None or None in tuned.tiles(role)
+                  else triton.clamp(tuned.tiles(role), call.q_len, call.kv_len))
+        # The cache keys no mask or segments: tiles tuned without them may not fit.
+        if cached is not None and fits(cached):
+            base = cached
         else:
             rungs = triton.ladder(role, call.head_dim, call.value_head_dim, spec.is_causal,
                                   _heavy_scores(call))
@@ -220,10 +228,8 @@ def _triton_tiles(call: Call, device: DeviceInfo, overrides: BlockSizes, interpr
                                                                                strict=True)),
                                  call.q_len, call.kv_len)
             if not interpret and not fits(tiles):
-                need = triton.shared_memory(role, tiles, call.head_dim, call.value_head_dim,
-                                            call.dtype, **smem)
                 raise ValueError(
-                    f"block_sizes {_fields(role, tiles)} need about {need} bytes of shared "
+                    f"block_sizes {_fields(role, tiles)} need about {need(tiles)} bytes of shared "
                     f"memory in the {ROLE_LABELS[role]} kernel (head dims {call.head_dim}/"
                     f"{call.value_head_dim}, {call.dtype}), over the device's {budget} bytes "
                     f"per block; choose smaller tiles or fewer stages")

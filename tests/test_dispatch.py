@@ -235,7 +235,9 @@ def _need(plan: pallas_attn.Plan, c: dispatch.Call, role: str) -> int:
         return triton.shared_memory(role, (route.block_q, route.block_k, route.num_warps,
                                            route.num_stages), c.head_dim, c.value_head_dim,
                                     c.dtype, bias_dtype=c.bias_dtype, has_mask=c.spec.has_mask,
-                                    hides_keys=c.spec.hides_keys)
+                                    masked_tiles=triton.masked_key_tiles(
+                                        c.spec.hides_keys, c.spec.has_kv_lengths, c.kv_len,
+                                        route.block_k))
     if role == "forward":
         staging = mosaic.forward_output_staging(hp, hvp, route.block_k, route.num_stages,
                                                 c.dtype, c.bias_dtype,
@@ -296,9 +298,9 @@ def test_the_dbias_estimate_matches_the_measured_requests():
 
 def test_the_dq_estimate_covers_the_measured_requests():
     """Shared memory the Triton dQ kernel requested on an H100 (bf16, 4 warps), from
-    RESOURCE_EXHAUSTED messages: where a tile may hide a key, K with its non-finite
-    entries zeroed is staged apart for dS K, block_k * head_dim * 2 bytes more. The
-    estimate is never under (the 64 x 64 d256 masked tiles once failed to launch)."""
+    RESOURCE_EXHAUSTED messages: in masked tiles K with its hidden and non-finite entries
+    zeroed is staged apart for dS K, block_k * head_dim * 2 bytes more. The estimate is
+    never under (the 64 x 64 d256 masked tiles once failed to launch)."""
     measured = {  # (head dim, tiles, feature): bytes requested
         (256, (64, 64, 4, 2), "mask"): 233472,
         (256, (128, 64, 4, 2), "mask"): 303104, (256, (128, 64, 4, 2), "causal"): 294912,
@@ -310,9 +312,10 @@ def test_the_dq_estimate_covers_the_measured_requests():
     for (head_dim, tiles, feature), request in measured.items():
         spec = {"mask": dict(mask_shape=(1, 1, 8, 8)), "causal": dict(is_causal=True),
                 "segments": dict(has_segments=True), None: {}}[feature]
+        masked = triton.masked_key_tiles(AttentionSpec(1.0, **spec).hides_keys, False, 512,
+                                         tiles[1])  # measured at T = S = 512
         estimate = triton.shared_memory("dq", tiles, head_dim, head_dim, "bfloat16",
-                                        has_mask=feature == "mask",
-                                        hides_keys=AttentionSpec(1.0, **spec).hides_keys)
+                                        has_mask=feature == "mask", masked_tiles=masked)
         assert estimate >= request, (head_dim, tiles, feature, estimate, request)
 
 
@@ -508,6 +511,21 @@ def test_cached_tiles_are_used_for_the_triton_routes():
     assert other.forward.block_q != 64  # a different feature set does not use the entry
     # On Hopper the Mosaic kernels still take their roles.
     assert backends(dispatch.plan(call(is_causal=True), device=H100))[:3] == ("mosaic",) * 3
+
+
+def test_cached_tiles_that_do_not_fit_the_call_fall_back_to_the_ladder():
+    """The cache keys no mask: 64 x 64 dQ tiles tuned at d256 without one would need
+    more than the H100's shared memory with it (its tiles and K's cleaned copy)."""
+    from pallas_attn.tuning import cache
+
+    tuned = BlockSizes(64, 64, 64, 64, 64, 64, 4, 2, 8, 2, 4, 2)
+    cache.store(H100, cache.entry_key("bfloat16", 256, 256, 4096, 4096, {}), tuned)
+    plain = dispatch.plan(call(256), device=H100, block_sizes=TRITON_ONLY)
+    assert (plain.dq.block_q, plain.dq.block_k, plain.dq.num_stages) == (64, 64, 2)
+    c = call(256, mask_shape=(4, 1, 4096, 4096))
+    masked = dispatch.plan(c, device=H100, block_sizes=TRITON_ONLY)
+    assert (masked.dq.block_q, masked.dq.block_k) != (64, 64)
+    assert _need(masked, c, "dq") <= H100.max_shared_memory_per_block
 
 
 # ------------------------------------------------------------------ explain

@@ -99,9 +99,9 @@ def clamp(tiles: Tiles, q_len: int, kv_len: int) -> Tiles:
 
 def shared_memory(role: str, tiles: Tiles, head_dim: int, value_head_dim: int, dtype: Any,
                   *, bias_dtype: Any = None, has_mask: bool = False,
-                  hides_keys: bool = False) -> int:
+                  masked_tiles: bool = False) -> int:
     """Bytes of shared memory Triton stages for one role's kernel with these tiles;
-    `hides_keys`: AttentionSpec.hides_keys."""
+    masked_tiles: whether the kernel runs key tiles with masked=True (`masked_key_tiles`)."""
     block_q, block_k, _, stages = tiles
     hd, hv = padded_head_dim(head_dim), padded_head_dim(value_head_dim)
     size = jnp.dtype(dtype).itemsize
@@ -114,9 +114,9 @@ def shared_memory(role: str, tiles: Tiles, head_dim: int, value_head_dim: int, d
         return (block_k * (hd + hv) * size + stages * block_q * (hd + hv) * size
                 + 2 * block_q * block_k * size + score_inputs)
     if role == "dq":
-        # Where a tile may hide a key, K with its non-finite entries zeroed is staged
-        # apart from the loaded K for dS K (H100: exactly block_k * hd * size more).
-        cleaned = block_k * hd * size if hides_keys else 0
+        # In masked tiles K with its hidden and non-finite entries zeroed is staged apart
+        # from the loaded K for dS K (H100: exactly block_k * hd * size more).
+        cleaned = block_k * hd * size if masked_tiles else 0
         return (block_q * (hd + hv) * size + stages * block_k * (hd + hv) * size
                 + block_q * block_k * size + score_inputs + cleaned)
     if role == "dbias":
@@ -126,6 +126,14 @@ def shared_memory(role: str, tiles: Tiles, head_dim: int, value_head_dim: int, d
         # and (128, 128, 2), plus 512 with 4 warps.
         return stages * (block_q + block_k) * (hd + hv) * size + 512
     raise ValueError(f"unknown role {role!r}")
+
+
+def masked_key_tiles(hides_keys: bool, has_kv_lengths: bool, kv_len: int,
+                     block_k: int) -> bool:
+    """Whether a kernel looping key tiles of block_k runs some with masked=True: a band
+    edge, a mask or segment ids (AttentionSpec.hides_keys), a key length, a ragged last
+    tile."""
+    return hides_keys or has_kv_lengths or kv_len % block_k != 0
 
 
 def fusable_dbias(bias_shape: tuple[int, ...], *, batch: int, num_heads: int) -> bool:
