@@ -30,16 +30,19 @@ if "xla_backend_optimization_level" not in os.environ["XLA_FLAGS"]:
 
 # NOTE: the interpreters build each kernel's programs afresh per call, so JAX's
 # in-memory caches miss where the same program compiles again (another test, the other
-# xdist worker); a compilation cache keyed on the program itself, shared by the run's
-# workers and removed after it, spares those compiles (4 interpreted Mosaic tests: 28 s
-# -> 21 s from an empty cache).
-_RUN = os.environ.get("PYTEST_XDIST_TESTRUNUID") or f"pid{os.getpid()}"
-_CACHE = os.path.join(tempfile.gettempdir(), f"pallas_attn-test-cache-{_RUN}")
-os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", _CACHE)
-os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
-os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+# xdist worker); a compilation cache keyed on the program itself spares those compiles
+# (4 interpreted Mosaic tests: 28 s -> 21 s from an empty cache). The run's first process
+# (xdist's controller, which starts the workers with its environment) makes a fresh
+# directory, the workers share it, and that process removes it at the end; a cache the
+# developer configured is never used or filled by the suite.
+_OWNS_CACHE = "PALLAS_ATTN_TEST_CACHE" not in os.environ
+if _OWNS_CACHE:
+    os.environ["PALLAS_ATTN_TEST_CACHE"] = tempfile.mkdtemp(prefix="pallas_attn-test-cache-")
+os.environ["JAX_COMPILATION_CACHE_DIR"] = os.environ["PALLAS_ATTN_TEST_CACHE"]
+os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
 
 
 def pytest_sessionfinish(session):
-    if not hasattr(session.config, "workerinput"):  # the run's controller, or no xdist
-        shutil.rmtree(_CACHE, ignore_errors=True)
+    if _OWNS_CACHE:
+        shutil.rmtree(os.environ["PALLAS_ATTN_TEST_CACHE"], ignore_errors=True)
