@@ -154,6 +154,14 @@ def plan(call: Call, *, implementation: str = "pallas", device: DeviceInfo | Non
             forward = dataclasses.replace(forward,
                                           declined=(("decode", decode), *forward.declined))
         routes["forward"] = forward
+    if call.spec.hides_keys:
+        # The Mosaic forward and dQ kernels feed whole key tiles to the tensor cores: a
+        # hidden non-finite key reaches the rows sharing its tile, which they mark and a
+        # Triton kernel recomputes (docs/decisions.md, "marked and repaired").
+        for role in ("forward", "dq"):
+            if routes[role].backend == "mosaic":
+                routes[role] = dataclasses.replace(
+                    routes[role], repair=Route("triton", *triton.REPAIR_TILES))
     dbias = (_dbias_route(call, device, overrides, interpret, tiles["dbias"], routes["dkdv"])
              if call.spec.has_bias else None)
     return Plan("pallas", routes["forward"], routes["dq"], routes["dkdv"], dbias,

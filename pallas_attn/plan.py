@@ -126,7 +126,9 @@ class Route:
     decode kernel's programs per kv head along the keys. fused: dbias only, written by
     the dK/dV kernel (its backend and tiles then). keys_major: the Mosaic dK/dV kernel
     computes its tiles keys by queries (S^T = K Q^T). declined: (backend, reason) for
-    each backend preferred over this one that does not run it.
+    each backend preferred over this one that does not run it. repair: the Triton
+    kernel that recomputes the rows of a Mosaic forward or dQ that a hidden non-finite
+    key reached (those kernels mark them), or None.
     """
 
     backend: str
@@ -139,8 +141,15 @@ class Route:
     fused: bool = False
     keys_major: bool = False
     declined: tuple[tuple[str, str], ...] = ()
+    repair: Route | None = None
 
     def describe(self) -> str:
+        text = self._tiles()
+        if self.repair is None:
+            return text
+        return f"{text}; marked rows recomputed by {self.repair.describe()}"
+
+    def _tiles(self) -> str:
         if self.backend == "xla":
             return "xla"
         if self.fused:

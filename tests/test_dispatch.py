@@ -562,6 +562,25 @@ def test_explain_names_every_role_and_the_reasons():
     assert "not fused:" in text
 
 
+def test_the_repair_of_marked_rows_is_a_route_of_the_plan():
+    """Where keys can be hidden, the Mosaic forward and dQ carry the Triton kernel that
+    recomputes the rows they mark; the plan (and so `explain`) says so, nowhere else."""
+    q, k, v = _arrays()
+    plain = pallas_attn.explain(q, k, v, device=H100)
+    assert plain.forward.backend == "mosaic" and plain.forward.repair is None
+    assert "recomputed" not in str(plain)
+    causal = pallas_attn.explain(q, k, v, is_causal=True, device=H100)
+    for role in ("forward", "dq"):
+        route = causal.route(role)
+        assert route.backend == "mosaic", role
+        assert route.repair == Route("triton", *triton.REPAIR_TILES), role
+    assert causal.dkdv.repair is None
+    assert str(causal).count("marked rows recomputed by triton 64x32, 4 warps, 1 stages") == 2
+    triton_only = pallas_attn.explain(q, k, v, is_causal=True, device=H100,
+                                      block_sizes=TRITON_ONLY)
+    assert triton_only.forward.repair is None and triton_only.dq.repair is None
+
+
 def test_explain_on_this_machine_plans_the_reference():
     q, k, v = _arrays()
     plan = pallas_attn.explain(q, k, v)

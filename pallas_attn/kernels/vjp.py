@@ -196,7 +196,7 @@ def _run_forward(problem: Problem, q, k, v, operands: dict):
     backend = {"mosaic": mosaic_fwd, "decode": triton_decode}.get(
         problem.plan.forward.backend, triton_fwd)
     out, row_stats = backend.forward(problem, q, k, v, operands)
-    if backend is mosaic_fwd and problem.spec.hides_keys:  # rows a hidden NaN key reached
+    if problem.plan.forward.repair is not None:  # rows a hidden NaN key reached
         out, row_stats = triton_fwd.repair(problem, q, k, v, operands, out, row_stats)
     return out, row_stats
 
@@ -317,7 +317,7 @@ def _run_backward(static: tuple[Problem, bool], q, k, v, operands: dict, row_sta
         else:
             dq = mosaic_dq.dq(problem, q, k, v, do, stats, bias, slopes, dq_segments, lengths,
                               dropout_keys, mask, origin)
-        if problem.spec.hides_keys:  # rows a hidden NaN key reached through dS K
+        if plan.dq.repair is not None:  # rows a hidden NaN key reached through dS K
             dq = triton_dq.repair(problem, names, inputs, dq)
     else:
         dq = triton_dq.dq(problem, names, inputs)

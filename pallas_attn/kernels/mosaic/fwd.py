@@ -205,7 +205,7 @@ def _kernel(q_ref, k_ref, v_ref, bias_ref, mask_ref, slopes_ref, sinks_ref, leng
                 plgpu.copy_smem_to_gmem(o_mine, out_ref.at[item.b, out_rows, item.n])
                 row_max_ref.at[item.b, item.n, out_rows][...] = jnp.where(valid, m, jnp.inf)
                 log2_sum = jnp.log2(jnp.where(valid, l_sum, 1.0))
-                if problem.spec.hides_keys:  # a NaN row, maybe from a hidden key: triton fwd.repair
+                if problem.plan.forward.repair is not None:  # a NaN row: the repair route reruns it
                     log2_sum = jnp.where(valid & jnp.isnan(jnp.sum(acc, axis=1)), jnp.nan,
                                          log2_sum)
                 log2_sum_ref.at[item.b, item.n, out_rows][...] = log2_sum

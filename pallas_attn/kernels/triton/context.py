@@ -21,8 +21,6 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_attn.kernels import int32_indices, varying_like
 from pallas_attn.kernels.core import KERNEL_INPUTS, Problem, TileRanges, logit_scores
-from pallas_attn.kernels.triton.config import REPAIR_TILES
-from pallas_attn.plan import Route
 from pallas_attn.semantics import dropout as dropout_lib
 from pallas_attn.semantics import scores
 
@@ -247,11 +245,11 @@ class TileContext(TileRanges):
 def launch_repair(kernel: Callable[..., None], problem: Problem, role: str,
                   names: tuple[str, ...], inputs: list[jax.Array], results: list[jax.Array],
                   name: str) -> Any:
-    """A repair kernel over every query tile of config.REPAIR_TILES rows: the role runs
-    those tiles; names: the inputs', then the results' as inputs, then as outputs; the
-    results (a Mosaic kernel's, [B, Tp, ...] first) are rewritten in place."""
-    block_q, _, warps, stages = REPAIR_TILES
-    route = Route("triton", *REPAIR_TILES)
+    """The role's repair kernel (its route's `repair`) over every query tile: the role
+    runs those tiles; names: the inputs', then the results' as inputs, then as outputs;
+    the results (a Mosaic kernel's, [B, Tp, ...] first) are rewritten in place."""
+    route = problem.plan.route(role).repair
+    block_q, warps, stages = route.block_q, route.num_warps, route.num_stages
     problem = dataclasses.replace(problem, plan=dataclasses.replace(problem.plan,
                                                                     **{role: route}))
     B, Tp = results[0].shape[:2]
