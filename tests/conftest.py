@@ -29,12 +29,9 @@ if "xla_backend_optimization_level" not in os.environ["XLA_FLAGS"]:
     os.environ["XLA_FLAGS"] += " --xla_backend_optimization_level=0"
 
 # NOTE: the interpreters build each kernel's programs afresh per call, so JAX's
-# in-memory caches miss where the same program compiles again (another test, the other
-# xdist worker); a compilation cache keyed on the program itself spares those compiles
-# (4 interpreted Mosaic tests: 28 s -> 21 s from an empty cache). The run's first process
-# (xdist's controller, which starts the workers with its environment) makes a fresh
-# directory, the workers share it, and that process removes it at the end; a cache the
-# developer configured is never used or filled by the suite.
+# in-memory caches miss where the same program compiles again; a compilation cache keyed
+# on the program spares those compiles. The run's first process (xdist's controller)
+# makes a fresh directory, its workers inherit it, and it removes it at the end.
 _OWNS_CACHE = "PALLAS_ATTN_TEST_CACHE" not in os.environ
 if _OWNS_CACHE:
     os.environ["PALLAS_ATTN_TEST_CACHE"] = tempfile.mkdtemp(prefix="pallas_attn-test-cache-")
