@@ -28,7 +28,7 @@ def _grads(q, k, v, ct, segments, implementation, **kw):
             **kw)
         return jnp.sum(out * ct), out
 
-    (_, out), grads = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(q, k, v)
+    (_, out), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(q, k, v)
     return out, grads
 
 
@@ -72,7 +72,8 @@ def test_the_mosaic_kernels_never_read_a_poisoned_document(kw):
                 block_sizes=MOSAIC, **kw)
             return jnp.sum(out.astype(jnp.float32) * ct), out
 
-        (_, out), grads = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(q, k, v)
+        step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))
+        (_, out), grads = step(q, k, v)
         return [np.asarray(x, np.float32) for x in (out, *grads)]
 
     bad = run(k.at[0, poisoned].set(jnp.nan), v.at[0, poisoned].set(jnp.nan))
@@ -110,7 +111,8 @@ def test_a_document_mask_never_reads_a_poisoned_document(blocks, causal):
                 **(dict(interpret=True, block_sizes=blocks) if impl == "pallas" else {}))
             return jnp.sum(out.astype(jnp.float32) * ct), out
 
-        (_, out), grads = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(q, k, v)
+        step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))
+        (_, out), grads = step(q, k, v)
         return [np.asarray(x, np.float32) for x in (out, *grads)]
 
     bad = run("pallas", k.at[0, poisoned].set(jnp.nan), v.at[0, poisoned].set(jnp.nan))
@@ -147,14 +149,14 @@ def _masked_reference(q, k, v, ct, mask):
         out = pallas_attn.dot_product_attention(q, k, v, mask=mask, implementation="xla")
         return jnp.sum(out * ct), out
 
-    (_, out), grads = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(q, k, v)
+    (_, out), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(q, k, v)
     return (out, *grads)
 
 
 def test_mask_ranges_bound_every_visible_entry(monkeypatch):
     """core.mask_ranges against the mask itself, in chunks of keys: each row's range
     runs from its first chunk holding a visible key (in any head) to its last, each
-    key's over the rows that see a key of its chunk; empty
+    key's over the groups of CHUNK rows that see a key of its chunk; empty
     [n, 0) for rows and keys that see nothing and for padding; broadcast dims too."""
     from pallas_attn.kernels import core
 
@@ -174,7 +176,8 @@ def test_mask_ranges_bound_every_visible_entry(monkeypatch):
         for j in range(16):  # each key: the rows that see a key of its chunk
             chunk = slice(j // CHUNK * CHUNK, j // CHUNK * CHUNK + CHUNK)
             rows = np.flatnonzero(seen[b, :, chunk].any(axis=1)) if j < 11 else []
-            want = [rows[0], rows[-1] + 1] if len(rows) else [9, 0]
+            want = ([rows[0] // CHUNK * CHUNK, min(9, (rows[-1] // CHUNK + 1) * CHUNK)]
+                    if len(rows) else [9, 0])
             np.testing.assert_array_equal(queries[b, :, j], want)
     keys, queries = core.mask_ranges(jnp.ones((1, 1, 1, 11), bool), 2, 9, 11, 12, 16)
     np.testing.assert_array_equal(keys[:, :, :9], np.broadcast_to([[0], [11]], (2, 2, 9)))

@@ -359,7 +359,8 @@ def segment_ranges(q_segments: jax.Array, kv_segments: jax.Array, q_len: int, kv
 
 
 # mask_ranges reads the mask once, into whether each chunk of this many keys holds a
-# visible one; the ranges come from that array, a sixteenth of the mask.
+# visible one; the ranges come from that array, a sixteenth of the mask, and the keys'
+# from its rows taken in groups of as many.
 MASK_RANGE_CHUNK = 16
 
 
@@ -369,8 +370,9 @@ def mask_ranges(mask: jax.Array, batch: int, q_len: int, kv_len: int, q_pad: int
     [B or 1, N or 1, T or 1, S or 1], as `segment_ranges` gives them, in chunks of
     MASK_RANGE_CHUNK keys: for each query row the keys from its first chunk holding a
     visible key (in any head) to its last, and for each key the query rows from the
-    first that sees a key of its chunk to the last; empty [n, 0) where nothing is
-    visible and for padding. Tiles outside a range hold no visible entry, so the
+    first group of MASK_RANGE_CHUNK rows that sees a key of its chunk to the last
+    (tiles made of whole groups skip as with exact rows); empty [n, 0) where nothing
+    is visible and for padding. Tiles outside a range hold no visible entry, so the
     kernels skip them."""
     seen = jnp.any(mask, axis=1)  # [B or 1, T or 1, S or 1]: visible in some head
     chunk = MASK_RANGE_CHUNK if seen.shape[2] > 1 else kv_len
@@ -394,7 +396,11 @@ def mask_ranges(mask: jax.Array, batch: int, q_len: int, kv_len: int, q_pad: int
     def padded(found, rows, pad, n):
         return _pad_ranges(jnp.broadcast_to(found, (batch, 2, rows)).astype(jnp.int32), pad, n)
 
-    per_key = jnp.repeat(bounds(seen, 1, q_len), chunk, axis=2)[:, :, :kv_len]
+    rows, groups = MASK_RANGE_CHUNK, seen
+    if seen.shape[1] > 1:  # rows in groups too: a column reduction over all of T is slow
+        groups = jnp.pad(seen, ((0, 0), (0, -(-q_len // rows) * rows - q_len), (0, 0)))
+        groups = jnp.any(groups.reshape(seen.shape[0], -1, rows, seen.shape[2]), axis=2)
+    per_key = jnp.repeat(bounds(groups, 1, q_len, rows), chunk, axis=2)[:, :, :kv_len]
     return (padded(bounds(seen, 2, kv_len, chunk), q_len, q_pad, kv_len),
             padded(per_key, kv_len, kv_pad, q_len))
 
