@@ -105,12 +105,17 @@ def _kernel_outputs(dtype: str, shapes: dict, bias_shape: tuple | None, kwargs: 
     residuals and a random dO, and the caller's T."""
     x = kernel_backward(dtype, shapes, bias_shape, kwargs,
                         dataclasses.replace(MOSAIC_DQ, **blocks))
-    mosaic = mosaic_dq.dq(x.problem, x.q, x.k, x.v, x.do, x.stats, x.operands.get("bias"),
-                          x.operands.get("alibi_slopes"), segments_of(x.operands, "key_ranges"),
-                          lengths_of(x.operands), x.operands.get("dropout_keys"),
-                          mask_of(x.operands))
+    mosaic, marks = mosaic_dq.dq(
+        x.problem, x.q, x.k, x.v, x.do, x.stats, x.operands.get("bias"),
+        x.operands.get("alibi_slopes"), segments_of(x.operands, "key_ranges"),
+        lengths_of(x.operands), x.operands.get("dropout_keys"), mask_of(x.operands))
     triton = triton_dq.dq(*x.triton(block_q_dq=32, block_k_dq=32, dq_backend="triton"))
     assert mosaic.shape == x.q.shape and mosaic.dtype == x.q.dtype
+    # Where keys can be hidden, every row is marked, and none holds NaN (finite inputs).
+    assert (marks is None) == (x.problem.plan.dq.repair is None)
+    if marks is not None:
+        assert marks.shape[:2] == (x.q.shape[0], x.q.shape[2]) and marks.shape[3] == x.q.shape[1]
+        assert not np.isnan(np.asarray(marks)).any()
     return np.asarray(mosaic, np.float32), np.asarray(triton, np.float32), x.T
 
 
@@ -149,9 +154,9 @@ def test_dq_and_dbias_stores_batch_entry_0s_dbias(shapes, kwargs):
     x = kernel_backward("bfloat16", shapes, (1, shapes["N"]), kwargs, blocks)
     bias, slopes = x.operands["bias"], x.operands.get("alibi_slopes")
     args = (x.problem, x.q, x.k, x.v, x.do, x.stats, bias, slopes)
-    dq_with, dbias = mosaic_dq.dq_and_dbias(*args)
+    dq_with, dbias, _ = mosaic_dq.dq_and_dbias(*args)
     np.testing.assert_array_equal(np.asarray(dq_with, np.float32),
-                                  np.asarray(mosaic_dq.dq(*args), np.float32))
+                                  np.asarray(mosaic_dq.dq(*args)[0], np.float32))
     dbias = np.asarray(dbias, np.float32)
     assert dbias.shape == bias.shape and not np.isnan(dbias).any()
     T, S = x.T, x.S
@@ -288,7 +293,7 @@ def test_alibi_float_positions_match_the_integer_fallback(blocks, monkeypatch):
     offset: bottom-right causal, T > S)."""
     inputs = make_inputs(61, B=1, T=150, S=100, N=2, H=64, dtype=jnp.bfloat16)
     kwargs = dict(block_sizes=blocks, arrays={"alibi_slopes": jnp.array([0.3, 0.07])},
-                  is_causal=True, causal_alignment="bottom_right", split="eager")
+                  is_causal=True, causal_alignment="bottom_right")
     as_floats = run("pallas", inputs, **kwargs)
     monkeypatch.setattr(Problem, "exact_float_positions", property(lambda self: False))
     as_integers = run("pallas", inputs, **kwargs)

@@ -311,14 +311,14 @@ def _run_backward(static: tuple[Problem, bool], q, k, v, operands: dict, row_sta
     dbias_first = None
     if plan.dq.backend == "mosaic":
         if plan.dkdv.backend == "mosaic" and mosaic_dkv.sums_batch(problem, bias, fused):
-            dq, dbias_first = mosaic_dq.dq_and_dbias(problem, q, k, v, do, stats, bias, slopes,
-                                                     dq_segments, lengths, dropout_keys, mask,
-                                                     origin)
+            dq, dbias_first, marks = mosaic_dq.dq_and_dbias(
+                problem, q, k, v, do, stats, bias, slopes, dq_segments, lengths, dropout_keys,
+                mask, origin)
         else:
-            dq = mosaic_dq.dq(problem, q, k, v, do, stats, bias, slopes, dq_segments, lengths,
-                              dropout_keys, mask, origin)
+            dq, marks = mosaic_dq.dq(problem, q, k, v, do, stats, bias, slopes, dq_segments,
+                                     lengths, dropout_keys, mask, origin)
         if plan.dq.repair is not None:  # rows a hidden NaN key reached through dS K
-            dq = triton_dq.repair(problem, names, inputs, dq)
+            dq = triton_dq.repair(problem, names, inputs, dq, marks)
     else:
         dq = triton_dq.dq(problem, names, inputs)
     if plan.dkdv.backend == "mosaic":

@@ -656,22 +656,25 @@ def scoped(scratch: Scratch, body: Callable[[dict[str, Any], dict[str, Any]], No
 
 
 def launch(entry, out_type: Any, programs: int, interpret: bool,
-           consumers: int = CONSUMERS) -> Any:
+           consumers: int = CONSUMERS, row_reductions_only: bool = False) -> Any:
     """The persistent warp-specialised kernel `entry` (consumers and a producer, named
     "wg") on `programs` programs (named "program"), as a function of its operands.
+    row_reductions_only: its reductions all run along the rows of wgmma's layout, within
+    a warp, so no shared memory is set aside for reductions across warps.
 
     The interpreter poisons every buffer it allocates (outputs included) with NaN and
     runs its happens-before race detector (the Mosaic tests check its verdict).
     """
     params = (plgpu.InterpretGPUParams(uninitialized_memory="nan", detect_races=True)
               if interpret else None)
+    reductions = {"reduction_scratch_bytes": 0} if row_reductions_only else {}
 
     def run(*operands):
         with int32_indices():
             results = plgpu.kernel(
                 entry, out_type=out_type, grid=(programs,),
                 grid_names=("program",), num_threads=consumers + 1, thread_name="wg",
-                compiler_params=plgpu.CompilerParams(approx_math=True),
+                compiler_params=plgpu.CompilerParams(approx_math=True, **reductions),
                 interpret=params)(*operands)
         return cast_varying_like(results, operands)
 

@@ -50,7 +50,8 @@ no zeroed buffer and entry 0's tiles are written, not added.
 
 A NaN or inf key hidden from a row inside a tile reaches its dq through dS K (dS is
 zeroed where P is 0 in masked tiles, `common.tile_gradient`, so hidden values do not):
-the Triton kernel `triton/dq.py` repair recomputes every tile whose dq holds a NaN.
+each consumer marks its rows whose dq holds a NaN (a NaN row sum, an output of its own)
+and the Triton kernel `triton/dq.py` repair recomputes the tiles holding a mark.
 """
 
 from __future__ import annotations
@@ -95,8 +96,8 @@ from pallas_attn.kernels.mosaic.config import (
 
 
 def _kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, bias_ref, mask_ref, slopes_ref, lengths,
-            origin, segments, dropout, dq_ref, dbias_ref, smem, barriers, *, problem: Problem,
-            programs: int, consumers: int, wide: bool):
+            origin, segments, dropout, dq_ref, dbias_ref, marks_ref, smem, barriers, *,
+            problem: Problem, programs: int, consumers: int, wide: bool):
     rows_loaded, schedule = barriers["rows_loaded"], barriers["schedule"]
     exchange = barriers["exchange"]
     ring = tuple(barriers[name] for name in ("k_loaded", "v_loaded", "k_consumed",
@@ -195,6 +196,9 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, bias_ref, mask_ref, slopes_r
             def _store():
                 dq_ref.at[item.b, pl.ds(row0, rows_n), item.n, cols][...] = (
                     dq * problem.spec.scale).astype(dq_ref.dtype)
+                if marks_ref is not None:  # a NaN row sum: the repair route reruns its tile
+                    marks = marks_ref.at[item.b, item.n, wg if wide else 0]
+                    marks.at[pl.ds(row0, rows_n)][...] = jnp.sum(dq, axis=1)
 
             return step + steps
 
@@ -316,37 +320,40 @@ def dq(problem: Problem, q: jax.Array, k: jax.Array, v: jax.Array, do: jax.Array
        stats: jax.Array, bias: jax.Array | None, slopes: jax.Array | None = None,
        segments: tuple[jax.Array, ...] = (), lengths: tuple[Any, Any] = (None, None),
        dropout_keys: jax.Array | None = None, mask: jax.Array | None = None,
-       origin: jax.Array | None = None) -> jax.Array:
-    """dq [B, Tp, N, Hp] for padded inputs; stats: the row residuals
+       origin: jax.Array | None = None) -> tuple[jax.Array, jax.Array | None]:
+    """(dq [B, Tp, N, Hp], marks) for padded inputs; marks: where the plan's dQ route has a
+    repair, float32 [B, N, 2 if wide else 1, Tp], NaN for rows whose dq holds one (each
+    wide consumer's columns apart), else None; stats: the row residuals
     (`common.row_residuals`); slopes: ALiBi slopes [B, N] or None; segments: the
     segment operands (`common.segments_of`, key limits) or (); lengths: the query and
     key lengths (`common.lengths_of`), positions past them zeroed in q, k, v and do;
     dropout_keys: dropout's program keys or None; mask: the caller's mask as int8
     (`config.MASK_DTYPE`) or None; origin: the positions of query 0 and key 0 [2] or None."""
-    return _launch(problem, q, k, v, do, stats, bias, slopes, segments, lengths,
-                   dropout_keys, mask, origin, False)[0]
+    dq_out, _, marks = _launch(problem, q, k, v, do, stats, bias, slopes, segments, lengths,
+                               dropout_keys, mask, origin, False)
+    return dq_out, marks
 
 
 def dq_and_dbias(problem: Problem, q: jax.Array, k: jax.Array, v: jax.Array, do: jax.Array,
                  stats: jax.Array, bias: jax.Array, slopes: jax.Array | None = None,
                  segments: tuple[jax.Array, ...] = (), lengths: tuple[Any, Any] = (None, None),
                  dropout_keys: jax.Array | None = None, mask: jax.Array | None = None,
-                 origin: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
-    """(dq, batch entry 0's part of the gradient of a bias shared by the batch entries)
-    for padded inputs: `dq`, with the dS tiles of batch entry 0 stored as a dbias of
+                 origin: jax.Array | None = None
+                 ) -> tuple[jax.Array, jax.Array, jax.Array | None]:
+    """(dq, batch entry 0's part of the gradient of a bias shared by the batch entries,
+    marks) for padded inputs: `dq`, with the dS tiles of batch entry 0 stored as a dbias of
     the bias's shape [1, N, Tp, Sp] (and zeros outside the bands). The dK/dV kernel
     adds the other entries' to it (`dkv.dkdv`'s dbias_first)."""
     if not fusable_dbias(bias.shape, batch=1, num_heads=problem.num_heads,
                          bias_dtype=bias.dtype, dtype=problem.dtype):
         raise AssertionError(f"mosaic.dq.dq_and_dbias cannot write the dbias of a "
                              f"{bias.dtype} bias of shape {bias.shape}")
-    dq_out, dbias = _launch(problem, q, k, v, do, stats, bias, slopes, segments, lengths,
-                            dropout_keys, mask, origin, True)
-    return dq_out, dbias
+    return _launch(problem, q, k, v, do, stats, bias, slopes, segments, lengths,
+                   dropout_keys, mask, origin, True)
 
 
 def _launch(problem: Problem, q, k, v, do, stats, bias, slopes, segments: tuple,
-            lengths: tuple, keys, mask, origin, with_dbias: bool) -> list:
+            lengths: tuple, keys, mask, origin, with_dbias: bool) -> tuple:
     if why := unsupported(problem, "dq"):
         raise AssertionError(f"mosaic.dq.dq called for an unsupported problem: {why}")
     route = problem.plan.dq
@@ -357,6 +364,7 @@ def _launch(problem: Problem, q, k, v, do, stats, bias, slopes, segments: tuple,
         raise AssertionError(f"mosaic.dq.dq needs (block_q, block_k) = {tiles}: {route}")
     consumers = route.consumers
     wide = is_wide(hp, hvp)
+    marked = route.repair is not None
     scratch = dq_scratch(hp, hvp, route.block_k, route.num_stages, consumers, q.dtype,
                          None if bias is None else bias.dtype, dbias=with_dbias,
                          has_mask=mask is not None)
@@ -365,14 +373,15 @@ def _launch(problem: Problem, q, k, v, do, stats, bias, slopes, segments: tuple,
         bias_ref, mask_ref, slopes_ref, keys_ref, origin_ref, *length_refs = optional_refs(
             refs, bias, mask, slopes, keys, origin, *lengths)
         refs = refs[sum(x is not None for x in (bias, mask, slopes, keys, origin, *lengths)):]
-        segment_refs, (dq_ref, *dbias_ref) = refs[:len(segments)], refs[len(segments):]
+        segment_refs, (dq_ref, *outputs) = refs[:len(segments)], refs[len(segments):]
+        dbias_ref = outputs.pop(0) if with_dbias else None
+        marks_ref = outputs.pop(0) if marked else None
         scoped(scratch, lambda smem, barriers: _kernel(
             q_ref, k_ref, v_ref, do_ref, stats_ref, bias_ref, mask_ref, slopes_ref,
             tuple(length_refs), origin_ref,
             Segments.of(tuple(segment_refs)),
             None if keys is None else Dropout(keys_ref, problem.spec.dropout_rate, origin_ref),
-            dq_ref,
-            dbias_ref[0] if dbias_ref else None, smem, barriers, problem=problem,
+            dq_ref, dbias_ref, marks_ref, smem, barriers, problem=problem,
             programs=programs, consumers=consumers, wide=wide))
 
     item_rows = tiles[0] if wide else consumers * ROWS_PER_CONSUMER
@@ -384,4 +393,9 @@ def _launch(problem: Problem, q, k, v, do, stats, bias, slopes, segments: tuple,
     out_type = [jax.ShapeDtypeStruct(q.shape, q.dtype)]
     if with_dbias:
         out_type.append(jax.ShapeDtypeStruct(bias.shape, bias.dtype))
-    return launch(entry, out_type, programs, problem.interpret, consumers)(*operands)
+    if marked:
+        out_type.append(jax.ShapeDtypeStruct((B, N, consumers if wide else 1, Tp), jnp.float32))
+    results = list(launch(entry, out_type, programs, problem.interpret, consumers,
+                          row_reductions_only=True)(*operands))
+    return (results.pop(0), results.pop(0) if with_dbias else None,
+            results.pop(0) if marked else None)

@@ -2,7 +2,7 @@
 looping over the key tiles its rows can see, heavy (late) causal tiles first. Every
 output element is written by exactly one program: bitwise deterministic. In tiles that
 may hide a key, K's non-finite entries are zeroed for dS K (and dS is 0 wherever P is:
-`TileContext.score_gradient`); `repair` recomputes the Mosaic dQ kernel's NaN tiles.
+`TileContext.score_gradient`); `repair` recomputes the tiles the Mosaic dQ kernel marks.
 """
 
 from __future__ import annotations
@@ -58,21 +58,23 @@ def _dq_tile(problem: Problem, r: dict, i, b, n) -> None:
 
 
 def repair_kernel(*refs, problem: Problem, names: tuple[str, ...]):
-    """Recomputes query tile i of (b, n) if its dq holds a NaN."""
+    """Recomputes query tile i of (b, n) if a row of it is marked (its dq holds a NaN)."""
     r = name_refs(names, refs)
     i, b, n = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     block_q = problem.plan.dq.block_q
-    marks = r["dq_in"][b, pl.ds(i * block_q, block_q), n, :]
+    marks = r["dq_marks"][b, n, :, pl.ds(i * block_q, block_q)]
     pl.when(any_nan(marks))(lambda: _dq_tile(problem, r, i, b, n))
 
 
-def repair(problem: Problem, names: tuple[str, ...], inputs: list, dq_out: jax.Array
-           ) -> jax.Array:
-    """dq of a Mosaic dQ kernel with the tiles holding a NaN recomputed here, in place
+def repair(problem: Problem, names: tuple[str, ...], inputs: list, dq_out: jax.Array,
+           marks: jax.Array) -> jax.Array:
+    """dq of a Mosaic dQ kernel with its marked rows' tiles recomputed here, in place
     (as `fwd.repair` does for the forward: a non-finite key hidden from a row reaches
-    its dq through dS K with dS = 0; this kernel keeps hidden keys out of the product)."""
-    return launch_repair(repair_kernel, problem, "dq", (*names, "dq_in", "dq"), inputs,
-                         [dq_out], "pallas_attn_repair_dq")[0]
+    its dq through dS K with dS = 0; this kernel keeps hidden keys out of the product);
+    marks [B, N, W, Tp]: NaN for the rows whose dq holds one. A program finding no mark
+    only reads its marks."""
+    return launch_repair(repair_kernel, problem, "dq", (*names, "dq_marks", "dq_in", "dq"),
+                         [*inputs, marks], [dq_out], "pallas_attn_repair_dq")[0]
 
 
 def dq(problem: Problem, names: tuple[str, ...], inputs: list) -> jax.Array:
