@@ -102,8 +102,7 @@ def _finite(x: jax.Array) -> jax.Array:
 
 
 def make_runner(implementation: str, *, with_bias: bool = False, bias_grad: bool = True,
-                lse_grad: bool = True, block_sizes: Any = SMALL_BLOCKS,
-                split: bool | str = False, **static: Any):
+                lse_grad: bool = True, block_sizes: Any = SMALL_BLOCKS, **static: Any):
     """A jitted fn(q, k, v, ct, ct_lse, bias, arrays) -> dict of out, lse and gradients.
 
     The loss is sum(out * ct) + sum(lse * ct_lse) (lse of empty rows, -inf, left out),
@@ -111,14 +110,9 @@ def make_runner(implementation: str, *, with_bias: bool = False, bias_grad: bool
     array arguments (mask, segment ids, lengths, alibi slopes, dropout_rng), which
     are not differentiated. `static` are the remaining keyword arguments.
 
-    split: the forward (jax.vjp) and the backward run as two jitted calls instead of
-    one. The Mosaic GPU interpreter needs this on a 2-core machine: inside one larger
-    jitted call its simulated warpgroups can wait for XLA's CPU worker threads that
-    the call itself holds, and never finish (seen with a bias, JAX 0.11.2).
-    split="eager": both run op by op instead, each kernel a call of its own (the
-    Mosaic dbias kernel hangs inside the jitted backward, next to the Triton kernels,
-    the same way, and the Mosaic forward with a bias hung now and then inside the
-    jitted forward: twice in CI-like runs over sessions 9 and 10).
+    One jitted call: the Mosaic GPU interpreter's warpgroups run next to the calling
+    program only because tests/conftest.py gives XLA:CPU's pool more threads than a
+    kernel has warpgroups (PJRT_NPROC).
     """
     extra = {}
     if implementation == "pallas":
@@ -154,16 +148,9 @@ def make_runner(implementation: str, *, with_bias: bool = False, bias_grad: bool
         out, lse, pullback = forward(*args)
         return out, lse, backward(pullback)
 
-    forward_alone = forward if split == "eager" else jax.jit(forward)
-    backward_alone = backward if split == "eager" else jax.jit(backward)
-
     def fn(q, k, v, ct, ct_lse, bias=None, arrays=None):
         args = (q, k, v, ct, ct_lse, bias, {} if arrays is None else arrays)
-        if split:
-            out, lse, pullback = forward_alone(*args)
-            grads = backward_alone(pullback)
-        else:
-            out, lse, grads = fused(*args)
+        out, lse, grads = fused(*args)
         result = {"out": out, "lse": lse, "dq": grads[0], "dk": grads[1], "dv": grads[2]}
         if len(grads) == 4:
             result["dbias"] = grads[3]
@@ -538,15 +525,15 @@ def kernel_backward(dtype: str, shapes: dict, bias_shape: tuple | None, kwargs: 
 
 def check_kernel_gradients(dtype: Any, shapes: dict, bias_shape: tuple | None, kwargs: dict,
                            block_sizes: Any) -> tuple[dict, dict]:
-    """The forward in a jitted call of its own and the backward op by op (`make_runner`,
-    split="eager") with these tiles, on random inputs (make_inputs' `shapes`, in dtype)
-    and a random bias [*bias_shape, T, S] or none: every result, dbias included, within
-    FlashAttention's rule of the float64 oracle and close to the reference in the same
-    dtype. Returns (the kernel's results, the oracle's)."""
+    """The forward and backward (`make_runner`) with these tiles, on random inputs
+    (make_inputs' `shapes`, in dtype) and a random bias [*bias_shape, T, S] or none:
+    every result, dbias included, within FlashAttention's rule of the float64 oracle
+    and close to the reference in the same dtype. Returns (the kernel's results, the
+    oracle's)."""
     inputs = make_inputs(sum(shapes.values()), dtype=dtype, **shapes)
     bias = (random_bias(5, (*bias_shape, shapes["T"], shapes["S"]), dtype)
             if bias_shape is not None else None)
-    kernel, reference = pallas_and_reference(inputs, block_sizes=block_sizes, split="eager",
+    kernel, reference = pallas_and_reference(inputs, block_sizes=block_sizes,
                                              bias=bias, **kwargs)
     exact = oracle(inputs, bias=bias, **kwargs)
     if bias is not None:

@@ -37,7 +37,7 @@ def _both(q, k, v, ct, **kw):
                 return_residual=True, **kw)
             finite = jnp.where(jnp.isinf(lse), 0.0, lse)
             return jnp.sum(out.astype(jnp.float32) * ct) + jnp.sum(finite), (out, lse)
-        return jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(q, k, v)
+        return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(q, k, v)
     return run("pallas"), run("xla")
 
 

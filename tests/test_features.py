@@ -117,7 +117,7 @@ def test_feature(case, backend):
         except ValueError as e:
             pytest.skip(f"the routing table: {e}")
     impl = "pallas" if block_sizes is not None else backend
-    extra = {} if block_sizes is None else dict(block_sizes=block_sizes, split="eager")
+    extra = {} if block_sizes is None else dict(block_sizes=block_sizes)
     got = run(impl, inputs, bias=bias, arrays=arrays, **extra, **static)
     reference = run("xla", inputs, bias=bias, arrays=arrays, **static)
     keep = None

@@ -66,7 +66,7 @@ def _results(q, k, v, ct, **kwargs) -> list[np.ndarray]:
         finite_lse = jnp.where(jnp.isfinite(lse), lse, 0.0)
         return jnp.sum(out.astype(jnp.float32) * ct) + jnp.sum(finite_lse), (out, lse)
 
-    (_, aux), grads = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(q, k, v)
+    (_, aux), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(q, k, v)
     return [np.asarray(x, np.float32) for x in (*aux, *grads)]
 
 

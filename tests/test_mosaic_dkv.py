@@ -232,9 +232,7 @@ def test_gradients_with_the_mosaic_dkv_against_reference_and_float64(shapes, bia
 def test_batch_shared_dbias_under_vmap(blocks):
     """vmap over an extra leading axis: the buffer the batch sum goes into (zeros, or
     the Mosaic dQ kernel's batch entry 0) is a mutable operand of the kernel; every
-    vmapped slice gets its own sum, as in the reference. Run op by op, not jitted:
-    inside one jitted call the interpreted kernels can wait on each other's CPU
-    threads and hang (`make_runner`'s split)."""
+    vmapped slice gets its own sum, as in the reference."""
     keys = jax.random.split(jax.random.key(7), 5)
     q = jax.random.normal(keys[0], (3, 2, 64, 2, 64), jnp.bfloat16)
     k, v = (jax.random.normal(x, (3, 2, 128, 2, 64), jnp.bfloat16) for x in keys[1:3])
@@ -247,7 +245,7 @@ def test_batch_shared_dbias_under_vmap(blocks):
                 *x, is_causal=True, **kwargs))(q, k, v, bias)
             return jnp.sum(out.astype(jnp.float32) * ct)
         return [np.asarray(g, np.float64)
-                for g in jax.grad(loss, argnums=(1, 3))(q, k, v, bias)]
+                for g in jax.jit(jax.grad(loss, argnums=(1, 3)))(q, k, v, bias)]
 
     (dk, dbias), (ref_dk, ref_dbias) = (
         grads(implementation="pallas", interpret=True, block_sizes=blocks),

@@ -180,10 +180,8 @@ def test_mosaic_forward_against_reference_and_float64(dtype, shapes, kwargs, blo
     kwargs = _with_bias(kwargs, dtype)
     block_sizes = dataclasses.replace(MOSAIC, **blocks)
     dtypes = {}
-    # The forward and the backward op by op, each kernel a call of its own
-    # (kernel_helpers.make_runner).
     kernel, reference = pallas_and_reference(inputs, dtypes=dtypes, block_sizes=block_sizes,
-                                             split="eager", **kwargs)
+                                             **kwargs)
     exact = oracle(inputs, **_with_keep_mask(kwargs, shapes))
     assert dtypes["out"] == DTYPES[dtype] and dtypes["lse"] == jnp.float32
     assert_fa_rule(kernel, reference, exact, DTYPES[dtype])

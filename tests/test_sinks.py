@@ -57,7 +57,7 @@ def _run(backend, inputs, sinks, kwargs, dtype):
         return total + jnp.sum(finite * inputs["ct_lse"]), (out, lse)
 
     q, k, v = (inputs[x].astype(dtype) for x in ("q", "k", "v"))
-    grads, (out, lse) = jax.grad(loss, argnums=(0, 1, 2, 3), has_aux=True)(
+    grads, (out, lse) = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3), has_aux=True))(
         q, k, v, jnp.asarray(sinks))
     names = ("out", "lse", "dq", "dk", "dv", "dsinks")
     return {name: np.asarray(jnp.asarray(x, jnp.float32), np.float64)
@@ -135,7 +135,7 @@ def test_ring_attention_with_sinks():
 
     args = (inputs["q"], inputs["k"], inputs["v"], jnp.asarray(SINKS))
     got = jax.jit(jax.value_and_grad(ring_loss, argnums=(0, 1, 2, 3)))(*args)
-    want = jax.value_and_grad(op_loss, argnums=(0, 1, 2, 3))(*args)
+    want = jax.jit(jax.value_and_grad(op_loss, argnums=(0, 1, 2, 3)))(*args)
     np.testing.assert_allclose(got[0], want[0], rtol=1e-5)
     for g, w in zip(got[1][3:], want[1][3:], strict=True):
         np.testing.assert_allclose(g, w, rtol=2e-5, atol=2e-5)
