@@ -234,9 +234,9 @@ def test_batch_shared_dbias_under_vmap(blocks):
     the Mosaic dQ kernel's batch entry 0) is a mutable operand of the kernel; every
     vmapped slice gets its own sum, as in the reference."""
     keys = jax.random.split(jax.random.key(7), 5)
-    q = jax.random.normal(keys[0], (3, 2, 64, 2, 64), jnp.bfloat16)
-    k, v = (jax.random.normal(x, (3, 2, 128, 2, 64), jnp.bfloat16) for x in keys[1:3])
-    bias = jax.random.normal(keys[3], (3, 1, 2, 64, 128), jnp.bfloat16)
+    q = jax.random.normal(keys[0], (2, 2, 64, 2, 64), jnp.bfloat16)
+    k, v = (jax.random.normal(x, (2, 2, 128, 2, 64), jnp.bfloat16) for x in keys[1:3])
+    bias = jax.random.normal(keys[3], (2, 1, 2, 64, 128), jnp.bfloat16)
     ct = jax.random.normal(keys[4], q.shape, jnp.float32)
 
     def grads(**kwargs):

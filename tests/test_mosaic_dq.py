@@ -140,9 +140,9 @@ def test_mosaic_dq_matches_the_triton_dq_kernel(dtype, shapes, bias_shape, kwarg
     (dict(B=2, T=200, S=150, N=4, K=2),
      dict(is_causal=True, alibi_slopes=jnp.array([[0.5, 0.25, 0.125, 0.0625],
                                                    [0.03, 0.2, 0.7, 0.01]]))),
-    (dict(B=3, T=140, S=260, N=2), dict(logits_soft_cap=5.0, local_window_size=(90, 30))),
+    (dict(B=2, T=140, S=260, N=2), dict(logits_soft_cap=5.0, local_window_size=(90, 30))),
     (dict(B=2, T=200, S=100, N=2), dict(is_causal=True, causal_alignment="bottom_right")),
-    (dict(B=2, T=200, S=150, N=4, K=2, H=256), dict(is_causal=True, logits_soft_cap=5.0)),
+    (dict(B=1, T=200, S=150, N=4, K=2, H=256), dict(is_causal=True, logits_soft_cap=5.0)),
 ], ids=["causal_gqa_alibi_per_batch", "soft_cap_window", "bottom_right_T>S_empty_rows",
         "wide_H256_causal_soft_cap"])
 def test_dq_and_dbias_stores_batch_entry_0s_dbias(shapes, kwargs):
@@ -210,7 +210,7 @@ MOSAIC_DQ_DKV_WIDE = dataclasses.replace(MOSAIC_DQ_DKV, block_k_dkv=64, **WIDE)
     (dict(B=2, T=260, S=260, N=2, H=64), (1, 2),
      dict(is_causal=True, q_segment_ids=np.repeat(np.arange(4), 65)[None].repeat(2, 0)),
      MOSAIC_DQ_DKV),
-    (dict(B=3, T=150, S=200, N=4, K=2, H=256), (1, 4),
+    (dict(B=2, T=150, S=200, N=4, K=2, H=256), (1, 4),
      dict(is_causal=True, logits_soft_cap=8.0), MOSAIC_DQ_DKV_WIDE),
 ], ids=["shared_bias_causal_soft_cap_mqa", "alibi_bottom_right_empty_rows_H80_Hv64",
         "with_mosaic_dkv_shared_bias_window_alibi", "with_mosaic_dkv_packed_shared_bias",
