@@ -359,8 +359,8 @@ def segment_ranges(q_segments: jax.Array, kv_segments: jax.Array, q_len: int, kv
 
 
 # mask_ranges reads the mask once, into whether each chunk of this many keys holds a
-# visible one; the ranges come from that array, a sixteenth of the mask, and the keys'
-# from its rows taken in groups of as many.
+# visible one; the ranges come from that array, a sixteenth of the mask (the keys' from
+# its rows taken in groups of as many).
 MASK_RANGE_CHUNK = 16
 
 
@@ -374,14 +374,26 @@ def mask_ranges(mask: jax.Array, batch: int, q_len: int, kv_len: int, q_pad: int
     (tiles made of whole groups skip as with exact rows); empty [n, 0) where nothing
     is visible and for padding. Tiles outside a range hold no visible entry, so the
     kernels skip them."""
-    seen = jnp.any(mask, axis=1)  # [B or 1, T or 1, S or 1]: visible in some head
-    chunk = MASK_RANGE_CHUNK if seen.shape[2] > 1 else kv_len
-    if seen.shape[2] > 1:
-        width = -(-kv_len // chunk) * chunk
-        seen = jnp.pad(seen, ((0, 0), (0, 0), (0, width - kv_len)))
-        seen = jnp.any(seen.reshape(*seen.shape[:2], -1, chunk), axis=3)
+    size = MASK_RANGE_CHUNK
 
-    def bounds(visible, axis, n, scale=1):
+    def in_groups(x, axis):
+        """Whether each group of `size` along `axis` (padded) holds a visible entry; an
+        axis the mask broadcasts along stays whole."""
+        n = x.shape[axis]
+        if n == 1:
+            return x
+        widths = [(0, 0)] * x.ndim
+        widths[axis] = (0, -(-n // size) * size - n)
+        shape = list(x.shape)
+        shape[axis:axis + 1] = [-1, size]
+        return jnp.any(jnp.pad(x, widths).reshape(shape), axis=axis + 1)
+
+    # [B or 1, T or 1, S / size or 1]: a visible key of the chunk in some head; the
+    # rows too in groups for each key's range (a column reduction over all of T is slow).
+    seen = in_groups(jnp.any(mask, axis=1), 2)
+    groups = in_groups(seen, 1)
+
+    def bounds(visible, axis, n, scale):
         """[B or 1, 2, m or 1]: first and last + 1 visible index along `axis`, times
         scale (at most n), or [n, 0]."""
         if visible.shape[axis] == 1:  # broadcast along this axis: all of it or nothing
@@ -396,12 +408,10 @@ def mask_ranges(mask: jax.Array, batch: int, q_len: int, kv_len: int, q_pad: int
     def padded(found, rows, pad, n):
         return _pad_ranges(jnp.broadcast_to(found, (batch, 2, rows)).astype(jnp.int32), pad, n)
 
-    rows, groups = MASK_RANGE_CHUNK, seen
-    if seen.shape[1] > 1:  # rows in groups too: a column reduction over all of T is slow
-        groups = jnp.pad(seen, ((0, 0), (0, -(-q_len // rows) * rows - q_len), (0, 0)))
-        groups = jnp.any(groups.reshape(seen.shape[0], -1, rows, seen.shape[2]), axis=2)
-    per_key = jnp.repeat(bounds(groups, 1, q_len, rows), chunk, axis=2)[:, :, :kv_len]
-    return (padded(bounds(seen, 2, kv_len, chunk), q_len, q_pad, kv_len),
+    per_key = bounds(groups, 1, q_len, size)
+    if per_key.shape[2] > 1:  # per chunk: one range for each of its keys
+        per_key = jnp.repeat(per_key, size, axis=2)[:, :, :kv_len]
+    return (padded(bounds(seen, 2, kv_len, size), q_len, q_pad, kv_len),
             padded(per_key, kv_len, kv_pad, q_len))
 
 
