@@ -26,14 +26,15 @@ import subprocess
 import sys
 
 _WORKER = r"""
-import json, os, re, sys
+import dataclasses, json, os, re, sys
 import pallas_attn
 from pallas_attn import bench
 assert os.path.dirname(os.path.dirname(pallas_attn.__file__)) == os.getcwd(), pallas_attn.__file__
-which, pattern = sys.argv[1], sys.argv[2]
+which, pattern, dtype = sys.argv[1], sys.argv[2], sys.argv[3]
 shapes = {"standard": bench.standard_shapes(), "features": bench.feature_shapes(),
           "all": bench.standard_shapes() + bench.feature_shapes()}[which]
-shapes = [s for s in shapes if re.search(pattern, s.label)]
+shapes = [dataclasses.replace(s, dtype=dtype or s.dtype) for s in shapes
+          if re.search(pattern, s.label)]
 implementations = bench.implementations
 bench.implementations = lambda interpret: {
     k: v for k, v in implementations(interpret).items() if k == "pallas_attn"}
@@ -42,12 +43,12 @@ print("ROWS " + json.dumps(rows))
 """
 
 
-def run_tree(tree: str, which: str, pattern: str) -> list[dict]:
+def run_tree(tree: str, which: str, pattern: str, dtype: str = "") -> list[dict]:
     # NOTE: `python -c` puts the working directory first on sys.path, ahead of
     # PYTHONPATH: the worker runs inside the tree, so each tree imports its own code.
     tree = os.path.abspath(tree)
     env = dict(os.environ, PYTHONPATH=tree)
-    result = subprocess.run([sys.executable, "-c", _WORKER, which, pattern], env=env,
+    result = subprocess.run([sys.executable, "-c", _WORKER, which, pattern, dtype], env=env,
                             cwd=tree, capture_output=True, text=True, check=False)
     for line in result.stdout.splitlines():
         if line.startswith("ROWS "):
@@ -75,6 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--set", choices=["standard", "features", "all"], default="standard")
     parser.add_argument("--match", default="", help="regex over shape labels")
     parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--dtype", default="", help="the shapes' dtype (default: the set's)")
     parser.add_argument("--json", help="write every round's rows here")
     args = parser.parse_args(argv)
     if len(args.trees) < 2:
@@ -83,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     rounds: dict[str, list[list[dict]]] = {tree: [] for tree in args.trees}
     for _ in range(args.rounds):
         for tree in args.trees:
-            rounds[tree].append(run_tree(tree, args.set, args.match))
+            rounds[tree].append(run_tree(tree, args.set, args.match, args.dtype))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rounds, f, indent=1)

@@ -22,8 +22,10 @@ from kernel_helpers import (
     assert_fa_rule,
     assert_results_close,
     empty_rows,
+    kernel_backward,
     make_inputs,
     max_error,
+    no_mosaic_races,  # noqa: F401
     oracle,
     pallas_and_reference,
     random_bias,
@@ -31,6 +33,7 @@ from kernel_helpers import (
 )
 
 import pallas_attn
+from pallas_attn.kernels import core
 from pallas_attn.kernels.triton import config as triton_config
 
 PALLAS = {"implementation": "pallas", "interpret": True, "block_sizes": SMALL_BLOCKS}
@@ -323,6 +326,81 @@ def test_logits_near_1e10_give_finite_gradients():
         assert np.isfinite(kernel[name]).all(), name
     assert max_error(kernel["out"], exact["out"]) <= 1e-6 * scale_of(exact["out"])
     assert max_error(kernel["lse"], exact["lse"]) <= 4 * 2.0 ** -24 * scale_of(exact["lse"])
+
+
+# ------------------------------------------------------------------------------ float16 dS
+MOSAIC_BACKWARD = pallas_attn.BlockSizes(dq_backend="mosaic", dkv_backend="mosaic")
+
+
+@pytest.mark.parametrize("H, K, block_sizes", [
+    pytest.param(16, 1, SMALL_BLOCKS, id="triton-gqa"),
+    pytest.param(64, 1, MOSAIC_BACKWARD, id="mosaic-d64-gqa"),  # dK/dV keys by queries
+    pytest.param(128, 2, MOSAIC_BACKWARD, id="mosaic-d128"),
+    pytest.param(256, 2, MOSAIC_BACKWARD, id="mosaic-d256-wide"),
+])
+def test_float16_score_gradients_past_65504(H, K, block_sizes):
+    """Small q, k (nearly uniform P) and values and dO near 1000: dS reaches a few 1e5,
+    past float16's 65504, while every result is finite and of ordinary size. The kernels
+    scale dS by powers of two before rounding it to float16 (kernels/core.py ds_scales):
+    every result matches the float64 oracle and the reference."""
+    rng = np.random.default_rng(H)
+    B, T, S, N = 1, 40, 24, 2
+
+    def normal(shape, size):
+        return jnp.asarray(rng.standard_normal(shape) * size, jnp.float16)
+
+    inputs = {"q": normal((B, T, N, H), 0.01), "k": normal((B, S, K, H), 0.01),
+              "v": normal((B, S, K, H), 1000.0), "ct": normal((B, T, N, H), 1000.0),
+              "ct_lse": jnp.asarray(rng.standard_normal((B, T, N)), jnp.float32)}
+    exact = oracle(inputs, bias=np.zeros((B, N, T, S)))  # its dbias is dS itself
+    assert np.abs(exact.pop("dbias")).max() > 2 * 65504
+    kernel, reference = pallas_and_reference(inputs, block_sizes=block_sizes)
+    for name in kernel:
+        assert np.isfinite(kernel[name]).all(), name
+    assert_results_close(kernel, exact, "float16", label="vs float64: ")
+    assert_results_close(kernel, reference, "float16", label="vs reference: ")
+
+
+def test_ds_scales_bound_float16_ds_tightly():
+    """The factors (of query rows, of key tiles) are powers of two at most 1 that keep the
+    bound |dO_i| |V_j| + |delta_i| at most 2^15 and are no smaller than that needs; 1 for
+    ordinary inputs; keys past the length and non-finite rows count nothing."""
+    problem = kernel_backward("float16", dict(B=2, T=20, S=30, N=4, K=2), None, {},
+                              SMALL_BLOCKS).problem
+    rng = np.random.default_rng(0)
+    size = np.exp(rng.uniform(-2, 9, (2, 1, 1, 1)))  # batch entry 1: ordinary sizes
+    do = rng.standard_normal((2, 32, 4, 16)) * size * rng.uniform(0, 4, (2, 32, 4, 1))
+    v = rng.standard_normal((2, 32, 2, 16)) * size * rng.uniform(0, 4, (2, 32, 2, 1))
+    delta = rng.standard_normal((2, 4, 32)) * size[:, :, :, 0] ** 2
+    lengths = jnp.array([30, 12])
+    dirty_v = v.copy()
+    dirty_v[1, 12:] = 6e4  # past batch entry 1's length
+    dirty_v[0, 5, 1] = np.nan
+    dirty_do = do.copy()
+    dirty_do[0, 7, 3] = np.inf
+    _, do_norms = core.row_sums(jnp.asarray(dirty_do, jnp.float16), jnp.zeros(do.shape),
+                                     norms=True)
+    scales = core.ds_scales(problem, do_norms, jnp.asarray(dirty_v, jnp.float16),
+                            jnp.asarray(delta, F32), (None, lengths), None)
+    rows, keys = (np.asarray(x, np.float64) for x in scales)
+    np.testing.assert_array_equal(rows[:, :, 1], 2.0 ** rows[:, :, 0])
+    np.testing.assert_array_equal(keys[:, :, 1], 1 / keys[:, :, 0])
+    rows, keys = 2.0 ** -rows[:, :, 0], keys[:, :, 0]
+    do_n = np.linalg.norm(np.asarray(jnp.asarray(dirty_do, jnp.float16), np.float64), axis=-1)
+    v_n = np.linalg.norm(np.asarray(jnp.asarray(dirty_v, jnp.float16), np.float64), axis=-1)
+    do_n, v_n = (np.where(np.isfinite(x), x, 0.0).transpose(0, 2, 1) for x in (do_n, v_n))
+    v_n[0, :, 30:], v_n[1, :, 12:] = 0.0, 0.0
+    row_bound = do_n * np.repeat(v_n.max(axis=2), 2, axis=1)[..., None] + np.abs(delta)
+    by_group = (2, 2, 64)
+    block = problem.plan.dkdv.block_k
+    v_tiles = v_n.reshape(2, 2, 32 // block, block).max(axis=3)
+    key_bound = (v_tiles * do_n.reshape(by_group).max(axis=2)[..., None]
+                 + np.abs(delta).reshape(by_group).max(axis=2)[..., None])
+    for factor, bound in ((rows, row_bound), (keys, key_bound)):
+        assert np.all(factor <= 1) and np.all(np.log2(factor) == np.round(np.log2(factor)))
+        assert np.all(bound * factor <= 2.0 ** 15 * (1 + 1e-6))
+        assert np.all((factor == 1) | (bound * factor * 2 > 2.0 ** 15 * (1 - 1e-6)))
+        assert np.all(factor[1] == 1) and np.any(factor[0] < 2.0 ** -4)
 
 
 # ------------------------------------------------------------------------------ combinations

@@ -167,6 +167,14 @@ CASES = {
         kv_segment_ids=jnp.zeros((2, 384), jnp.int32),
         key_value_seq_lengths=jnp.full((2,), 300, jnp.int32),
         block_sizes=pallas_attn.BlockSizes(dq_backend="mosaic", dkv_backend="mosaic")),
+    # float16 without a bias gradient: dS scaled by its row and key factors in the dQ and
+    # dK/dV kernels, keys by queries at d64 (GQA, causal) and the wide kernels at d256.
+    "mosaic_backward_float16_scaled_h64": dict(
+        dtype=jnp.float16, T=200, S=300, N=8, K=2, is_causal=True,
+        block_sizes=pallas_attn.BlockSizes(dq_backend="mosaic", dkv_backend="mosaic")),
+    "mosaic_backward_float16_scaled_wide": dict(
+        dtype=jnp.float16, H=256, T=200, S=300, K=2,
+        block_sizes=pallas_attn.BlockSizes(dq_backend="mosaic", dkv_backend="mosaic")),
     # A mask alone in every Mosaic role: its ranges without segment ids.
     "mosaic_mask_ranges": dict(
         T=256, S=384, N=8, K=2, H=128, is_causal=True,

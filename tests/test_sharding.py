@@ -157,6 +157,38 @@ def test_mqa_heads_sharded_replicates_the_kv_head():
     assert {op for _, op in _collectives(hlo)} == {"all-reduce"}
 
 
+def test_float16_scaled_backward_runs_per_shard():
+    """float16 values and cotangents large enough that the backward scales dS
+    (kernels/core.py ds_scales, from |dO| per row, which the step passes in): batch and
+    head sharded, each shard's scales are the whole call's, so the results agree (to
+    float16 rounding: the first causal row's dS cancels to rounding noise) and nothing
+    moves between devices."""
+    mesh = _mesh()
+    q, k, v, ct = (x.astype(jnp.float16) for x in _inputs())
+    v, ct = v * 300, ct * 300
+    step = _step("pallas", is_causal=True)
+    spec = ("data", None, "model", None)
+    sharded = tuple(_put(mesh, x, *spec) for x in (q, k, v, ct)) + ({},)
+    expected = step(q, k, v, ct, {})
+    compiled = step.lower(*sharded).compile()
+    for e, g in zip(jax.tree.leaves(expected), jax.tree.leaves(compiled(*sharded)),
+                    strict=True):
+        e, g = np.asarray(e, np.float32), np.asarray(g, np.float32)
+        finite = np.isfinite(e)  # the loss, summed in float16, overflows
+        np.testing.assert_array_equal(np.isfinite(g), finite)
+        if finite.any():
+            scale = np.abs(e[finite]).max()
+            np.testing.assert_allclose(g[finite], e[finite], atol=1e-2 * scale)
+    assert not _collectives(compiled.as_text())
+    # dS passes 65504 here: unscaled, dq and dk would hold inf where they are finite.
+    reference = _step("xla", is_causal=True)(*(x.astype(jnp.float32) for x in (q, k, v, ct)),
+                                             {})
+    for name, r, g in zip(("dq", "dk"), reference[1][:2], compiled(*sharded)[1][:2],
+                          strict=True):
+        small = np.abs(np.asarray(r)) < 6e4
+        assert np.isfinite(np.asarray(g, np.float32)[small]).all(), name
+
+
 def test_kv_groups_straddling_devices_keep_the_heads_whole():
     """Two kv heads over four head shards would split kv groups: the heads are
     gathered instead, and the result is still exact."""

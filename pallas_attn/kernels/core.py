@@ -34,14 +34,14 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
 from pallas_attn.plan import Plan
-from pallas_attn.semantics import scores
+from pallas_attn.semantics import reference, scores
 from pallas_attn.spec import OPTIONAL_INPUTS, AttentionSpec
 
 # The kernels' optional operands, in order: the call's, then what the Pallas path derives
@@ -60,6 +60,8 @@ MAX_FLOOR = float(jnp.finfo(jnp.float32).min)
 # 2**(-2 * bound); a bound up to 50 keeps them above 2**-100, normal in float32 and
 # bfloat16. float16 P (min normal 2**-14) never uses the fixed reference.
 FIXED_REFERENCE_MAX_LOG2 = 50.0
+# float16 dS scaled by ds_scales' factors stays at most 2**DS_MAX_LOG2.
+DS_MAX_LOG2 = 15
 
 
 @dataclasses.dataclass(frozen=True)
@@ -426,6 +428,74 @@ def _pad_ranges(ranges: jax.Array, size: int, n: int) -> jax.Array:
 def intersect_ranges(a: jax.Array, b: jax.Array) -> jax.Array:
     """The ranges [B, 2, n] that both a and b allow."""
     return jnp.stack([jnp.maximum(a[:, 0], b[:, 0]), jnp.minimum(a[:, 1], b[:, 1])], axis=1)
+
+
+class DsScales(NamedTuple):
+    """Powers of two that keep float16 dS below 65504 in its products (`ds_scales`)."""
+    rows: jax.Array  # [B, N, 2, Tp]: per query row e >= 0 and 2^e, for the dQ kernels
+    keys: jax.Array  # [B, K, 2, Sp / block_k]: per key tile 2^-c and 2^c, for dK/dV
+
+
+def ds_scales(problem: Problem, do_norms: jax.Array, v: jax.Array, delta: jax.Array,
+              lengths: tuple[Any, Any], origin: jax.Array | None) -> DsScales:
+    """The powers of two by which the float16 backward multiplies dS before rounding it to
+    float16 for dS K (2^-e of a query row: the dQ kernels add e to the row's log2 row sum,
+    so P comes out times it) and dS^T Q (2^-c of a dK/dV key tile: folded into
+    dP - delta), and then the sum of the products by the inverse.
+
+    |dS_ij| = P_ij |dP_ij - delta_i| <= |dO_i| |V_j| * keep_scale + |delta_i| (P <= 1,
+    Cauchy-Schwarz; a soft cap's slope only shrinks it): a row's bound takes the kv
+    head's largest |V_j|, a key tile's its largest |V_j| and the group's largest |dO_i|
+    and |delta_i|; each power of two is the smallest that keeps its bound at most 2^15,
+    below float16's 65504 with room for float32 rounding. Ordinary inputs get 2^0: the
+    kernels compute what they compute unscaled. Positions past the lengths and
+    non-finite norms count 0 (a NaN row or key is NaN whatever its scale). do_norms
+    [B, N, Tp]: |dO_i| (`row_sums`), v [B, Sp, K, Hv] padded, delta [B, N, Tp]; lengths:
+    (query, key) [B] or None; origin: the positions of query 0 and key 0 or None."""
+    q0, k0 = (0, 0) if origin is None else (origin[0], origin[1])
+
+    def finite(n, length, start):  # n [B, L, H] -> [B, H, L]
+        n = jnp.where(n < jnp.inf, n, 0.0)
+        return jnp.swapaxes(reference.hide_past(n, length, start), 1, 2)
+
+    B, N, Tp = do_norms.shape
+    K = v.shape[2]
+    do_norms = finite(jnp.swapaxes(do_norms, 1, 2), lengths[0], q0) * problem.dropout_scale
+    v_norms = finite(jnp.sqrt(jnp.sum(jnp.square(v.astype(jnp.float32)), axis=-1)),
+                     lengths[1], k0)
+    size = jnp.abs(delta)
+    size = jnp.where(size < jnp.inf, size, 0.0)
+    by_group = (B, K, problem.group * Tp)
+    row_bound = (do_norms * jnp.repeat(jnp.max(v_norms, axis=2), problem.group, axis=1)[..., None]
+                 + size)
+    block = problem.plan.dkdv.block_k
+    v_tiles = jnp.max(v_norms.reshape(B, K, v.shape[1] // block, block), axis=3)
+    key_bound = (v_tiles * jnp.max(do_norms.reshape(by_group), axis=2)[..., None]
+                 + jnp.max(size.reshape(by_group), axis=2)[..., None])
+    e, c = _exponent_above(row_bound, DS_MAX_LOG2), _exponent_above(key_bound, DS_MAX_LOG2)
+    return DsScales(jnp.stack([e.astype(jnp.float32), _power_of_two(e)], axis=2),
+                    jnp.stack([_power_of_two(-c), _power_of_two(c)], axis=2))
+
+
+def row_sums(d_out: jax.Array, out: jax.Array, norms: bool
+             ) -> tuple[jax.Array, jax.Array | None]:
+    """(delta = rowsum(dO * O), |dO| per row or None) [B, N, T] float32, the backward's
+    preprocessing."""
+    d32 = d_out.astype(jnp.float32)
+    delta = jnp.einsum("btnh,btnh->bnt", d32, out.astype(jnp.float32))
+    return delta, jnp.sqrt(jnp.einsum("btnh,btnh->bnt", d32, d32)) if norms else None
+
+
+def _exponent_above(bound: jax.Array, max_log2: int) -> jax.Array:
+    """The integer e >= 0 that brings bound * 2^-e into [2^(max_log2 - 1), 2^max_log2),
+    or 0 if it is below (bound finite, >= 0), from the exponent bits."""
+    biased = lax.shift_right_logical(lax.bitcast_convert_type(bound, jnp.int32), 23)
+    return jnp.maximum(biased - 126 - max_log2, 0)  # bound < 2^(biased - 126)
+
+
+def _power_of_two(e: jax.Array) -> jax.Array:
+    """2^e, float32, exact, for integers e in [-126, 127]."""
+    return lax.bitcast_convert_type(lax.shift_left(e + 127, 23), jnp.float32)
 
 
 def merge_sink(problem: Problem, sink: Any, m: jax.Array, l_sum: jax.Array

@@ -26,8 +26,10 @@ from pallas_attn.kernels.core import (
     KERNEL_INPUTS,
     LOG2E,
     Problem,
+    ds_scales,
     intersect_ranges,
     mask_ranges,
+    row_sums,
     segment_ranges,
 )
 from pallas_attn.kernels.mosaic import dbias as mosaic_dbias
@@ -142,7 +144,9 @@ def gradients(spec: AttentionSpec, ops: Operands, plan: Plan, out: jax.Array, ls
         raise AssertionError("vjp.gradients takes no bias and no sinks")
     B, T, N, H = ops.query.shape
     S, Hv = ops.key.shape[1], ops.value.shape[-1]
-    delta = jnp.einsum("btnh,btnh->bnt", d_out.astype(jnp.float32), out.astype(jnp.float32))
+    delta, do_norms = row_sums(d_out, out, _scales_ds(problem, False))
+    if do_norms is not None:
+        optional = {**optional, "do_norms": do_norms}
     if d_lse is not None:
         delta = delta - jnp.where(lse == -jnp.inf, 0.0, d_lse)
     # The whole softmax's lse as the row statistics: row maximum lse (in the problem's
@@ -254,14 +258,16 @@ def _fused_bwd(problem: Problem, residuals, cotangents):
     d_out, d_lse = cotangents
     if isinstance(d_out, SymbolicZero):
         d_out = jnp.zeros(out.shape, out.dtype)
-    delta = jnp.einsum("btnh,btnh->bnt", d_out.astype(jnp.float32), out.astype(jnp.float32))
+    bias_grad = bool(marker)
+    delta, do_norms = row_sums(d_out, out, _scales_ds(problem, bias_grad))
     if not isinstance(d_lse, SymbolicZero):
         # d lse / d logits = P, so an lse cotangent folds into delta as -d_lse (rows
         # that see no key, row max +inf, have P = 0 and their cotangent is dropped).
         delta = delta - jnp.where(row_stats[0] == jnp.inf, 0.0, d_lse)
     operands = _operands(differentiable, optional)
+    if do_norms is not None:
+        operands["do_norms"] = do_norms
     d_out = d_out.astype(q.dtype)
-    bias_grad = bool(marker)
     dq, dk, dv, dbias = _backward((problem, bias_grad), q, k, v, operands, row_stats, d_out,
                                   delta)
     d_differentiable = jax.tree.map(jnp.zeros_like, differentiable)
@@ -290,13 +296,22 @@ def _run_backward(static: tuple[Problem, bool], q, k, v, operands: dict, row_sta
     bias = operands.get("bias")
     fused = bias_grad and plan.dbias.fused
     separate_dbias = bias_grad and not fused
-    names, inputs = backward_inputs(q, k, v, operands, row_stats, do, delta)
+    lengths = lengths_of(operands)
+    origin = origin_of(operands)
+    scales = None
+    if _scales_ds(problem, bias_grad):
+        do_norms = _pad_axis(operands["do_norms"], 2, problem.q_pad)
+        scales = ds_scales(problem, do_norms, v, delta, lengths, origin)
+    row_scales, key_scales = (None, None) if scales is None else scales
+    names, inputs = backward_inputs(q, k, v, operands, row_stats, do, delta,
+                                    row_scales=row_scales, key_scales=key_scales)
     mosaic_roles = [plan.dq.backend, plan.dkdv.backend,
                     plan.dbias.backend if separate_dbias else None]
     stats = row_residuals(row_stats, delta) if "mosaic" in mosaic_roles else None
+    dq_stats = stats
+    if row_scales is not None and plan.dq.backend == "mosaic":
+        dq_stats = row_residuals(row_stats, delta, row_scales)
     slopes = operands.get("alibi_slopes")
-    lengths = lengths_of(operands)
-    origin = origin_of(operands)
     dropout_keys = dropout_of(operands)
     if lengths[0] is not None and "mosaic" in (plan.dq.backend, plan.dkdv.backend):
         # dO too: the Mosaic kernels read whole tiles of it (P = 0 past the length).
@@ -315,8 +330,8 @@ def _run_backward(static: tuple[Problem, bool], q, k, v, operands: dict, row_sta
                 problem, q, k, v, do, stats, bias, slopes, dq_segments, lengths, dropout_keys,
                 mask, origin)
         else:
-            dq, marks = mosaic_dq.dq(problem, q, k, v, do, stats, bias, slopes, dq_segments,
-                                     lengths, dropout_keys, mask, origin)
+            dq, marks = mosaic_dq.dq(problem, q, k, v, do, dq_stats, bias, slopes,
+                                     dq_segments, lengths, dropout_keys, mask, origin)
         if plan.dq.repair is not None:  # rows a hidden NaN key reached through dS K
             dq = triton_dq.repair(problem, names, inputs, dq, marks)
     else:
@@ -324,7 +339,7 @@ def _run_backward(static: tuple[Problem, bool], q, k, v, operands: dict, row_sta
     if plan.dkdv.backend == "mosaic":
         dk, dv, dbias = mosaic_dkv.dkdv(problem, q, k, v, do, stats, bias, fused, slopes,
                                         dbias_first, dkv_segments, lengths, dropout_keys, mask,
-                                        origin)
+                                        origin, key_scales)
     else:
         dk, dv, dbias = triton_dkdv.dkdv(problem, names, inputs, bias if fused else None)
     if separate_dbias and plan.dbias.backend == "mosaic":
@@ -334,9 +349,18 @@ def _run_backward(static: tuple[Problem, bool], q, k, v, operands: dict, row_sta
     return dq[:, :rows], dk, dv, dbias
 
 
+def _scales_ds(problem: Problem, bias_grad: bool) -> bool:
+    """Whether the backward scales dS by powers of two (`core.ds_scales`): float16 dS
+    rounds to float16 for its products and could pass 65504; not with a bias gradient,
+    whose dS is the float16 dbias itself (as in the reference)."""
+    return problem.dtype == "float16" and not bias_grad
+
+
 def _backward_labels(static: tuple[Problem, bool]):
     problem, bias_grad = static
     operands = _operand_labels(problem)
+    if _scales_ds(problem, bias_grad):
+        operands["do_norms"] = "b n t"
     args = ("b t n h", "b s k h", "b s k v", operands, ("b n t", "b n t"), "b t n v", "b n t")
     return args, ("b t n h", "b s k h", "b s k v", operands["bias"] if bias_grad else None)
 

@@ -522,8 +522,8 @@ def tile_gradient(problem: Problem, s: jax.Array, dp: jax.Array, bias: jax.Array
                   masked: bool, slope: Any = None,
                   segments: tuple[jax.Array, jax.Array] | None = None, kv_length: Any = None,
                   keep: jax.Array | None = None, query_dim: int = 0,
-                  mask: jax.Array | None = None, offset: Any = None, q_length: Any = None
-                  ) -> tuple[jax.Array, jax.Array]:
+                  mask: jax.Array | None = None, offset: Any = None, q_length: Any = None,
+                  ds_factor: Any = None) -> tuple[jax.Array, jax.Array]:
     """(P, dS) of a [rows, keys] tile in the WGMMA layout, float32, from the raw
     products s = Q K^T and dp = dO V^T, the tile's bias (or None), the head's ALiBi
     slope (or None) and its rows' residuals (row reference, log2 row sum, delta;
@@ -533,7 +533,8 @@ def tile_gradient(problem: Problem, s: jax.Array, dp: jax.Array, bias: jax.Array
     keep: dropout's keep decisions or None; then P is the dropped P (kept entries
     scaled by 1 / (1 - rate), for dV) and dS uses dP scaled likewise (the true dS).
     query_dim 1: every tile is transposed, [keys, rows] (s = K Q^T, dp = V dO^T), and
-    so are P and dS."""
+    so are P and dS. ds_factor: float16 dS's power of two for the tile's keys
+    (`core.ds_scales`) or None; dS comes out times it."""
     row_max, log2_sum, delta = residuals
 
     def rows_of(x):
@@ -542,8 +543,14 @@ def tile_gradient(problem: Problem, s: jax.Array, dp: jax.Array, bias: jax.Array
     # NOTE: ptxas schedules this math by the order of its steps: delta after P only in
     # log2 units, where it measured faster (docs/decisions.md, "tile_gradient delta order").
     log2_units = log2_row_shift(problem, bias)
+    gain = problem.dropout_scale if keep is not None else None
+    if ds_factor is not None:  # folded into dP - delta
+        delta = delta * ds_factor
+        gain = ds_factor if gain is None else ds_factor * gain
     if keep is not None:
-        dp = jnp.where(keep, dp * problem.dropout_scale, 0.0)
+        dp = jnp.where(keep, dp * gain, 0.0)
+    elif gain is not None:
+        dp = dp * gain
     if not log2_units:
         dp = dp - rows_of(delta)
     # ALiBi in log2 units: the row reference goes in with the scale's multiply, before
@@ -595,14 +602,22 @@ def optional_refs(refs, *operands) -> list[Any]:
     return [None if x is None else next(refs) for x in operands]
 
 
-def row_residuals(row_stats: tuple[jax.Array, jax.Array], delta: jax.Array) -> jax.Array:
+def row_residuals(row_stats: tuple[jax.Array, jax.Array], delta: jax.Array,
+                  row_scales: jax.Array | None = None) -> jax.Array:
     """The backward kernels' row residuals [B, N, 3, Tp] float32: (row reference, log2
-    row sum, delta) stacked, so a consumer copies its rows' three in one bulk copy.
+    row sum, delta) stacked, so a consumer copies its rows' three in one bulk copy. With
+    float16 dS's row scales (`core.DsScales` rows: e, 2^e), the dQ kernel's [B, N, 4, Tp]:
+    e added to the log2 row sum (P and dS come out times 2^-e), 2^e fourth.
 
     delta passes an optimization barrier first: otherwise XLA fuses the reduction that
     computes delta into the stack, one thread per row reading strided entries, six times
     slower (docs/decisions.md, "Optimization barrier on delta")."""
-    return jnp.stack([*row_stats, lax.optimization_barrier(delta)], axis=2)
+    row_max, log2_sum = row_stats
+    rows = [row_max, log2_sum, lax.optimization_barrier(delta)]
+    if row_scales is not None:
+        rows[1] = log2_sum + row_scales[:, :, 0]
+        rows.append(row_scales[:, :, 1])
+    return jnp.stack(rows, axis=2)
 
 
 def head_slope(slopes_ref, valid, b, n) -> Any:

@@ -261,9 +261,11 @@ def forward_scratch(hp: int, hvp: int, block_k: int, stages: int, dtype: Any,
 
 
 def dq_scratch(hp: int, hvp: int, block_k: int, stages: int, consumers: int, dtype: Any,
-               bias_dtype: Any = None, dbias: bool = False, has_mask: bool = False
-               ) -> Scratch:
-    """The dQ kernel: per consumer its rows' Q, dO, three float32 row residuals, dS and
+               bias_dtype: Any = None, dbias: bool = False, has_mask: bool = False,
+               stats_rows: int | None = None) -> Scratch:
+    """The dQ kernel: per consumer its rows' Q, dO, stats_rows float32 row residuals
+    (`common.row_residuals`: three, four with float16 dS's row scales; by default as
+    many as float16 may need), dS and
     bias tile, or (`is_wide`) one item's rows, two dS tiles that both consumers fill and a
     bias tile of each consumer's keys; the K/V ring; with dbias (batch entry 0's tiles)
     a zeroed tile; with a mask each consumer's mask rows (int8) per slot. Barriers: rows
@@ -271,13 +273,15 @@ def dq_scratch(hp: int, hvp: int, block_k: int, stages: int, consumers: int, dty
     for K and V, the turns of two consumers (wide: their exchange), the bias buffers'."""
     rows, c = ROWS_PER_CONSUMER, consumers
     split = is_wide(hp, hvp)
+    if stats_rows is None:
+        stats_rows = 4 if _name(dtype) == "float16" else 3
     swizzle = operand_swizzle(hp, hvp)
     owners = 1 if split else c  # the rows' buffers
     dtype = _name(dtype)
     return Scratch(
         buffers=(("q", Buffer((owners, rows, hp), dtype, swizzle)),
                  ("do", Buffer((owners, rows, hvp), dtype, swizzle)),
-                 ("stats", Buffer((owners, 3, rows), "float32", swizzle=0)),
+                 ("stats", Buffer((owners, stats_rows, rows), "float32", swizzle=0)),
                  ("k", Buffer((stages, block_k, hp), dtype, swizzle)),
                  ("v", Buffer((stages, block_k, hvp), dtype, swizzle)),
                  ("ds", Buffer((2, rows, block_k) if split else (c, rows, block_k), dtype,

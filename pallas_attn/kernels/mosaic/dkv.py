@@ -136,7 +136,7 @@ class _Tiles:
 
 
 def _kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, bias_ref, mask_ref, slopes_ref, lengths,
-            origin, segments, dropout, dk_ref, dv_ref, dbias_ref, smem, barriers, *,
+            origin, segments, dropout, scale_ref, dk_ref, dv_ref, dbias_ref, smem, barriers, *,
             problem: Problem, tiles_of: _Tiles, programs: int, passes: int, add_dbias: bool,
             first_entry: int):
     q_smem, do_smem, stats_smem, k_smem, v_smem = (
@@ -263,7 +263,7 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, bias_ref, mask_ref, slopes_r
         p_tiles, ds_tiles = ((smem["p"], smem["ds"]) if tiles_of.wide
                              else (smem["p"].at[wg], smem["ds"].at[wg]))
         _consume(problem, tiles_of, wg, unit_of, units, add_dbias, first_entry,
-                 (slopes_ref, dk_ref, dv_ref, dbias_ref, segments, dropout),
+                 (slopes_ref, dk_ref, dv_ref, dbias_ref, segments, dropout, scale_ref),
                  (q_smem, do_smem, stats_smem, bias_smem, mask_smem,
                   k_smem.at[wg], v_smem.at[wg], p_tiles, ds_tiles),
                  (step_loaded, step_consumed, kv_loaded, kv_consumed, barriers["exchange"]))
@@ -273,8 +273,9 @@ def _consume(problem: Problem, tiles_of: _Tiles, wg, unit_of, units, add_dbias: 
              first_entry: int, refs, buffers, barriers):
     """A consumer's loop over its program's units: dK and dV of its 64 keys per unit
     (wide: of the unit's 64 keys, its half of the head dims); dbias tiles from batch
-    entries first_entry on."""
-    slopes_ref, dk_ref, dv_ref, dbias_ref, segments, dropout = refs
+    entries first_entry on; scale_ref: float16 dS's powers of two (`core.DsScales`
+    key_scales) or None."""
+    slopes_ref, dk_ref, dv_ref, dbias_ref, segments, dropout, scale_ref = refs
     has_dbias = dbias_ref is not None
     q_smem, do_smem, stats_smem, bias_smem, mask_smem, k_mine, v_mine, p_tiles, ds_tiles = (
         buffers)
@@ -322,6 +323,14 @@ def _consume(problem: Problem, tiles_of: _Tiles, wg, unit_of, units, add_dbias: 
         multipliers = (None if dropout is None
                        else dropout.multipliers(k_own, keys_n, query_dim))
 
+        # float16 dS's power of two for the unit, and its inverse (clamped: a unit past
+        # the last item reads one in bounds, for nothing).
+        ds_scale = unscale = None
+        if scale_ref is not None:
+            kh_in = jnp.minimum(kh, problem.num_kv_heads - 1)
+            unit_in = jnp.minimum(lax.div(k0, tiles_of.unit), problem.kv_pad // tiles_of.unit - 1)
+            ds_scale, unscale = scale_ref[b, kh_in, 0, unit_in], scale_ref[b, kh_in, 1, unit_in]
+
         def step_fn(i, carry, masked: bool, slope):
             """Query tile i of head h (ring step `at`), the head's ALiBi slope."""
             dk, dv, at, h = carry
@@ -360,7 +369,7 @@ def _consume(problem: Problem, tiles_of: _Tiles, wg, unit_of, units, add_dbias: 
                 products, plgpu.ACC(shape, jnp.float32), plgpu.ACC(shape, jnp.float32))
             prob, ds = tile_gradient(problem, s, dp, bias, residuals, row0, k_own, masked,
                                      slope, ids, ranges.kv_length, keep, query_dim, mask,
-                                     ranges.offset, ranges.q_length)
+                                     ranges.offset, ranges.q_length, ds_scale)
             parity = lax.rem(at, 2)
             ds_tile = ds_tiles.at[parity]
             p_buf = p_tiles.at[parity] if wide else p_tiles
@@ -411,6 +420,9 @@ def _consume(problem: Problem, tiles_of: _Tiles, wg, unit_of, units, add_dbias: 
         dv = plgpu.layout_cast(jnp.zeros((acc_rows, dv_dims), jnp.float32), plgpu.Layout.WGMMA)
         dk, dv, step = lax.fori_loop(0, jnp.where(tiles > 0, group, 0), head, (dk, dv, step))
         pl.when(tiles > 0)(lambda: plgpu.barrier_arrive(kv_consumed))
+
+        if unscale is not None:
+            dk = dk * unscale
 
         @pl.when(valid)
         def _store():
@@ -467,7 +479,8 @@ def dkdv(problem: Problem, q: jax.Array, k: jax.Array, v: jax.Array, do: jax.Arr
          slopes: jax.Array | None = None, dbias_first: jax.Array | None = None,
          segments: tuple[jax.Array, ...] = (), lengths: tuple[Any, Any] = (None, None),
          dropout_keys: jax.Array | None = None, mask: jax.Array | None = None,
-         origin: jax.Array | None = None) -> tuple[jax.Array, jax.Array, jax.Array | None]:
+         origin: jax.Array | None = None, ds_scale: jax.Array | None = None
+         ) -> tuple[jax.Array, jax.Array, jax.Array | None]:
     """(dk, dv, dbias or None) for padded inputs; stats: the row residuals
     (`common.row_residuals`); slopes: ALiBi slopes [B, N] or None. bias_grad: also write
     the gradient of the (present) bias (`config.fusable_dbias`). dbias_first: for a bias
@@ -476,7 +489,10 @@ def dkdv(problem: Problem, q: jax.Array, k: jax.Array, v: jax.Array, do: jax.Arr
     operands (`common.segments_of`, query limits) or (); lengths: the query and key
     lengths (`common.lengths_of`), positions past them zeroed in q, k, v and do;
     dropout_keys: dropout's program keys or None; mask: the caller's mask as int8
-    (`config.MASK_DTYPE`) or None; origin: the positions of query 0 and key 0 [2] or None."""
+    (`config.MASK_DTYPE`) or None; origin: the positions of query 0 and key 0 [2] or None;
+    ds_scale: with float16, dS's power of two for each unit's keys and its inverse [B, K,
+    2, Sp / 128, or 64 at head dim 256] (`core.DsScales` key_scales) or None, not with a
+    bias gradient (dbias is dS itself)."""
     name = "mosaic.dkv.dkdv"
     if why := unsupported(problem, "dkdv"):
         raise AssertionError(f"{name} called for an unsupported problem: {why}")
@@ -497,6 +513,8 @@ def dkdv(problem: Problem, q: jax.Array, k: jax.Array, v: jax.Array, do: jax.Arr
                              f"mask, and not at head dim 256: {route}")
     if mask is not None and tiles_of.wide:
         raise AssertionError(f"{name} takes a mask only below head dim 256: {route}")
+    if ds_scale is not None and bias_grad:
+        raise AssertionError(f"{name} scales no dS that is also the bias's gradient")
     # A bias shared by the batch entries gets their dS tiles added into one buffer
     # (dbias_first, else zeros), a mutable operand of the kernel; the interpreter (no
     # reduce-add copies) runs an item's batch entries as passes of one program.
@@ -509,16 +527,16 @@ def dkdv(problem: Problem, q: jax.Array, k: jax.Array, v: jax.Array, do: jax.Arr
     first_entry = int(dbias_first is not None)
     dbias_sum = (jax.new_ref(jnp.zeros(bias.shape, bias.dtype) if dbias_first is None
                              else dbias_first) if add_dbias else None)
+    optional = (bias, mask, slopes, dbias_sum, dropout_keys, origin, ds_scale, *lengths)
     scratch = dkv_scratch(hp, hvp, route.num_stages, q.dtype,
                           None if bias is None else bias.dtype,
                           zeros=bias_grad and not add_dbias, has_mask=mask is not None)
 
     def entry(*refs):
         q_ref, k_ref, v_ref, do_ref, stats_ref, *rest = refs
-        bias_ref, mask_ref, slopes_ref, sum_ref, keys_ref, origin_ref, *length_refs = (
-            optional_refs(rest, bias, mask, slopes, dbias_sum, dropout_keys, origin, *lengths))
-        rest = rest[sum(x is not None for x in (bias, mask, slopes, dbias_sum, dropout_keys,
-                                                origin, *lengths)):]
+        (bias_ref, mask_ref, slopes_ref, sum_ref, keys_ref, origin_ref, scale_ref,
+         *length_refs) = optional_refs(rest, *optional)
+        rest = rest[sum(x is not None for x in optional):]
         segment_refs, (dk_ref, dv_ref, *dbias_ref) = rest[:len(segments)], rest[len(segments):]
         dbias_ref = sum_ref if add_dbias else (dbias_ref[0] if dbias_ref else None)
         scoped(scratch, lambda smem, barriers: _kernel(
@@ -527,16 +545,15 @@ def dkdv(problem: Problem, q: jax.Array, k: jax.Array, v: jax.Array, do: jax.Arr
             Segments.of(tuple(segment_refs)),
             None if dropout_keys is None else Dropout(keys_ref, problem.spec.dropout_rate,
                                                       origin_ref),
-            dk_ref, dv_ref, dbias_ref, smem, barriers, problem=problem, tiles_of=tiles_of,
-            programs=programs, passes=passes, add_dbias=add_dbias, first_entry=first_entry))
+            scale_ref, dk_ref, dv_ref, dbias_ref, smem, barriers, problem=problem,
+            tiles_of=tiles_of, programs=programs, passes=passes, add_dbias=add_dbias,
+            first_entry=first_entry))
 
     programs = problem.plan.programs_for(Sp // tiles_of.unit * KH * (B // passes))
     out_type = [jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)]
     if bias_grad and not add_dbias:
         out_type.append(jax.ShapeDtypeStruct(bias.shape, bias.dtype))
-    operands = [q, k, v, do, stats,
-                *(x for x in (bias, mask, slopes, dbias_sum, dropout_keys, origin, *lengths)
-                  if x is not None), *segments]
+    operands = [q, k, v, do, stats, *(x for x in optional if x is not None), *segments]
     dk, dv, *dbias = launch(entry, out_type, programs, problem.interpret)(*operands)
     if add_dbias:  # summed through a mutable ref, not one of the kernel's typed results
         return dk, dv, cast_varying_like(jax.freeze(dbias_sum), operands)

@@ -99,6 +99,7 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, bias_ref, mask_ref, slopes_r
             origin, segments, dropout, dq_ref, dbias_ref, marks_ref, smem, barriers, *,
             problem: Problem, programs: int, consumers: int, wide: bool):
     rows_loaded, schedule = barriers["rows_loaded"], barriers["schedule"]
+    scaled = stats_ref.shape[2] == 4  # float16 dS's row scales (common.row_residuals)
     exchange = barriers["exchange"]
     ring = tuple(barriers[name] for name in ("k_loaded", "v_loaded", "k_consumed",
                                               "v_consumed"))
@@ -176,6 +177,9 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, bias_ref, mask_ref, slopes_r
             pl.when(mine_valid)(lambda: plgpu.barrier_wait(rows_loaded.at[owner]))
             residuals = tuple(plgpu.load(mine["stats"].at[j], layout=row_layout)
                               for j in range(3))
+            # float16: 2^e, the power of two P and dS came out divided by (core.ds_scales)
+            unscale = (plgpu.load(mine["stats"].at[3], layout=row_layout)
+                       if scaled else None)
             plgpu.commit_smem()  # the reads are done before the next item's copy lands
             bias = walk.bias_rows(bias_ref, item, row0, smem["bias"], barriers["bias_loaded"])
             dbias = None
@@ -187,6 +191,8 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, bias_ref, mask_ref, slopes_r
                           (schedule, exchange), (bias, smem["mask"]),
                           head_slope(slopes_ref, item.valid, item.b, item.n), residuals,
                           dbias, row0 >= 0, segments, dropout, item.b, item.n, cols)
+            if scaled:
+                dq = dq * lax.broadcast_in_dim(unscale, dq.shape, [0])
             # Every product of this item is done: its rows' buffers are free (wide: for
             # both consumers once they meet here).
             take_turn(exchange)
@@ -328,7 +334,9 @@ def dq(problem: Problem, q: jax.Array, k: jax.Array, v: jax.Array, do: jax.Array
     segment operands (`common.segments_of`, key limits) or (); lengths: the query and
     key lengths (`common.lengths_of`), positions past them zeroed in q, k, v and do;
     dropout_keys: dropout's program keys or None; mask: the caller's mask as int8
-    (`config.MASK_DTYPE`) or None; origin: the positions of query 0 and key 0 [2] or None."""
+    (`config.MASK_DTYPE`) or None; origin: the positions of query 0 and key 0 [2] or None;
+    stats with a fourth row (`common.row_residuals` with float16 dS's row scales): P and
+    dS come out times 2^-e, dq rows are multiplied by 2^e, the fourth row."""
     dq_out, _, marks = _launch(problem, q, k, v, do, stats, bias, slopes, segments, lengths,
                                dropout_keys, mask, origin, False)
     return dq_out, marks
@@ -365,14 +373,15 @@ def _launch(problem: Problem, q, k, v, do, stats, bias, slopes, segments: tuple,
     consumers = route.consumers
     wide = is_wide(hp, hvp)
     marked = route.repair is not None
+    optional = (bias, mask, slopes, keys, origin, *lengths)
     scratch = dq_scratch(hp, hvp, route.block_k, route.num_stages, consumers, q.dtype,
                          None if bias is None else bias.dtype, dbias=with_dbias,
-                         has_mask=mask is not None)
+                         has_mask=mask is not None, stats_rows=stats.shape[2])
 
     def entry(q_ref, k_ref, v_ref, do_ref, stats_ref, *refs):
-        bias_ref, mask_ref, slopes_ref, keys_ref, origin_ref, *length_refs = optional_refs(
-            refs, bias, mask, slopes, keys, origin, *lengths)
-        refs = refs[sum(x is not None for x in (bias, mask, slopes, keys, origin, *lengths)):]
+        bias_ref, mask_ref, slopes_ref, keys_ref, origin_ref, *length_refs = (
+            optional_refs(refs, *optional))
+        refs = refs[sum(x is not None for x in optional):]
         segment_refs, (dq_ref, *outputs) = refs[:len(segments)], refs[len(segments):]
         dbias_ref = outputs.pop(0) if with_dbias else None
         marks_ref = outputs.pop(0) if marked else None
@@ -387,9 +396,7 @@ def _launch(problem: Problem, q, k, v, do, stats, bias, slopes, segments: tuple,
     item_rows = tiles[0] if wide else consumers * ROWS_PER_CONSUMER
     items = -(-Tp // item_rows) * B * N
     programs = problem.plan.programs_for(items)
-    operands = [q, k, v, do, stats,
-                *(x for x in (bias, mask, slopes, keys, origin, *lengths) if x is not None),
-                *segments]
+    operands = [q, k, v, do, stats, *(x for x in optional if x is not None), *segments]
     out_type = [jax.ShapeDtypeStruct(q.shape, q.dtype)]
     if with_dbias:
         out_type.append(jax.ShapeDtypeStruct(bias.shape, bias.dtype))

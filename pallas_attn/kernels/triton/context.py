@@ -213,7 +213,7 @@ class TileContext(TileRanges):
         return tuple(self.refs[name][self.b, self.n, rows]
                      for name in ("row_max", "log2_sum", "delta"))
 
-    def score_gradient(self, q, k, v, do, residuals, q0, k0, masked
+    def score_gradient(self, q, k, v, do, residuals, q0, k0, masked, ds_factor=None
                        ) -> tuple[jax.Array, jax.Array]:
         """(dropped probabilities P~, score gradient dS) of one tile, float32, both
         divided by problem.dropout_scale: callers multiply what they accumulate from
@@ -222,6 +222,8 @@ class TileContext(TileRanges):
         residuals: row_residuals() of the tile's rows. P = exp(s - lse);
         dP~ = dO V^T; dP = dP~ * keep / (1 - rate); dS = P * (dP - delta) times the
         soft-cap derivative, computed as P * (dP~ * keep - delta * (1 - rate)).
+        ds_factor: float16 dS's power of two for this key tile (`core.ds_scales`) or None;
+        dS comes out times it.
         """
         spec = self.p.spec
         row_max, log2_sum, delta = residuals
@@ -234,6 +236,8 @@ class TileContext(TileRanges):
             dropped = jnp.where(keep, prob, 0.0)
             dp = jnp.where(keep, dp, 0.0)
             delta = delta * (1.0 - spec.dropout_rate)
+        if ds_factor is not None:  # folded into dP - delta
+            dp, delta = dp * ds_factor, delta * ds_factor
         ds = prob * (dp - delta[:, None])
         if cap_tanh is not None:
             ds = ds * scores.soft_cap_slope(cap_tanh)
@@ -292,9 +296,15 @@ def launch(kernel: Callable[..., None], problem: Problem, names: tuple[str, ...]
         )(*inputs)
 
 
-def backward_inputs(q, k, v, optional, row_stats, do, delta) -> tuple[tuple[str, ...], list]:
+def backward_inputs(q, k, v, optional, row_stats, do, delta, *, row_scales=None,
+                    key_scales=None) -> tuple[tuple[str, ...], list]:
     """The backward kernels' ref names and operands; row_stats: the forward's (row_max,
-    log2_sum)."""
+    log2_sum); row_scales, key_scales: float16 dS's powers of two (`core.DsScales`) or
+    None."""
     present = [x for x in KERNEL_INPUTS if x in optional]
-    names = ("q", "k", "v", "do", "row_max", "log2_sum", "delta", *present)
-    return names, [q, k, v, do, *row_stats, delta, *(optional[x] for x in present)]
+    scaled = [(name, x) for name, x in (("row_scales", row_scales),
+                                        ("key_scales", key_scales)) if x is not None]
+    names = ("q", "k", "v", "do", "row_max", "log2_sum", "delta", *present,
+             *(name for name, _ in scaled))
+    return names, [q, k, v, do, *row_stats, delta, *(optional[x] for x in present),
+                   *(x for _, x in scaled)]

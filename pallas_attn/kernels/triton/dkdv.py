@@ -58,6 +58,10 @@ def dkdv_kernel(*refs, problem: Problem, names: tuple[str, ...], fused_dbias: bo
     # keys' NaN values reach only dS, which score_gradient zeroes).
     first_head = TileContext(problem, r, b, kh * problem.group)
     k, v = first_head.hide_keys(k, k0), first_head.hide_keys(v, k0)
+    # float16: dS times a power of two per key tile stays below 65504 (core.ds_scales);
+    # not with a fused dbias, which is dS itself.
+    scaled = "key_scales" in r
+    key_scale = r["key_scales"][b, kh, 0, j] if scaled else None
 
     def head_body(h, carry):
         n = kh * problem.group + h
@@ -73,7 +77,8 @@ def dkdv_kernel(*refs, problem: Problem, names: tuple[str, ...], fused_dbias: bo
             if masked:  # the tile the query length crosses: its hidden rows stay out
                 q, do = ctx.hide_queries(q, q0), ctx.hide_queries(do, q0)
             residuals = ctx.row_residuals(q0, block_q)
-            dropped, ds = ctx.score_gradient(q, k, v, do, residuals, q0, k0, masked)
+            dropped, ds = ctx.score_gradient(q, k, v, do, residuals, q0, k0, masked,
+                                             key_scale)
             dv = dv + plgpu.dot(dropped.astype(do.dtype), do, trans_a=True,
                                 precision=problem.precision)
             dk = dk + plgpu.dot(ds.astype(q.dtype), q, trans_a=True,
@@ -101,6 +106,8 @@ def dkdv_kernel(*refs, problem: Problem, names: tuple[str, ...], fused_dbias: bo
     init = (jnp.zeros((block_k, k.shape[-1]), jnp.float32),
             jnp.zeros((block_k, v.shape[-1]), jnp.float32))
     dk, dv = lax.fori_loop(0, problem.group, head_body, init)
+    if scaled:
+        dk = dk * r["key_scales"][b, kh, 1, j]
     keep_scale = problem.dropout_scale  # score_gradient leaves it out
     r["dk"][b, cols, kh, :] = (dk * (problem.spec.scale * keep_scale)).astype(r["dk"].dtype)
     r["dv"][b, cols, kh, :] = (dv * keep_scale).astype(r["dv"].dtype)
@@ -111,6 +118,8 @@ def dkdv(problem: Problem, names: tuple[str, ...], inputs: list,
     """(dk, dv, dbias or None); bias: given when dbias is fused into this kernel."""
     route = problem.plan.dkdv
     k, v = inputs[1], inputs[2]
+    if bias is not None and "key_scales" in names:
+        raise AssertionError("triton.dkdv scales no dS that is also a fused dbias")
     outputs = [jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)]
     out_names = ["dk", "dv"]
     if bias is not None:

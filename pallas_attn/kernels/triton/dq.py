@@ -40,6 +40,9 @@ def _dq_tile(problem: Problem, r: dict, i, b, n) -> None:
     q = ctx.hide_queries(r["q"][b, pl.ds(q0, block_q), n, :], q0)
     do = ctx.hide_queries(r["do"][b, pl.ds(q0, block_q), n, :], q0)
     residuals = ctx.row_residuals(q0, block_q)
+    if "row_scales" in r:  # float16: e joins the log2 row sums, P and dS come out times 2^-e
+        row_max, log2_sum, delta = residuals
+        residuals = (row_max, log2_sum + r["row_scales"][b, n, 0, pl.ds(q0, block_q)], delta)
 
     def body(t, dq, masked):
         k0 = t * block_k
@@ -52,6 +55,8 @@ def _dq_tile(problem: Problem, r: dict, i, b, n) -> None:
 
     tiles = ctx.key_tiles_of(q0, block_q, block_k)
     dq = run_tile_loops(*tiles, body, jnp.zeros((block_q, q.shape[-1]), jnp.float32))
+    if "row_scales" in r:  # times 2^e (core.ds_scales)
+        dq = dq * r["row_scales"][b, n, 1, pl.ds(q0, block_q)][:, None]
     dq = dq * (problem.spec.scale * problem.dropout_scale)  # score_gradient leaves it out
     dq = ctx.hide_queries(dq, q0)  # rows past the length: 0, whatever a hidden key held
     r["dq"][b, pl.ds(q0, block_q), n, :] = dq.astype(r["dq"].dtype)
