@@ -76,7 +76,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--set", choices=["standard", "features", "all"], default="standard")
     parser.add_argument("--match", default="", help="regex over shape labels")
     parser.add_argument("--rounds", type=int, default=1)
-    parser.add_argument("--dtype", default="", help="the shapes' dtype (default: the set's)")
+    parser.add_argument("--dtype", default="", choices=["", "bfloat16", "float16", "float32"],
+                        help="the shapes' dtype (default: the set's)")
     parser.add_argument("--json", help="write every round's rows here")
     args = parser.parse_args(argv)
     if len(args.trees) < 2:

@@ -454,17 +454,15 @@ def ds_scales(problem: Problem, do_norms: jax.Array, v: jax.Array, delta: jax.Ar
     (query, key) [B] or None; origin: the positions of query 0 and key 0 or None."""
     q0, k0 = (0, 0) if origin is None else (origin[0], origin[1])
 
-    def finite(n, length, start):  # n [B, L, H] -> [B, H, L]
-        n = jnp.where(n < jnp.inf, n, 0.0)
-        return jnp.swapaxes(reference.hide_past(n, length, start), 1, 2)
+    def visible(n, length, start):  # n [B, L, H] -> [B, H, L], 0 past the length
+        return jnp.swapaxes(reference.hide_past(finite(n), length, start), 1, 2)
 
     B, N, Tp = do_norms.shape
     K = v.shape[2]
-    do_norms = finite(jnp.swapaxes(do_norms, 1, 2), lengths[0], q0) * problem.dropout_scale
-    v_norms = finite(jnp.sqrt(jnp.sum(jnp.square(v.astype(jnp.float32)), axis=-1)),
-                     lengths[1], k0)
-    size = jnp.abs(delta)
-    size = jnp.where(size < jnp.inf, size, 0.0)
+    do_norms = visible(jnp.swapaxes(do_norms, 1, 2), lengths[0], q0) * problem.dropout_scale
+    v_norms = visible(jnp.sqrt(jnp.sum(jnp.square(v.astype(jnp.float32)), axis=-1)),
+                      lengths[1], k0)
+    size = finite(jnp.abs(delta))
     by_group = (B, K, problem.group * Tp)
     row_bound = (do_norms * jnp.repeat(jnp.max(v_norms, axis=2), problem.group, axis=1)[..., None]
                  + size)
