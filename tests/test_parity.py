@@ -180,6 +180,31 @@ def test_a_nan_in_a_visible_key_shows_in_the_rows_that_see_it(impl):
     assert np.isfinite(np.asarray(out[:, :, 1])).all()  # head 1 reads kv head 1
 
 
+@pytest.mark.parametrize("impl", ["xla", "xla_chunked"])
+@pytest.mark.parametrize("where", ["key_nan", "key_minus_inf", "value_inf"])
+def test_a_nonfinite_key_that_every_row_sees_makes_every_row_nan(impl, where):
+    """No masking: key 5 of kv head 0 holds a NaN key entry, a -inf key entry whose logit
+    is -inf (positive queries), or an inf value: every row of heads 0 and 1 (kv head 0)
+    gives NaN in every output column, its logsumexp and dq; kv head 1 stays finite."""
+    q, k, v = _qkv(T=8, S=12)
+    q = jnp.abs(q)
+    k, v = {"key_nan": (k.at[:, 5, 0, 1].set(jnp.nan), v),
+            "key_minus_inf": (k.at[:, 5, 0, 1].set(-jnp.inf), v),
+            "value_inf": (k, v.at[:, 5, 0, 1].set(jnp.inf))}[where]
+
+    def loss(q):
+        out, lse = pallas_attn.dot_product_attention(q, k, v, return_residual=True,
+                                                     **IMPLS[impl])
+        return jnp.sum(out), (out, lse)
+
+    (_, (out, lse)), dq = jax.value_and_grad(loss, has_aux=True)(q)
+    group = q.shape[2] // k.shape[2]
+    seen, other = slice(0, group), slice(group, None)
+    for x in (out, lse, dq):
+        assert np.isnan(np.asarray(x[:, :, seen])).all()
+        assert np.isfinite(np.asarray(x[:, :, other])).all()
+
+
 @pytest.mark.parametrize("impl", ["xla", "xla_chunked"])  # the kernels: test_hidden_keys.py
 @pytest.mark.parametrize("hidden", ["mask", "causal_future", "other_segment", "window"])
 def test_nonfinite_hidden_keys_never_change_a_result(impl, hidden):

@@ -208,11 +208,11 @@ def _hide(ops: Operands) -> tuple[Operands, dict[str, jax.Array]]:
     zeroed (`reference.hide_past_lengths`, `reference.nonfinite_keys`), and the tiles'
     constants, which flag the non-finite keys."""
     ops = reference.hide_past_lengths(ops)
-    key, value, bad = reference.nonfinite_keys(ops.key, ops.value)
+    key, value, poison = reference.nonfinite_keys(ops.key, ops.value)
     ops = ops._replace(key=key, value=value)
     constants = {name: getattr(ops, name) for name in _CONSTANTS
                  if getattr(ops, name) is not None}
-    return ops, {**constants, "nonfinite_keys": bad}
+    return ops, {**constants, "nonfinite_keys": poison}
 
 
 def _plan(spec: AttentionSpec, ops: Operands, block_q: int | None, block_k: int | None,
@@ -375,9 +375,9 @@ class _Tiles:
             self.q_lengths = self._batch_rows(constants["query_seq_lengths"]) - q0
         if "key_value_seq_lengths" in constants:
             self.kv_lengths = self._batch_rows(constants["key_value_seq_lengths"]) - k0
-        bad = _pad_axis(constants["nonfinite_keys"], 2, p.kv_pad)
+        poison = _pad_axis(constants["nonfinite_keys"], 2, p.kv_pad)
         self.nonfinite_keys = lax.dynamic_slice(
-            bad, (self.batch0, self.head0 // p.group, jnp.int32(0)),  # int32 under x64 too
+            poison, (self.batch0, self.head0 // p.group, jnp.int32(0)),  # int32 under x64 too
             (mb, kb, p.kv_pad))
         self.drop_keys = None
         if p.spec.has_dropout:
@@ -462,8 +462,8 @@ class _Tiles:
         p = self.plan
         spec = p.spec
         s = jnp.einsum("bkgqh,bkht->bkgqt", q, k_t, precision=_HIGHEST) * spec.scale
-        s = reference.with_nonfinite_keys(
-            s, lax.dynamic_slice_in_dim(self.nonfinite_keys, j * p.block_k, p.block_k, 2))
+        poison = lax.dynamic_slice_in_dim(self.nonfinite_keys, j * p.block_k, p.block_k, 2)
+        s = reference.with_nonfinite_keys(s, poison[:, :, None, None, :])
         rows, cols = self.positions(i, j)
         bias = None if self.bias is None else self._broadcast_tile(self.bias, i, j)
         logits = scores.modify_logits(s, rows, cols, spec, self.offset, bias=bias,

@@ -44,56 +44,79 @@ def hide_past_lengths(ops: Operands) -> Operands:
 
 
 def _by_group(x: jax.Array | None, num_kv_heads: int) -> jax.Array | None:
-    """An operand [X, N or 1, ...] with its query-head axis split into (kv head, query
-    head of the group): [X, K, N / K, ...], or [X, 1, 1, ...] for one shared by the heads."""
+    """An operand [X, N or 1, ...] in the logits' layout: its query-head axis split into
+    (query head of the group, kv head) with the group first, [N / K, X, K, ...], or
+    [1, X, 1, ...] for one shared by the heads."""
     if x is None:
         return None
     heads = x.shape[1]
-    split = (num_kv_heads, heads // num_kv_heads) if heads > 1 else (1, 1)
-    return x.reshape(x.shape[0], *split, *x.shape[2:])
+    if heads == 1:
+        return x[None]
+    split = x.reshape(x.shape[0], num_kv_heads, heads // num_kv_heads, *x.shape[2:])
+    return jnp.moveaxis(split, 2, 0)
+
+
+def nonfinite_poison(key: jax.Array, value: jax.Array) -> jax.Array:
+    """[B, S, K, 1] float: NaN where key j of kv head k (its key or value row) holds a
+    non-finite entry, else 0."""
+    # NOTE: x * 0 is NaN exactly where x is not finite: one float reduction, which
+    # XLA:CPU runs faster than isfinite's boolean ones.
+    if key.shape[-1] == value.shape[-1]:
+        poison = jnp.sum(key * 0 + value * 0, axis=-1, keepdims=True)
+    else:
+        poison = (jnp.sum(key * 0, axis=-1, keepdims=True)
+                  + jnp.sum(value * 0, axis=-1, keepdims=True))
+    return jax.lax.stop_gradient(poison.astype(jnp.float32))
 
 
 def nonfinite_keys(key: jax.Array, value: jax.Array) -> tuple[jax.Array, jax.Array,
                                                                jax.Array]:
-    """(key, value, bad): key and value with their non-finite entries zeroed, and bad
-    [B, K, S], whether key j of kv head k (its key or value row) held one.
+    """(key, value, poison): key and value with their non-finite entries zeroed, and
+    poison [B, K, S] float32, NaN for the keys that held one (`nonfinite_poison`).
 
     A key hidden from a row (masked, another segment, causally future) then meets that
     row's products as zeros, where 0 * NaN would poison the row and its gradients; a
     visible one gives the row a NaN score instead (`with_nonfinite_keys`), so the row's
     output, logsumexp and gradients show it."""
-    bad = (jnp.logical_not(jnp.isfinite(key)).any(-1)
-           | jnp.logical_not(jnp.isfinite(value)).any(-1))
+    poison = jnp.swapaxes(nonfinite_poison(key, value)[..., 0], 1, 2)
     return (jnp.where(jnp.isfinite(key), key, jnp.zeros_like(key)),
-            jnp.where(jnp.isfinite(value), value, jnp.zeros_like(value)),
-            jnp.swapaxes(bad, 1, 2))
+            jnp.where(jnp.isfinite(value), value, jnp.zeros_like(value)), poison)
 
 
-def with_nonfinite_keys(logits: jax.Array, bad: jax.Array) -> jax.Array:
-    """Logits [B, K, G, T, S] with NaN in the columns of the keys `nonfinite_keys` found
-    non-finite (bad [B, K, S])."""
+def with_nonfinite_keys(logits: jax.Array, poison: jax.Array) -> jax.Array:
+    """Logits with NaN in the columns of the keys `nonfinite_keys` found non-finite
+    (poison, its [B, K, S] given axes that broadcast against the logits)."""
     # NOTE: added, not selected: a select here cost XLA:CPU's backward (docs/decisions.md).
-    return logits + jnp.where(bad, jnp.nan, 0.0)[:, :, None, None, :]
+    return logits + poison
 
 
-def logits_and_visibility(spec: AttentionSpec, ops: Operands, bad: jax.Array
+def nan_nonfinite_keys(key: jax.Array, value: jax.Array) -> jax.Array:
+    """key with every key row whose key or value held a non-finite entry made NaN: where
+    no row hides a key, each of them gives every row a NaN score through the product
+    itself, with no pass over the logits and no select on key or value."""
+    return key + nonfinite_poison(key, value).astype(key.dtype)
+
+
+def logits_and_visibility(spec: AttentionSpec, ops: Operands, poison: jax.Array | None
                           ) -> tuple[jax.Array, Any]:
-    """Full float32 logits [B, K, G, T, S] (after bias, ALiBi, soft cap; query head
-    n = k * G + g; NaN in the columns of the non-finite keys `bad`, `nonfinite_keys`)
-    and visibility (broadcasting against them), or None."""
+    """Full float32 logits [G, B, K, T, S] (after bias, ALiBi, soft cap; query head
+    n = k * G + g; NaN in the columns of the non-finite keys, poison [B, K, S]
+    from `nonfinite_keys`, if given) and visibility (broadcasting against them), or None."""
     q, k = ops.query, ops.key
     B, T, N, H = q.shape
     S, K = k.shape[1], k.shape[2]
     group = N // K
     # NOTE: one product per query head of a kv group, vmapped over the group, with the
-    # scores kept as [B, K, G, T, S] until the output, as jax.nn does: XLA:CPU lays these
-    # out faster than a five-index einsum or a [B, N, T, S] layout (docs/decisions.md,
-    # "The reference's products vmapped over the group").
+    # scores kept as [G, B, K, T, S] until the output, as jax.nn does: XLA:CPU lays these
+    # out faster than a five-index einsum, a [B, N, T, S] layout or the group inside
+    # (docs/decisions.md, "The reference's products vmapped over the group").
     qg = q.astype(jnp.float32).reshape(B, T, K, group, H)
     s = jax.vmap(lambda x: jnp.einsum("btkh,bskh->bkts", x, k.astype(jnp.float32),
                                       precision=jax.lax.Precision.HIGHEST),
-                 in_axes=3, out_axes=2)(qg)
-    s = with_nonfinite_keys(s * spec.scale, bad)
+                 in_axes=3)(qg)
+    s = s * spec.scale
+    if poison is not None:
+        s = with_nonfinite_keys(s, poison[None, :, :, None, :])
     offset = spec.offset(T, S)
     q0, k0 = (0, 0) if ops.origin is None else (ops.origin[0], ops.origin[1])
     rows = q0 + jnp.arange(T, dtype=jnp.int32)[:, None]
@@ -101,14 +124,14 @@ def logits_and_visibility(spec: AttentionSpec, ops: Operands, bad: jax.Array
     slope = _by_group(ops.alibi_slopes, K)
     logits = scores.modify_logits(s, rows, cols, spec, offset, bias=_by_group(ops.bias, K),
                                   alibi_slope=None if slope is None else slope[..., None, None])
-    per_entry = (slice(None), None, None, None, None)  # [B] -> [B, 1, 1, 1, 1]
+    per_entry = (None, slice(None), None, None, None)  # [B] -> [1, B, 1, 1, 1]
     visible = scores.visibility(
         rows, cols, spec, offset,
         mask=_by_group(ops.mask, K),
         q_segments=None if ops.q_segment_ids is None
-        else ops.q_segment_ids[:, None, None, :, None],
+        else ops.q_segment_ids[None, :, None, :, None],
         kv_segments=None if ops.kv_segment_ids is None
-        else ops.kv_segment_ids[:, None, None, None, :],
+        else ops.kv_segment_ids[None, :, None, None, :],
         q_length=None if ops.query_seq_lengths is None else ops.query_seq_lengths[per_entry],
         kv_length=None if ops.key_value_seq_lengths is None
         else ops.key_value_seq_lengths[per_entry],
@@ -119,10 +142,13 @@ def logits_and_visibility(spec: AttentionSpec, ops: Operands, bad: jax.Array
 def attention(spec: AttentionSpec, ops: Operands) -> tuple[jax.Array, jax.Array]:
     """Canonical-layout attention: (out [B, T, N, Hv] in query dtype, lse [B, N, T] float32)."""
     ops = hide_past_lengths(ops)
-    key, value, bad = nonfinite_keys(ops.key, ops.value)
-    ops = ops._replace(key=key, value=value)
-    logits, visible = logits_and_visibility(spec, ops, bad)
-    B, K, G, T, S = logits.shape
+    if spec.hides_keys or spec.has_q_lengths or spec.has_kv_lengths:
+        key, value, poison = nonfinite_keys(ops.key, ops.value)
+        ops = ops._replace(key=key, value=value)
+    else:  # every row sees every key
+        ops, poison = ops._replace(key=nan_nonfinite_keys(ops.key, ops.value)), None
+    logits, visible = logits_and_visibility(spec, ops, poison)
+    G, B, K, T, S = logits.shape
     # NOTE: neither the value nor the gradient ever sees inf - inf: hidden entries are
     # -inf less a finite row maximum (a row with nothing visible uses the lowest float),
     # exp(-inf) = 0. Arithmetic, not selects, on the row vectors: XLA:CPU's backward ran
@@ -130,7 +156,7 @@ def attention(spec: AttentionSpec, ops: Operands) -> tuple[jax.Array, jax.Array]
     if visible is not None:
         logits = jnp.where(visible, logits, -jnp.inf)
     row_max = jnp.max(logits, axis=-1, keepdims=True)
-    sink = None if ops.sinks is None else ops.sinks.reshape(1, K, G, 1, 1)
+    sink = None if ops.sinks is None else _by_group(ops.sinks[None], K)[..., None, None]
     if sink is not None:  # the sink is one more logit of every row, with no value
         row_max = jnp.maximum(row_max, sink)
     row_max = jax.lax.stop_gradient(jnp.maximum(row_max, jnp.finfo(jnp.float32).min))
@@ -154,9 +180,9 @@ def attention(spec: AttentionSpec, ops: Operands) -> tuple[jax.Array, jax.Array]
     Hv = v.shape[3]
     out = jax.vmap(lambda x: jnp.einsum("bkts,bskh->btkh", x, v.astype(jnp.float32),
                                         precision=jax.lax.Precision.HIGHEST),
-                   in_axes=2, out_axes=3)(p)
+                   out_axes=3)(p)
     out = out.reshape(B, T, K * G, Hv).astype(ops.query.dtype)
-    return out, lse.reshape(B, K * G, T)
+    return out, jnp.moveaxis(lse[..., 0], 0, 2).reshape(B, K * G, T)
 
 
 def empty(ops: Operands) -> tuple[jax.Array, jax.Array]:
