@@ -25,9 +25,10 @@ def main(argv: list[str] | None = None) -> int:
                            "forward+backward). On a machine without an NVIDIA GPU it runs "
                            "the kernels in the interpreter against the reference instead.")
     bench.add_argument("--quick", action="store_true", help="head dim 128 only")
-    bench.add_argument("--set", choices=["standard", "features", "all", "decode"],
+    bench.add_argument("--set", choices=["standard", "features", "all", "wide", "decode"],
                        default="standard",
-                       help="standard shapes (head dims 64/128/256), feature costs, both, or "
+                       help="standard shapes (head dims 64/128/256), feature costs, both, "
+                            "wide (head dims 32-256, lengths 512-32768, T != S, GQA), or "
                             "decode (a few query tokens against a KV cache: forward ms and "
                             "K/V read bandwidth)")
     bench.add_argument("--match", help="only shapes whose label matches this regex (re.search)")
@@ -158,6 +159,8 @@ def _bench_shapes(args: argparse.Namespace, parser: argparse.ArgumentParser,
                   bench_lib) -> list:
     if args.set == "decode":
         return _matching(bench_lib.decode_shapes(), args.match, parser, "--set decode")
+    if args.set == "wide":
+        return _matching(bench_lib.wide_shapes(), args.match, parser, "--set wide")
     shapes = [] if args.set == "features" else bench_lib.standard_shapes(args.quick)
     if args.set != "standard":
         shapes += bench_lib.feature_shapes()

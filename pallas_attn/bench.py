@@ -295,6 +295,24 @@ def feature_shapes() -> list[Shape]:
     ]
 
 
+def wide_shapes() -> list[Shape]:
+    """Issue targets beyond the standard set: head dims that are multiples of 8 from 32 to
+    256 (T = S = 4096, 16k tokens), lengths 512 to 32768 at d128 (32k tokens), T != S,
+    and GQA; causal and not where jax.nn's cuDNN takes it (top-left alignment)."""
+    shapes = []
+    for head_dim in (32, 48, 80, 96, 112, 160, 192, 224):
+        heads = 16 if head_dim <= 128 else 8
+        shapes += [Shape(4, 4096, 4096, heads, heads, head_dim, causal)
+                   for causal in (False, True)]
+    for length in (512, 1024, 2048, 8192, 16384, 32768):
+        shapes += [Shape(32768 // length, length, length, 16, 16, 128, causal)
+                   for causal in (False, True)]
+    shapes += [Shape(4, 1024, 8192, 16, 16, 128), Shape(4, 8192, 1024, 16, 16, 128),
+               Shape(2, 4096, 4096, 32, 8, 128), Shape(2, 4096, 4096, 32, 8, 128, True),
+               Shape(4, 4096, 4096, 32, 4, 64), Shape(4, 4096, 4096, 16, 2, 256)]
+    return shapes
+
+
 def decode_shapes() -> list[Shape]:
     """Decoding: one query token per sequence against a cache of S keys (lengths set),
     GQA 32/8 and MHA, head dims 64 to 256; and a 4-token speculative step."""

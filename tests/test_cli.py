@@ -45,7 +45,8 @@ def test_tune_needs_a_gpu(capsys):
                                   ["explain", "--window", "a,b"], ["explain", "--dtype", "f99"],
                                   ["explain", "--heads", "3", "--kv-heads", "2"],
                                   ["check", "--jobs", "0"], ["check", "--shard", "2/2"],
-                                  ["check", "--shard", "x"]])
+                                  ["check", "--shard", "x"], ["bench", "--set", "wide"],
+                                  ["bench", "--set", "wide", "--match", "H999"]])
 def test_bad_arguments_exit_with_usage(argv, capsys):
     with pytest.raises(SystemExit) as e:
         main(argv)
@@ -67,3 +68,18 @@ def test_decode_rows_time_a_loop_of_chained_steps(monkeypatch):
     seconds = bench.time_per_step(lambda q, k: q * k, jnp.ones((2, 4)), jnp.full((2, 4), 2.0))
     assert seconds == pytest.approx(0.2) and len(timed) == 1
     np.testing.assert_allclose(timed[0](), np.full((2, 4), 1.002 ** 3), rtol=1e-6)
+
+
+def test_the_wide_set_spans_the_issue_grid():
+    """With the standard set: every head dim from 32 to 256 in steps of 16 or 32, lengths
+    512 to 32768, T != S both ways and GQA, causal and not."""
+    from pallas_attn import bench
+
+    wide = bench.wide_shapes()
+    shapes = wide + bench.standard_shapes()
+    assert {s.head_dim for s in shapes} == {32, 48, 64, 80, 96, 112, 128, 160, 192, 224, 256}
+    assert {s.q_len for s in shapes} >= {512, 1024, 2048, 4096, 8192, 16384, 32768}
+    assert any(s.q_len < s.kv_len for s in shapes) and any(s.q_len > s.kv_len for s in shapes)
+    assert any(s.kv_heads < s.heads for s in shapes)
+    assert {s.causal for s in wide} == {False, True}
+    assert len({s.label for s in wide}) == len(wide)
