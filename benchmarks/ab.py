@@ -31,8 +31,9 @@ import pallas_attn
 from pallas_attn import bench
 assert os.path.dirname(os.path.dirname(pallas_attn.__file__)) == os.getcwd(), pallas_attn.__file__
 which, pattern, dtype = sys.argv[1], sys.argv[2], sys.argv[3]
-shapes = {"standard": bench.standard_shapes(), "features": bench.feature_shapes(),
-          "all": bench.standard_shapes() + bench.feature_shapes()}[which]
+shapes = {"standard": bench.standard_shapes, "features": bench.feature_shapes,
+          "all": lambda: bench.standard_shapes() + bench.feature_shapes(),
+          "wide": bench.wide_shapes}[which]()
 shapes = [dataclasses.replace(s, dtype=dtype or s.dtype) for s in shapes
           if re.search(pattern, s.label)]
 implementations = bench.implementations
@@ -73,7 +74,7 @@ def best(rows_per_round: list[list[dict]]) -> dict[str, dict]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("trees", nargs="+", help="source trees (directories holding pallas_attn/)")
-    parser.add_argument("--set", choices=["standard", "features", "all"], default="standard")
+    parser.add_argument("--set", choices=["standard", "features", "all", "wide"], default="standard")
     parser.add_argument("--match", default="", help="regex over shape labels")
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--dtype", default="", choices=["", "bfloat16", "float16", "float32"],

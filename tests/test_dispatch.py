@@ -206,7 +206,7 @@ def test_reasons_name_what_refuses():
     assert "bfloat16 or float16" in reasons["float32"]
     assert "the mask needs its own entry per query and key" in reasons["mask_per_key"]
     wide_mask = dict(dispatch.plan(TABLE["mask_d256"][0], device=H100).dkdv.declined)
-    assert "a mask only below a padded head dim of 256" in wide_mask["mosaic"]
+    assert "a mask only up to a padded head dim of 128" in wide_mask["mosaic"]
     dbias = dict(dispatch.plan(TABLE["dropout_bias_shared_by_heads"][0], device=H100)
                  .dbias.declined)
     assert "no dropout" in dbias["mosaic"]

@@ -258,7 +258,7 @@ def test_batch_shared_dbias_under_vmap(blocks):
     (dict(mask=(1, 1, 16, 1)),
      r"dkv_backend='mosaic'.*the mask needs its own entry per query and key"),
     (dict(mask=(1, 1, 16, 16), H=256),
-     "dkv_backend='mosaic'.*a mask only below a padded head dim of 256"),
+     "dkv_backend='mosaic'.*a mask only up to a padded head dim of 128"),
     (dict(dtype=jnp.float32), "dkv_backend='mosaic'.*bfloat16 or float16"),
     (dict(H=32), "dkv_backend='mosaic'.*head dims must pad to"),
     (dict(bias=(2, 1, 16, 16), fuse_dbias=True), "fuse_dbias=True with the Mosaic dK/dV"),

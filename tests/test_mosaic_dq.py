@@ -34,6 +34,7 @@ from kernel_helpers import (  # no_mosaic_races: an autouse fixture
 )
 
 import pallas_attn
+from pallas_attn.kernels import padded_head_dim, vjp
 from pallas_attn.kernels.core import Problem, logit_scores
 from pallas_attn.kernels.mosaic import dq as mosaic_dq
 from pallas_attn.kernels.mosaic.common import lengths_of, mask_of, segments_of
@@ -197,6 +198,9 @@ def test_logit_scores_takes_a_row_shift_only_in_log2_units():
 MOSAIC_DQ_DKV = dataclasses.replace(MOSAIC_DQ, block_q_dkv=64, block_k_dkv=128,
                                     dkv_backend="mosaic")
 MOSAIC_DQ_DKV_WIDE = dataclasses.replace(MOSAIC_DQ_DKV, block_k_dkv=64, **WIDE)
+# Every role on a Mosaic kernel: head dims 136-192 pad to 192 (`vjp.head_dims`).
+MOSAIC_ALL_WIDE = dataclasses.replace(MOSAIC_DQ_DKV_WIDE, block_q=128, block_k=64,
+                                      forward_backend="mosaic")
 
 
 @pytest.mark.parametrize("shapes,bias_shape,kwargs,blocks", [
@@ -212,9 +216,11 @@ MOSAIC_DQ_DKV_WIDE = dataclasses.replace(MOSAIC_DQ_DKV, block_k_dkv=64, **WIDE)
      MOSAIC_DQ_DKV),
     (dict(B=2, T=150, S=200, N=4, K=2, H=256), (1, 4),
      dict(is_causal=True, logits_soft_cap=8.0), MOSAIC_DQ_DKV_WIDE),
+    (dict(B=2, T=130, S=150, N=4, K=2, H=160, Hv=136), (1, 4),
+     dict(is_causal=True, logits_soft_cap=8.0), MOSAIC_ALL_WIDE),
 ], ids=["shared_bias_causal_soft_cap_mqa", "alibi_bottom_right_empty_rows_H80_Hv64",
         "with_mosaic_dkv_shared_bias_window_alibi", "with_mosaic_dkv_packed_shared_bias",
-        "wide_H256_with_mosaic_dkv_shared_bias"])
+        "wide_H256_with_mosaic_dkv_shared_bias", "all_mosaic_H160_Hv136_padded_to_192"])
 def test_gradients_with_the_mosaic_dq_against_reference_and_float64(shapes, bias_shape,
                                                                     kwargs, blocks,
                                                                     monkeypatch):
@@ -222,8 +228,13 @@ def test_gradients_with_the_mosaic_dq_against_reference_and_float64(shapes, bias
     chained = mosaic_dq.dq_and_dbias
     monkeypatch.setattr(mosaic_dq, "dq_and_dbias",
                         lambda *a: calls.append(1) or chained(*a))
+    padded = []
+    prepare = vjp.prepare
+    monkeypatch.setattr(vjp, "prepare",
+                        lambda *a: (lambda r: padded.append(r[1].shape[3]) or r)(prepare(*a)))
     kernel, exact = check_kernel_gradients(jnp.bfloat16, shapes, bias_shape, kwargs, blocks)
     assert_empty_rows(kernel, empty_rows(exact))
+    assert set(padded) == {192 if blocks is MOSAIC_ALL_WIDE else padded_head_dim(shapes["H"])}
     # The dbias chain runs exactly where both kernels are Mosaic.
     assert len(calls) == (blocks is not MOSAIC_DQ)
 
@@ -232,7 +243,7 @@ def test_gradients_with_the_mosaic_dq_against_reference_and_float64(shapes, bias
     (dict(mask=(1, 1, 16, 1)),
      r"dq_backend='mosaic'.*the mask needs its own entry per query and key"),
     (dict(mask=(1, 1, 16, 16), H=256),
-     "dq_backend='mosaic'.*a mask only below a padded head dim of 256"),
+     "dq_backend='mosaic'.*a mask only up to a padded head dim of 128"),
     (dict(dtype=jnp.float32), "dq_backend='mosaic'.*bfloat16 or float16"),
     (dict(H=32), "dq_backend='mosaic'.*head dims must pad to"),
 ])

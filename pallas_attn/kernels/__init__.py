@@ -21,6 +21,14 @@ def padded_head_dim(head_dim: int) -> int:
     return max(16, next_power_of_2(head_dim))
 
 
+def mosaic_head_dim(head_dim: int) -> int:
+    """The padding where only Mosaic kernels run: above 128 a multiple of 64 (their
+    wgmma tiles are 64 columns wide), so 136-192 pad to 192, not 256; below, as
+    `padded_head_dim`."""
+    padded = padded_head_dim(head_dim)
+    return padded if padded <= 128 else -(-head_dim // 64) * 64
+
+
 def cast_varying_like(results: Any, operands: Any) -> Any:
     """results typed as varying over the manual mesh axes their operands vary over: a
     Mosaic GPU kernel's results come back typed invariant inside jax.shard_map."""

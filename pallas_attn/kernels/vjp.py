@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 from jax.custom_derivatives import SymbolicZero
 
-from pallas_attn.kernels import padded_head_dim
+from pallas_attn.kernels import mosaic_head_dim, padded_head_dim
 from pallas_attn.kernels.core import (
     KERNEL_INPUTS,
     LOG2E,
@@ -65,6 +65,53 @@ def _pad_axis(x: jax.Array, axis: int, size: int, value: Any = 0) -> jax.Array:
     return jnp.pad(x, widths, constant_values=value)
 
 
+def head_dims(plan: Plan, head_dim: int, value_head_dim: int) -> tuple[int, int]:
+    """The padded head dims: multiples of 64 above 128 where every role runs a Mosaic
+    kernel (a Triton repair pads its own copy, `_power_of_two_heads`), else powers of
+    two, which the Triton kernels need."""
+    routes = (plan.forward, plan.dq, plan.dkdv, plan.dbias)
+    if all(route is None or route.backend == "mosaic" for route in routes):
+        return mosaic_head_dim(head_dim), mosaic_head_dim(value_head_dim)
+    return padded_head_dim(head_dim), padded_head_dim(value_head_dim)
+
+
+def _power_of_two_heads(x: jax.Array) -> jax.Array:
+    return _pad_axis(x, 3, padded_head_dim(x.shape[3]))
+
+
+def _repaired_forward(problem: Problem, q, k, v, operands: dict, out: jax.Array,
+                      row_stats: tuple[jax.Array, jax.Array]):
+    """The Mosaic forward's results with its marked rows recomputed by the Triton repair;
+    at head dims that are no power of two, on a padded copy made only when a row is marked
+    (a NaN log2 row sum)."""
+    if all(x.shape[3] == padded_head_dim(x.shape[3]) for x in (q, v)):
+        return triton_fwd.repair(problem, q, k, v, operands, out, row_stats)
+
+    def repair():
+        fixed, stats = triton_fwd.repair(problem, *map(_power_of_two_heads, (q, k, v)),
+                                         operands, _power_of_two_heads(out), row_stats)
+        return fixed[..., :out.shape[3]], stats
+
+    return jax.lax.cond(jnp.isnan(row_stats[1]).any(), repair, lambda: (out, row_stats))
+
+
+def _repaired_dq(problem: Problem, names: tuple[str, ...], inputs: list, dq: jax.Array,
+                 marks: jax.Array) -> jax.Array:
+    """The Mosaic dQ with its marked rows recomputed by the Triton repair, as
+    `_repaired_forward` does."""
+    if all(x.shape[3] == padded_head_dim(x.shape[3]) for x in inputs[:3]):
+        return triton_dq.repair(problem, names, inputs, dq, marks)
+    heads = ("q", "k", "v", "do")
+
+    def repair():
+        padded = [_power_of_two_heads(x) if name in heads else x
+                  for name, x in zip(names, inputs, strict=True)]
+        fixed = triton_dq.repair(problem, names, padded, _power_of_two_heads(dq), marks)
+        return fixed[..., :dq.shape[3]]
+
+    return jax.lax.cond(jnp.isnan(marks).any(), repair, lambda: dq)
+
+
 def prepare(spec: AttentionSpec, ops: Operands, plan: Plan):
     """(problem, q, k, v, differentiable, optional): padded operands and their Problem
     (q keeps its T rows where the decode kernel runs the forward)."""
@@ -81,7 +128,7 @@ def prepare(spec: AttentionSpec, ops: Operands, plan: Plan):
     kv_tile = max(route.block_k for route in routes)
     q_pad = -(-T // q_tile) * q_tile
     kv_pad = -(-S // kv_tile) * kv_tile
-    hp, hvp = padded_head_dim(H), padded_head_dim(Hv)
+    hp, hvp = head_dims(plan, H, Hv)
 
     optional = {name: getattr(ops, name) for name in OPTIONAL_INPUTS
                 if getattr(ops, name) is not None}
@@ -201,7 +248,7 @@ def _run_forward(problem: Problem, q, k, v, operands: dict):
         problem.plan.forward.backend, triton_fwd)
     out, row_stats = backend.forward(problem, q, k, v, operands)
     if problem.plan.forward.repair is not None:  # rows a hidden NaN key reached
-        out, row_stats = triton_fwd.repair(problem, q, k, v, operands, out, row_stats)
+        out, row_stats = _repaired_forward(problem, q, k, v, operands, out, row_stats)
     return out, row_stats
 
 
@@ -333,7 +380,7 @@ def _run_backward(static: tuple[Problem, bool], q, k, v, operands: dict, row_sta
             dq, marks = mosaic_dq.dq(problem, q, k, v, do, dq_stats, bias, slopes,
                                      dq_segments, lengths, dropout_keys, mask, origin)
         if plan.dq.repair is not None:  # rows a hidden NaN key reached through dS K
-            dq = triton_dq.repair(problem, names, inputs, dq, marks)
+            dq = _repaired_dq(problem, names, inputs, dq, marks)
     else:
         dq = triton_dq.dq(problem, names, inputs)
     if plan.dkdv.backend == "mosaic":

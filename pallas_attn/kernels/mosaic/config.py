@@ -23,8 +23,9 @@ ROWS_PER_CONSUMER = 64
 ITEM_ROWS = 128
 CONSUMERS = ITEM_ROWS // ROWS_PER_CONSUMER
 FORWARD_BLOCK_K = (64, 128)
-# Head dims padding to 256 take 64-key tiles: two slots of 128 keys would not fit.
-WIDE_HEAD_DIM = 256
+# Padded head dims above this take 64-key tiles (two slots of 128 keys would not fit) and
+# the backward's wide kernels (`is_wide`).
+WIDE_HEAD_DIM = 128
 # The dK/dV kernel: steps of 64 query rows, units of 128 keys (64 per consumer); at
 # head dim 256 units of 64 keys that both consumers share (`is_wide`).
 DKV_TILES = (64, 128)
@@ -64,10 +65,10 @@ DTYPES = ("bfloat16", "float16")
 
 def is_wide(hp: int, hvp: int) -> bool:
     """Whether the backward kernels' two consumers share each tile (a padded head dim of
-    256): each computes S and dP for half of a tile's 64 keys and holds dK and dV (dQ)
-    for half of the head dims, the two exchanging P and dS through shared memory. One
-    consumer's accumulators over 256 dims would need every register it has."""
-    return WIDE_HEAD_DIM in (hp, hvp)
+    192 or 256): each computes S and dP for half of a tile's 64 keys and holds dK and dV
+    (dQ) for half of the head dims, the two exchanging P and dS through shared memory.
+    One consumer's accumulators over 192 or 256 dims would need every register it has."""
+    return max(hp, hvp) > WIDE_HEAD_DIM
 
 
 def dkv_keys_major(hp: int, hvp: int, has_bias: bool, has_alibi: bool,
@@ -98,8 +99,8 @@ def dq_tiles(hp: int, hvp: int) -> tuple[int, int]:
 
 
 def dkv_stage_options(hp: int, hvp: int) -> tuple[int, ...]:
-    """The dK/dV kernel's slots to try, the first that fits: at head dim 256 one slot
-    where two do not (a bias), the Triton dK/dV kernel being far slower there; else
+    """The dK/dV kernel's slots to try, the first that fits: above head dim 128 one
+    slot where two do not (a bias), the Triton dK/dV kernel being far slower there; else
     two (one measured slower than the Triton kernel, docs/decisions.md)."""
     return (DKV_STAGES, 1) if is_wide(hp, hvp) else (DKV_STAGES,)
 
@@ -160,8 +161,8 @@ def unsupported(dtype: str, spec: AttentionSpec, present: tuple[str, ...], head_
         return (f"head dims must pad to {HEAD_DIMS[role]}, got {head_dim} and "
                 f"{value_head_dim}")
     if spec.has_mask and role in ("dq", "dkdv") and is_wide(*dims):
-        return (f"a mask only below a padded head dim of {WIDE_HEAD_DIM} (the consumers "
-                f"share each tile there), got {head_dim} and {value_head_dim}")
+        return (f"a mask only up to a padded head dim of {WIDE_HEAD_DIM} (the consumers "
+                f"share each tile above), got {head_dim} and {value_head_dim}")
     return ""
 
 
@@ -214,7 +215,7 @@ def _name(dtype: Any) -> str:
 
 
 def forward_default_block_k(hp: int, hvp: int) -> int:
-    return 64 if WIDE_HEAD_DIM in (hp, hvp) else 128
+    return 64 if max(hp, hvp) > WIDE_HEAD_DIM else 128
 
 
 def forward_output_staging(hp: int, hvp: int, block_k: int, stages: int, dtype: Any,

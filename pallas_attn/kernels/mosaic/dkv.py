@@ -18,7 +18,7 @@ dK and dV in registers. Per step (the 64 query rows of one tile, one head):
 * with a bias that needs a gradient, the dS tile in shared memory is also the
   bias's gradient for that (query tile, key tile, head): a bulk copy stores it.
 
-At a padded head dim of 256 one consumer's dK and dV would take every register it
+At a padded head dim of 192 or 256 one consumer's dK and dV would take every register it
 has, so the consumers split the work of units of 64 keys (`config.is_wide`): each
 computes S and dP for 32 of the keys (over the whole head dim) and writes its half
 of the unit's P and dS tiles; after an exchange (a barrier both consumers pass once
@@ -491,8 +491,8 @@ def dkdv(problem: Problem, q: jax.Array, k: jax.Array, v: jax.Array, do: jax.Arr
     dropout_keys: dropout's program keys or None; mask: the caller's mask as int8
     (`config.MASK_DTYPE`) or None; origin: the positions of query 0 and key 0 [2] or None;
     ds_scale: with float16, dS's power of two for each unit's keys and its inverse [B, K,
-    2, Sp / 128, or 64 at head dim 256] (`core.DsScales` key_scales) or None, not with a
-    bias gradient (dbias is dS itself)."""
+    2, Sp / 128, or 64 at padded head dims above 128] (`core.DsScales` key_scales) or
+    None, not with a bias gradient (dbias is dS itself)."""
     name = "mosaic.dkv.dkdv"
     if why := unsupported(problem, "dkdv"):
         raise AssertionError(f"{name} called for an unsupported problem: {why}")
@@ -510,9 +510,9 @@ def dkdv(problem: Problem, q: jax.Array, k: jax.Array, v: jax.Array, do: jax.Arr
                              f"{(tiles_of.rows, tiles_of.unit)}: {route}")
     if route.keys_major and (bias is not None or mask is not None or tiles_of.wide):
         raise AssertionError(f"{name} computes keys by queries only without a bias or a "
-                             f"mask, and not at head dim 256: {route}")
+                             f"mask, and not above head dim 128: {route}")
     if mask is not None and tiles_of.wide:
-        raise AssertionError(f"{name} takes a mask only below head dim 256: {route}")
+        raise AssertionError(f"{name} takes a mask only up to head dim 128: {route}")
     if ds_scale is not None and bias_grad:
         raise AssertionError(f"{name} scales no dS that is also the bias's gradient")
     # A bias shared by the batch entries gets their dS tiles added into one buffer
