@@ -74,7 +74,8 @@ def best(rows_per_round: list[list[dict]]) -> dict[str, dict]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("trees", nargs="+", help="source trees (directories holding pallas_attn/)")
-    parser.add_argument("--set", choices=["standard", "features", "all", "wide"], default="standard")
+    parser.add_argument("--set", choices=["standard", "features", "all", "wide"],
+                        default="standard")
     parser.add_argument("--match", default="", help="regex over shape labels")
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--dtype", default="", choices=["", "bfloat16", "float16", "float32"],
