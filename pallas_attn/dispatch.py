@@ -510,8 +510,10 @@ def _dbias_route(call: Call, device: DeviceInfo, overrides: BlockSizes, interpre
 _MATRIX_ROWS: tuple[tuple[str, dict[str, Any]], ...] = (
     ("plain, head dim 128", {}),
     ("plain, head dim 64", dict(head_dim=64)),
-    ("head dims 80 / 96 / 112 (padded to 128)", dict(head_dim=80)),
-    ("head dim 256", dict(head_dim=256)),
+    ("head dims 65-96 (padded to 96)", dict(head_dim=80)),
+    ("head dims 97-128 (padded to 128)", dict(head_dim=112)),
+    ("head dims 129-192 (padded to 192)", dict(head_dim=160)),
+    ("head dims 193-256 (padded to 256)", dict(head_dim=224)),
     ("head dim 32", dict(head_dim=32)),
     ("causal (either alignment), window, soft cap, ALiBi",
      dict(is_causal=True, logits_soft_cap=30.0, has_alibi=True)),

@@ -183,6 +183,12 @@ CASES = {
         bias=jnp.ones((1, 4, 200, 300), jnp.bfloat16),
         block_sizes=pallas_attn.BlockSizes(forward_backend="mosaic", dq_backend="mosaic",
                                            dkv_backend="mosaic")),
+    # Head dims 80 / 96 on every Mosaic role: padded to 96, 64-byte swizzled tiles.
+    "mosaic_all_h96": dict(
+        H=80, Hv=96, T=200, S=300, K=2, is_causal=True,
+        bias=jnp.ones((1, 4, 200, 300), jnp.bfloat16), logits_soft_cap=20.0,
+        block_sizes=pallas_attn.BlockSizes(forward_backend="mosaic", dq_backend="mosaic",
+                                           dkv_backend="mosaic")),
     # A mask alone in every Mosaic role: its ranges without segment ids.
     "mosaic_mask_ranges": dict(
         T=256, S=384, N=8, K=2, H=128, is_causal=True,

@@ -34,7 +34,7 @@ from kernel_helpers import (  # no_mosaic_races: an autouse fixture
 )
 
 import pallas_attn
-from pallas_attn.kernels import padded_head_dim, vjp
+from pallas_attn.kernels import mosaic_head_dim, padded_head_dim, vjp
 from pallas_attn.kernels.core import Problem, logit_scores
 from pallas_attn.kernels.mosaic import dq as mosaic_dq
 from pallas_attn.kernels.mosaic.common import lengths_of, mask_of, segments_of
@@ -198,7 +198,10 @@ def test_logit_scores_takes_a_row_shift_only_in_log2_units():
 MOSAIC_DQ_DKV = dataclasses.replace(MOSAIC_DQ, block_q_dkv=64, block_k_dkv=128,
                                     dkv_backend="mosaic")
 MOSAIC_DQ_DKV_WIDE = dataclasses.replace(MOSAIC_DQ_DKV, block_k_dkv=64, **WIDE)
-# Every role on a Mosaic kernel: head dims 136-192 pad to 192 (`vjp.head_dims`).
+# Every role on a Mosaic kernel: head dims 72-96 pad to 96, 136-192 to 192
+# (`vjp.head_dims`).
+MOSAIC_ALL = dataclasses.replace(MOSAIC_DQ_DKV, block_q=128, block_k=128,
+                                 forward_backend="mosaic")
 MOSAIC_ALL_WIDE = dataclasses.replace(MOSAIC_DQ_DKV_WIDE, block_q=128, block_k=64,
                                       forward_backend="mosaic")
 
@@ -218,9 +221,12 @@ MOSAIC_ALL_WIDE = dataclasses.replace(MOSAIC_DQ_DKV_WIDE, block_q=128, block_k=6
      dict(is_causal=True, logits_soft_cap=8.0), MOSAIC_DQ_DKV_WIDE),
     (dict(B=2, T=130, S=150, N=4, K=2, H=160, Hv=136), (1, 4),
      dict(is_causal=True, logits_soft_cap=8.0), MOSAIC_ALL_WIDE),
+    (dict(B=2, T=130, S=150, N=4, K=2, H=80, Hv=96), (1, 4),
+     dict(is_causal=True, alibi_slopes=jnp.array([0.2, 0.1, 0.05, 0.02])), MOSAIC_ALL),
 ], ids=["shared_bias_causal_soft_cap_mqa", "alibi_bottom_right_empty_rows_H80_Hv64",
         "with_mosaic_dkv_shared_bias_window_alibi", "with_mosaic_dkv_packed_shared_bias",
-        "wide_H256_with_mosaic_dkv_shared_bias", "all_mosaic_H160_Hv136_padded_to_192"])
+        "wide_H256_with_mosaic_dkv_shared_bias", "all_mosaic_H160_Hv136_padded_to_192",
+        "all_mosaic_H80_Hv96_padded_to_96"])
 def test_gradients_with_the_mosaic_dq_against_reference_and_float64(shapes, bias_shape,
                                                                     kwargs, blocks,
                                                                     monkeypatch):
@@ -234,7 +240,8 @@ def test_gradients_with_the_mosaic_dq_against_reference_and_float64(shapes, bias
                         lambda *a: (lambda r: padded.append(r[1].shape[3]) or r)(prepare(*a)))
     kernel, exact = check_kernel_gradients(jnp.bfloat16, shapes, bias_shape, kwargs, blocks)
     assert_empty_rows(kernel, empty_rows(exact))
-    assert set(padded) == {192 if blocks is MOSAIC_ALL_WIDE else padded_head_dim(shapes["H"])}
+    every_role = blocks in (MOSAIC_ALL, MOSAIC_ALL_WIDE)
+    assert set(padded) == {(mosaic_head_dim if every_role else padded_head_dim)(shapes["H"])}
     # The dbias chain runs exactly where both kernels are Mosaic.
     assert len(calls) == (blocks is not MOSAIC_DQ)
 

@@ -22,11 +22,12 @@ def padded_head_dim(head_dim: int) -> int:
 
 
 def mosaic_head_dim(head_dim: int) -> int:
-    """The padding where only Mosaic kernels run: above 128 a multiple of 64 (their
-    wgmma tiles are 64 columns wide), so 136-192 pad to 192, not 256; below, as
+    """The padding where only Mosaic kernels run: whole wgmma tiles, 32 columns wide up
+    to 128 and 64 above, so 65-96 pad to 96 and 129-192 to 192; up to 64, as
     `padded_head_dim`."""
     padded = padded_head_dim(head_dim)
-    return padded if padded <= 128 else -(-head_dim // 64) * 64
+    step = 32 if head_dim <= 128 else 64
+    return padded if padded <= 64 else -(-head_dim // step) * step
 
 
 def cast_varying_like(results: Any, operands: Any) -> Any:

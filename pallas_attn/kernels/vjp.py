@@ -66,11 +66,12 @@ def _pad_axis(x: jax.Array, axis: int, size: int, value: Any = 0) -> jax.Array:
 
 
 def head_dims(plan: Plan, head_dim: int, value_head_dim: int) -> tuple[int, int]:
-    """The padded head dims: multiples of 64 above 128 where every role runs a Mosaic
-    kernel (a Triton repair pads its own copy, `_power_of_two_heads`), else powers of
-    two, which the Triton kernels need."""
-    routes = (plan.forward, plan.dq, plan.dkdv, plan.dbias)
-    if all(route is None or route.backend == "mosaic" for route in routes):
+    """The padded head dims: whole wgmma tiles (`mosaic_head_dim`: 96, 192) where the
+    forward, dQ and dK/dV run Mosaic kernels and dbias is none or the dK/dV kernel's (a
+    Triton repair pads its own copy, `_power_of_two_heads`), else powers of two, which
+    the Triton kernels and the dbias kernels need."""
+    mosaic = all(route.backend == "mosaic" for route in (plan.forward, plan.dq, plan.dkdv))
+    if mosaic and (plan.dbias is None or plan.dbias.fused):
         return mosaic_head_dim(head_dim), mosaic_head_dim(value_head_dim)
     return padded_head_dim(head_dim), padded_head_dim(value_head_dim)
 

@@ -56,8 +56,9 @@ DBIAS_STAGES = (2, 1)  # the first that fits
 # 3 x 160 + 24.
 _REGISTERS = {2: (232, 40), 3: (160, 24)}
 
-# Padded head dims per role: at 256 the dQ and dK/dV kernels' consumers share each tile
-# (`is_wide`); the dbias kernel's do not.
+# Head dims per role, as powers of two (`padded_head_dim`; where every role is a Mosaic
+# kernel they run at 96 and 192 too, `vjp.head_dims`): above 128 the dQ and dK/dV
+# kernels' consumers share each tile (`is_wide`); the dbias kernel's do not.
 HEAD_DIMS = {"forward": (64, 128, 256), "dq": (64, 128, 256), "dkdv": (64, 128, 256),
              "dbias": (64, 128)}
 DTYPES = ("bfloat16", "float16")
@@ -84,8 +85,15 @@ def dkv_keys_major(hp: int, hvp: int, has_bias: bool, has_alibi: bool,
 
 def operand_swizzle(hp: int, hvp: int) -> int:
     """The swizzle (bytes) of the backward kernels' wgmma tiles: 64 where the consumers
-    share each tile (`is_wide`), so that half of a 64-key tile is whole tiles."""
-    return 64 if is_wide(hp, hvp) else 128
+    share each tile (`is_wide`), so that half of a 64-key tile is whole tiles, or where a
+    head dim is an odd multiple of 32 (96); else 128."""
+    return 64 if is_wide(hp, hvp) else forward_swizzle(hp, hvp)
+
+
+def forward_swizzle(hp: int, hvp: int) -> int:
+    """The swizzle (bytes) of the forward's wgmma tiles: rows of 64 16-bit columns, or of
+    32 where a head dim is an odd multiple of 32 (both operands of a wgmma share it)."""
+    return 128 if hp % 64 == 0 and hvp % 64 == 0 else 64
 
 
 def dkv_tiles(hp: int, hvp: int) -> tuple[int, int]:
@@ -242,12 +250,13 @@ def forward_scratch(hp: int, hvp: int, block_k: int, stages: int, dtype: Any,
     rows, c = ROWS_PER_CONSUMER, consumers
     dtype = _name(dtype)
     staging = staging or ("p" if hvp == block_k else "o")
+    swizzle = forward_swizzle(hp, hvp)
     return Scratch(
-        buffers=(("q", Buffer((c, rows, hp), dtype)),
-                 ("o", Buffer((c, rows, hvp), dtype) if staging == "o" else None),
-                 ("k", Buffer((stages, block_k, hp), dtype)),
-                 ("v", Buffer((stages, block_k, hvp), dtype)),
-                 ("p", Buffer((c, rows, block_k), dtype)),
+        buffers=(("q", Buffer((c, rows, hp), dtype, swizzle)),
+                 ("o", Buffer((c, rows, hvp), dtype, swizzle) if staging == "o" else None),
+                 ("k", Buffer((stages, block_k, hp), dtype, swizzle)),
+                 ("v", Buffer((stages, block_k, hvp), dtype, swizzle)),
+                 ("p", Buffer((c, rows, block_k), dtype, swizzle)),
                  ("bias", None if bias_dtype is None
                   else Buffer((c, rows, block_k), _name(bias_dtype))),
                  ("mask", Buffer((stages, c, rows, block_k), MASK_DTYPE, swizzle=block_k)
