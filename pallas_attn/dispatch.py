@@ -510,7 +510,7 @@ def _dbias_route(call: Call, device: DeviceInfo, overrides: BlockSizes, interpre
 _MATRIX_ROWS: tuple[tuple[str, dict[str, Any]], ...] = (
     ("plain, head dim 128", {}),
     ("plain, head dim 64", dict(head_dim=64)),
-    ("head dims 65-96 (padded to 96)", dict(head_dim=80)),
+    ("head dims 33-96 (padded to a multiple of 16)", dict(head_dim=80)),
     ("head dims 97-128 (padded to 128)", dict(head_dim=112)),
     ("head dims 129-192 (padded to 192)", dict(head_dim=160)),
     ("head dims 193-256 (padded to 256)", dict(head_dim=224)),

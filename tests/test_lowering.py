@@ -183,8 +183,8 @@ CASES = {
         bias=jnp.ones((1, 4, 200, 300), jnp.bfloat16),
         block_sizes=pallas_attn.BlockSizes(forward_backend="mosaic", dq_backend="mosaic",
                                            dkv_backend="mosaic")),
-    # Head dims 80 / 96 on every Mosaic role: padded to 96, 64-byte swizzled tiles.
-    "mosaic_all_h96": dict(
+    # Head dims 80 / 96 on every Mosaic role: 32-byte swizzled tiles (16 columns).
+    "mosaic_all_h80_hv96": dict(
         H=80, Hv=96, T=200, S=300, K=2, is_causal=True,
         bias=jnp.ones((1, 4, 200, 300), jnp.bfloat16), logits_soft_cap=20.0,
         block_sizes=pallas_attn.BlockSizes(forward_backend="mosaic", dq_backend="mosaic",

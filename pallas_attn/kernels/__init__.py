@@ -22,12 +22,14 @@ def padded_head_dim(head_dim: int) -> int:
 
 
 def mosaic_head_dim(head_dim: int) -> int:
-    """The padding where only Mosaic kernels run: whole wgmma tiles, 32 columns wide up
-    to 128 and 64 above, so 65-96 pad to 96 and 129-192 to 192; up to 64, as
-    `padded_head_dim`."""
-    padded = padded_head_dim(head_dim)
-    step = 32 if head_dim <= 128 else 64
-    return padded if padded <= 64 else -(-head_dim // step) * step
+    """The padding where only Mosaic kernels run: whole wgmma tiles, multiples of 16 from
+    33 to 96 (48, 80), 128 from 97 and multiples of 64 above (192); powers of two up to
+    32. At 112 the 16-column tiles cost the forward more than the padding to 128
+    (docs/decisions.md)."""
+    if head_dim <= 32 or 96 < head_dim <= 128:
+        return padded_head_dim(head_dim)
+    step = 16 if head_dim <= 96 else 64
+    return -(-head_dim // step) * step
 
 
 def cast_varying_like(results: Any, operands: Any) -> Any:

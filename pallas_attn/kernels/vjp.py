@@ -66,7 +66,7 @@ def _pad_axis(x: jax.Array, axis: int, size: int, value: Any = 0) -> jax.Array:
 
 
 def head_dims(plan: Plan, head_dim: int, value_head_dim: int) -> tuple[int, int]:
-    """The padded head dims: whole wgmma tiles (`mosaic_head_dim`: 96, 192) where the
+    """The padded head dims: whole wgmma tiles (`mosaic_head_dim`: 48, 80, 192) where the
     forward, dQ and dK/dV run Mosaic kernels and dbias is none or the dK/dV kernel's (a
     Triton repair pads its own copy, `_power_of_two_heads`), else powers of two, which
     the Triton kernels and the dbias kernels need."""

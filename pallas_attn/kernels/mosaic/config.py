@@ -57,7 +57,7 @@ DBIAS_STAGES = (2, 1)  # the first that fits
 _REGISTERS = {2: (232, 40), 3: (160, 24)}
 
 # Head dims per role, as powers of two (`padded_head_dim`; where every role is a Mosaic
-# kernel they run at 96 and 192 too, `vjp.head_dims`): above 128 the dQ and dK/dV
+# kernel they run at multiples of 16 and at 192 too, `vjp.head_dims`): above 128 the dQ and dK/dV
 # kernels' consumers share each tile (`is_wide`); the dbias kernel's do not.
 HEAD_DIMS = {"forward": (64, 128, 256), "dq": (64, 128, 256), "dkdv": (64, 128, 256),
              "dbias": (64, 128)}
@@ -85,15 +85,16 @@ def dkv_keys_major(hp: int, hvp: int, has_bias: bool, has_alibi: bool,
 
 def operand_swizzle(hp: int, hvp: int) -> int:
     """The swizzle (bytes) of the backward kernels' wgmma tiles: 64 where the consumers
-    share each tile (`is_wide`), so that half of a 64-key tile is whole tiles, or where a
-    head dim is an odd multiple of 32 (96); else 128."""
+    share each tile (`is_wide`), so that half of a 64-key tile is whole tiles; else the
+    forward's (`forward_swizzle`)."""
     return 64 if is_wide(hp, hvp) else forward_swizzle(hp, hvp)
 
 
 def forward_swizzle(hp: int, hvp: int) -> int:
     """The swizzle (bytes) of the forward's wgmma tiles: rows of 64 16-bit columns, or of
-    32 where a head dim is an odd multiple of 32 (both operands of a wgmma share it)."""
-    return 128 if hp % 64 == 0 and hvp % 64 == 0 else 64
+    32 or 16 where the head dims are not multiples of 64 (96; 80, 112): the widest that
+    makes them whole tiles (both operands of a wgmma share it)."""
+    return next(s for s in (128, 64, 32) if hp % (s // 2) == 0 and hvp % (s // 2) == 0)
 
 
 def dkv_tiles(hp: int, hvp: int) -> tuple[int, int]:
