@@ -22,7 +22,7 @@ from typing import Any
 import jax.numpy as jnp
 
 from pallas_attn.device import DeviceInfo, on_nvidia_gpu
-from pallas_attn.kernels import next_power_of_2, padded_head_dim
+from pallas_attn.kernels import mosaic_head_dim, next_power_of_2, padded_head_dim
 from pallas_attn.kernels.mosaic import config as mosaic
 from pallas_attn.kernels.triton import config as triton
 from pallas_attn.plan import BACKEND_FIELDS, ROLE_LABELS, TILE_FIELDS, BlockSizes, Plan, Route
@@ -166,7 +166,20 @@ def plan(call: Call, *, implementation: str = "pallas", device: DeviceInfo | Non
              if call.spec.has_bias else None)
     return Plan("pallas", routes["forward"], routes["dq"], routes["dkdv"], dbias,
                 programs=2 if interpret else device.num_multiprocessors, device=device,
-                interpret=interpret, why=why, problem=call.describe())
+                interpret=interpret, why=why, problem=call.describe(),
+                head_dims=_padded_head_dims(call, routes, dbias))
+
+
+def _padded_head_dims(call: Call, routes: dict[str, Route], dbias: Route | None
+                      ) -> tuple[int, int]:
+    """The kernels' head dims: whole wgmma tiles (`mosaic_head_dim`: 48, 80, 192) where the
+    forward, dQ and dK/dV run Mosaic kernels and dbias is none or the dK/dV kernel's (a
+    Triton repair pads its own copy, kernels/vjp.py), else powers of two, which the
+    Triton kernels and the dbias kernels need."""
+    mosaic = all(route.backend == "mosaic" for route in routes.values())
+    pad = (mosaic_head_dim if mosaic and (dbias is None or dbias.fused)
+           else padded_head_dim)
+    return pad(call.head_dim), pad(call.value_head_dim)
 
 
 def _check_kernels_run(call: Call, interpret: bool, device: DeviceInfo | None) -> None:

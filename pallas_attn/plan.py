@@ -183,6 +183,7 @@ class Plan:
     interpret: bool = False
     why: str = ""  # why this implementation, when it was chosen automatically
     problem: str = ""  # the call's shapes and features, for the explanation
+    head_dims: tuple[int, int] = (0, 0)  # the kernels' padded head dims (q and k, v)
 
     def route(self, role: str) -> Route | None:
         return getattr(self, role)
@@ -212,4 +213,5 @@ class Plan:
             head += f"; device: {self.device.describe()}"
             if self.interpret:
                 head += " (interpreted)"
+            head += f"; head dims padded to {self.head_dims[0]} and {self.head_dims[1]}"
         return "\n".join([head, *self.lines()])

@@ -199,7 +199,7 @@ MOSAIC_DQ_DKV = dataclasses.replace(MOSAIC_DQ, block_q_dkv=64, block_k_dkv=128,
                                     dkv_backend="mosaic")
 MOSAIC_DQ_DKV_WIDE = dataclasses.replace(MOSAIC_DQ_DKV, block_k_dkv=64, **WIDE)
 # Every role on a Mosaic kernel: head dims pad to multiples of 16 up to 96 and of 64
-# above 128 (`vjp.head_dims`).
+# above 128 (`Plan.head_dims`).
 MOSAIC_ALL = dataclasses.replace(MOSAIC_DQ_DKV, block_q=128, block_k=128,
                                  forward_backend="mosaic")
 MOSAIC_ALL_WIDE = dataclasses.replace(MOSAIC_DQ_DKV_WIDE, block_q=128, block_k=64,

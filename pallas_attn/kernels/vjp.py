@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 from jax.custom_derivatives import SymbolicZero
 
-from pallas_attn.kernels import mosaic_head_dim, padded_head_dim
+from pallas_attn.kernels import padded_head_dim
 from pallas_attn.kernels.core import (
     KERNEL_INPUTS,
     LOG2E,
@@ -63,17 +63,6 @@ def _pad_axis(x: jax.Array, axis: int, size: int, value: Any = 0) -> jax.Array:
     widths = [(0, 0)] * x.ndim
     widths[axis] = (0, size - x.shape[axis])
     return jnp.pad(x, widths, constant_values=value)
-
-
-def head_dims(plan: Plan, head_dim: int, value_head_dim: int) -> tuple[int, int]:
-    """The padded head dims: whole wgmma tiles (`mosaic_head_dim`: 48, 80, 192) where the
-    forward, dQ and dK/dV run Mosaic kernels and dbias is none or the dK/dV kernel's (a
-    Triton repair pads its own copy, `_power_of_two_heads`), else powers of two, which
-    the Triton kernels and the dbias kernels need."""
-    mosaic = all(route.backend == "mosaic" for route in (plan.forward, plan.dq, plan.dkdv))
-    if mosaic and (plan.dbias is None or plan.dbias.fused):
-        return mosaic_head_dim(head_dim), mosaic_head_dim(value_head_dim)
-    return padded_head_dim(head_dim), padded_head_dim(value_head_dim)
 
 
 def _power_of_two_heads(x: jax.Array) -> jax.Array:
@@ -129,7 +118,7 @@ def prepare(spec: AttentionSpec, ops: Operands, plan: Plan):
     kv_tile = max(route.block_k for route in routes)
     q_pad = -(-T // q_tile) * q_tile
     kv_pad = -(-S // kv_tile) * kv_tile
-    hp, hvp = head_dims(plan, H, Hv)
+    hp, hvp = plan.head_dims
 
     optional = {name: getattr(ops, name) for name in OPTIONAL_INPUTS
                 if getattr(ops, name) is not None}

@@ -57,7 +57,7 @@ DBIAS_STAGES = (2, 1)  # the first that fits
 _REGISTERS = {2: (232, 40), 3: (160, 24)}
 
 # Head dims per role, as powers of two (`padded_head_dim`; where every role is a
-# Mosaic kernel they run at multiples of 16 and at 192 too, `vjp.head_dims`): above
+# Mosaic kernel they run at multiples of 16 and at 192 too, `Plan.head_dims`): above
 # 128 the dQ and dK/dV kernels' consumers share each tile (`is_wide`); the dbias
 # kernel's do not.
 HEAD_DIMS = {"forward": (64, 128, 256), "dq": (64, 128, 256), "dkdv": (64, 128, 256),

@@ -51,7 +51,7 @@ inside a tile (causal, a window, a mask, segments), a NaN or inf value of a hidd
 poisons the products of the rows sharing its tile: a row whose output holds a NaN gets a
 NaN log2 row sum, and `triton/fwd.py` repair recomputes the tiles holding such marks.
 
-Scope (config.unsupported): 16-bit inputs, padded head dims 64 to 256 (vjp.head_dims), no operand
+Scope (config.unsupported): 16-bit inputs, padded head dims 64 to 256 (Plan.head_dims), no operand
 besides q, k, v, a bias and a mask with their own entry per query and key, ALiBi
 slopes, sinks, segment ids, sequence lengths, dropout keys and an origin (positions past
 the lengths are zeroed before the call, vjp.prepare; ring attention's blocks count every
