@@ -59,13 +59,10 @@ CASES = [
      dict(local_window_size=(40, 10), logits_soft_cap=5.0), {}),
     ("bottom_right_T>S_H128_no_grad_bias", dict(B=2, T=200, S=100, N=2, H=128), (1, 2),
      dict(is_causal=True, causal_alignment="bottom_right"), dict(bias_grad=False)),
-    # ALiBi slopes per batch entry and head: alone under causal GQA (log2 units), and
-    # with a batch-shared bias and a soft cap (natural units, then the cap).
+    # ALiBi slopes per batch entry and head, alone under causal GQA (log2 units).
     ("alibi_causal_gqa", dict(B=2, T=130, S=200, N=4, K=2), None,
      dict(is_causal=True, alibi_slopes=jnp.array([[0.5, 0.25, 0.125, 0.0625],
                                                    [0.03, 0.2, 0.7, 0.01]])), {}),
-    ("alibi_soft_cap_shared_bias", dict(B=2, T=100, S=140, N=2), (1, 2),
-     dict(alibi_slopes=jnp.array([0.3, 0.05]), logits_soft_cap=5.0), {}),
     # Packed documents (each unit's query tiles narrow to its keys' documents) with a
     # per-batch bias's gradient (tiles outside them zero); unsorted ids under GQA.
     ("segments_packed_causal_bias", dict(B=2, T=330, S=330, N=2), (2, 2),
@@ -75,15 +72,9 @@ CASES = [
     ("lengths_causal_bias", dict(B=3, T=200, S=260, N=2), (3, 2),
      dict(is_causal=True, query_seq_lengths=np.array([200, 30, 150]),
           key_value_seq_lengths=np.array([0, 260, 131])), {}),
-    # Dropout: per (batch entry, head) masks under causal GQA; one shared mask with a
-    # batch-shared bias's gradient (dS with the kept dP).
+    # Dropout: per (batch entry, head) masks under causal GQA.
     ("dropout_causal_gqa", dict(B=2, T=200, S=260, N=4, K=2), None,
      dict(is_causal=True, dropout_rate=0.2, dropout_rng=jax.random.key(3)), {}),
-    ("dropout_shared_mask_bias_grad", dict(B=2, T=130, S=200, N=2), (1, 2),
-     dict(dropout_rate=0.3, dropout_rng=jax.random.key(4), broadcast_dropout=True), {}),
-    ("segments_unsorted_gqa", dict(B=2, T=140, S=200, N=4, K=2), None,
-     dict(q_segment_ids=np.random.default_rng(3).integers(0, 3, (2, 140)),
-          kv_segment_ids=np.random.default_rng(4).integers(0, 3, (2, 200))), {}),
     # Head dim 64 without a bias or ALiBi: every tile computed keys by queries (S^T =
     # K Q^T, `config.dkv_keys_major`): windows, a soft cap and ragged lengths under GQA;
     # packed documents; bottom-right causal, T > S.
