@@ -320,3 +320,25 @@ def test_block_sizes_validate_the_backend_names():
 
 def test_mosaic_needs_a_hopper_gpu():
     assert_needs_hopper(MOSAIC, "needs an sm90")
+
+
+@pytest.mark.parametrize("tiles, heads, programs", [
+    (256, 16, 132),  # B1 T32768 N16: heaviest-first round-robin was 1.5x out of balance
+    (64, 16, 132), (32, 16, 132), (32, 64, 132), (33, 7, 132), (5, 3, 2), (1, 3, 2)])
+def test_causal_items_run_once_each_in_balanced_mirror_pairs(tiles, heads, programs):
+    """The Mosaic forward's and dQ kernel's causal walk: every (head, query tile) item
+    exactly once, and no program's causal work (rank r sees tiles - r key tiles, plus a
+    fixed cost per item) more than one pair above the mean."""
+    from pallas_attn.kernels.mosaic.common import pair_order, pair_rounds
+    rounds = pair_rounds(tiles, heads, programs)
+    r, pid = (jnp.asarray(x, jnp.int32) for x in np.meshgrid(
+        np.arange(rounds + 1), np.arange(programs), indexing="ij"))
+    valid, rank, head = (np.asarray(x) for x in pair_order(r, pid, tiles, heads, programs))
+    assert not valid[rounds].any()
+    valid, rank, head = valid[:rounds], rank[:rounds], head[:rounds]
+    items = sorted(zip(head[valid].tolist(), rank[valid].tolist(), strict=True))
+    assert items == [(h, t) for h in range(heads) for t in range(tiles)]
+    work = np.where(valid, tiles - rank + 2, 0).sum(axis=0)
+    assert work.max() - work.mean() <= tiles + 1 + 2 * 2
+    if heads * tiles >= 8 * programs:
+        assert work.max() / work.mean() < 1.04

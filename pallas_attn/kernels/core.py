@@ -166,9 +166,10 @@ class Problem:
     def pairs_query_tiles(self) -> bool:
         """Causal attention without a window: a query tile's work grows linearly with
         its index, so each forward program takes tile i and its mirror
-        num_tiles - 1 - i and every program does the same work (schedule_query_tiles).
-        The Triton forward only: the backward kernels gained nothing from it
-        (docs/decisions.md, "Pairing causal tiles in the Triton forward")."""
+        num_tiles - 1 - i and every program does the same work (schedule_query_tiles;
+        the Mosaic forward and dQ kernels' `common.pair_order`). The Triton backward
+        gained nothing from it (docs/decisions.md, "Pairing causal tiles in the Triton
+        forward")."""
         return self.spec.is_causal and self.spec.local_window is None
 
     def has(self, name: str) -> bool:
