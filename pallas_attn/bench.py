@@ -436,9 +436,11 @@ def check_shapes(on_device: bool) -> list[Shape]:
         Shape(2, 1000, 1500, 8, 2, 80, True, dtype="bfloat16"),
         Shape(1, 777, 333, 4, 1, 192, False, dtype="bfloat16"),
         # Where every role is a Mosaic kernel head dims pad to whole wgmma tiles (the
-        # Triton repairs, causal, on a copy padded to a power of two): 160 to 192 with a
-        # bias's gradient, 112 and 48 as they are (16-column tiles); GQA, ragged.
+        # Triton repairs, causal, on a copy padded to a power of two): 160 and 224 as
+        # they are (the wide backward's halves in 16-column tiles), 160 with a bias's
+        # gradient, 112 and 48 as they are (16-column tiles); GQA, ragged.
         Shape(2, 1000, 1100, 8, 2, 160, True, (("bias", None),), dtype="bfloat16"),
+        Shape(2, 1000, 1100, 8, 2, 224, True, (("softcap", 20.0),), dtype="float16"),
         Shape(2, 1000, 1100, 8, 2, 112, False, (("softcap", 20.0),), dtype="bfloat16"),
         Shape(2, 1024, 1024, 4, 4, 48, True, dtype="float16"),
         # Head dim 256 in the Mosaic forward (64-key tiles, the output staged in Q's

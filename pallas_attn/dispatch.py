@@ -172,7 +172,7 @@ def plan(call: Call, *, implementation: str = "pallas", device: DeviceInfo | Non
 
 def _padded_head_dims(call: Call, routes: dict[str, Route], dbias: Route | None
                       ) -> tuple[int, int]:
-    """The kernels' head dims: whole wgmma tiles (`mosaic_head_dim`: 48, 80, 192) where the
+    """The kernels' head dims: whole wgmma tiles (`mosaic_head_dim`: 48, 80, 160) where the
     forward, dQ and dK/dV run Mosaic kernels and dbias is none or the dK/dV kernel's (a
     Triton repair pads its own copy, kernels/vjp.py), else powers of two, which the
     Triton kernels and the dbias kernels need."""
@@ -525,8 +525,7 @@ _MATRIX_ROWS: tuple[tuple[str, dict[str, Any]], ...] = (
     ("plain, head dim 64", dict(head_dim=64)),
     ("head dims 33-96 (padded to a multiple of 16)", dict(head_dim=80)),
     ("head dims 97-128 (padded to 128)", dict(head_dim=112)),
-    ("head dims 129-192 (padded to 192)", dict(head_dim=160)),
-    ("head dims 193-256 (padded to 256)", dict(head_dim=224)),
+    ("head dims 129-256 (padded to a multiple of 32)", dict(head_dim=160)),
     ("head dim 32", dict(head_dim=32)),
     ("causal (either alignment), window, soft cap, ALiBi",
      dict(is_causal=True, logits_soft_cap=30.0, has_alibi=True)),

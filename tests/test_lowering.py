@@ -175,10 +175,11 @@ CASES = {
     "mosaic_backward_float16_scaled_wide": dict(
         dtype=jnp.float16, H=256, T=200, S=300, K=2,
         block_sizes=pallas_attn.BlockSizes(dq_backend="mosaic", dkv_backend="mosaic")),
-    # Every role on a Mosaic kernel at head dims 160 / 136: padded to 192 (not 256), the
-    # forward's 128-byte tiles three wide, the wide backward's halves 96 columns; the
-    # Triton repairs on a copy padded to 256; a batch-shared bias's gradient, causal.
-    "mosaic_all_h192": dict(
+    # Every role on a Mosaic kernel at head dims 160 / 136: padded to 160 (not 256), the
+    # forward's 64-byte tiles five wide, the wide backward's halves 80 columns in 32-byte
+    # tiles; the Triton repairs on a copy padded to 256; a batch-shared bias's gradient,
+    # causal.
+    "mosaic_all_h160": dict(
         H=160, Hv=136, T=200, S=300, K=2, is_causal=True,
         bias=jnp.ones((1, 4, 200, 300), jnp.bfloat16),
         block_sizes=pallas_attn.BlockSizes(forward_backend="mosaic", dq_backend="mosaic",

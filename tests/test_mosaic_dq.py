@@ -197,7 +197,7 @@ def test_logit_scores_takes_a_row_shift_only_in_log2_units():
 MOSAIC_DQ_DKV = dataclasses.replace(MOSAIC_DQ, block_q_dkv=64, block_k_dkv=128,
                                     dkv_backend="mosaic")
 MOSAIC_DQ_DKV_WIDE = dataclasses.replace(MOSAIC_DQ_DKV, block_k_dkv=64, **WIDE)
-# Every role on a Mosaic kernel: head dims pad to multiples of 16 up to 96 and of 64
+# Every role on a Mosaic kernel: head dims pad to multiples of 16 up to 96 and of 32
 # above 128 (`Plan.head_dims`).
 MOSAIC_ALL = dataclasses.replace(MOSAIC_DQ_DKV, block_q=128, block_k=128,
                                  forward_backend="mosaic")
@@ -224,7 +224,7 @@ MOSAIC_ALL_WIDE = dataclasses.replace(MOSAIC_DQ_DKV_WIDE, block_q=128, block_k=6
      dict(is_causal=True, alibi_slopes=jnp.array([0.2, 0.1, 0.05, 0.02])), MOSAIC_ALL),
 ], ids=["shared_bias_causal_soft_cap_mqa", "alibi_bottom_right_empty_rows_H80_Hv64",
         "with_mosaic_dkv_shared_bias_window_alibi", "with_mosaic_dkv_packed_shared_bias",
-        "wide_H256_with_mosaic_dkv_shared_bias", "all_mosaic_H160_Hv136_padded_to_192",
+        "wide_H256_with_mosaic_dkv_shared_bias", "all_mosaic_H160_Hv136_padded_to_160",
         "all_mosaic_H80_Hv96_unpadded"])
 def test_gradients_with_the_mosaic_dq_against_reference_and_float64(shapes, bias_shape,
                                                                     kwargs, blocks,

@@ -57,7 +57,7 @@ DBIAS_STAGES = (2, 1)  # the first that fits
 _REGISTERS = {2: (232, 40), 3: (160, 24)}
 
 # Head dims per role, as powers of two (`padded_head_dim`; where every role is a
-# Mosaic kernel they run at multiples of 16 and at 192 too, `Plan.head_dims`): above
+# Mosaic kernel at whole tiles in between, `Plan.head_dims`): above
 # 128 the dQ and dK/dV kernels' consumers share each tile (`is_wide`); the dbias
 # kernel's do not.
 HEAD_DIMS = {"forward": (64, 128, 256), "dq": (64, 128, 256), "dkdv": (64, 128, 256),
@@ -66,10 +66,10 @@ DTYPES = ("bfloat16", "float16")
 
 
 def is_wide(hp: int, hvp: int) -> bool:
-    """Whether the backward kernels' two consumers share each tile (a padded head dim of
-    192 or 256): each computes S and dP for half of a tile's 64 keys and holds dK and dV
+    """Whether the backward kernels' two consumers share each tile (a padded head dim
+    above 128): each computes S and dP for half of a tile's 64 keys and holds dK and dV
     (dQ) for half of the head dims, the two exchanging P and dS through shared memory.
-    One consumer's accumulators over 192 or 256 dims would need every register it has."""
+    One consumer's accumulators over 160 to 256 dims would need every register it has."""
     return max(hp, hvp) > WIDE_HEAD_DIM
 
 
@@ -85,10 +85,13 @@ def dkv_keys_major(hp: int, hvp: int, has_bias: bool, has_alibi: bool,
 
 
 def operand_swizzle(hp: int, hvp: int) -> int:
-    """The swizzle (bytes) of the backward kernels' wgmma tiles: 64 where the consumers
-    share each tile (`is_wide`), so that half of a 64-key tile is whole tiles; else the
-    forward's (`forward_swizzle`)."""
-    return 64 if is_wide(hp, hvp) else forward_swizzle(hp, hvp)
+    """The swizzle (bytes) of the backward kernels' wgmma tiles: where the consumers share
+    each tile (`is_wide`), 64, or 32 where half the head dims is no multiple of 32 (160,
+    224), so that half of a 64-key tile and half of the head dims are whole tiles; else
+    the forward's (`forward_swizzle`)."""
+    if is_wide(hp, hvp):
+        return 64 if hp % 64 == 0 and hvp % 64 == 0 else 32
+    return forward_swizzle(hp, hvp)
 
 
 def forward_swizzle(hp: int, hvp: int) -> int:

@@ -18,14 +18,15 @@ dK and dV in registers. Per step (the 64 query rows of one tile, one head):
 * with a bias that needs a gradient, the dS tile in shared memory is also the
   bias's gradient for that (query tile, key tile, head): a bulk copy stores it.
 
-At a padded head dim of 192 or 256 one consumer's dK and dV would take every register it
+At a padded head dim above 128 one consumer's dK and dV would take every register it
 has, so the consumers split the work of units of 64 keys (`config.is_wide`): each
 computes S and dP for 32 of the keys (over the whole head dim) and writes its half
 of the unit's P and dS tiles; after an exchange (a barrier both consumers pass once
 per step) each adds P^T dO and dS^T Q for its half of the head dims. P and dS have
 two buffers each, used in turn, so that the one exchange suffices: the products
 that last read a buffer, two steps back, finished before the last exchange. The
-buffers use 64-byte swizzled tiles, so that half of a 64-key tile is whole tiles.
+buffers use 64-byte swizzled tiles (32-byte at 160 and 224, `config.operand_swizzle`),
+so that half of a 64-key tile and half of the head dims are whole tiles.
 
 The producer warpgroup streams each step's Q, dO, row residuals and bias tile
 into a ring of the route's slots ("loaded" / "consumed" barriers, the ring

@@ -22,12 +22,12 @@ consumer warpgroups: three, or two with a bias or a local window
   the ring's slots. Two consumers (items of 128 rows) take turns on the tensor cores
   as the forward's do (two turns per key tile).
 
-At a padded head dim of 192 or 256 (`config.is_wide`) one consumer's dQ rows over them
+At a padded head dim above 128 (`config.is_wide`) one consumer's dQ rows over them
 and its Q and dO would not fit: both consumers work on items of 64 rows, each
 computing S, dP and dS for half of a tile's keys (over the whole head dim), writing
-its half of the tile's dS (two tiles used in turn, 64-byte swizzled so a half is
-whole tiles) and, after an exchange (a barrier both pass once per tile), adding dS K
-for its half of dQ's columns. They meet once more at the end of each item before its
+its half of the tile's dS (two tiles used in turn, swizzled so a half is whole tiles,
+`config.operand_swizzle`) and, after an exchange (a barrier both pass once per tile),
+adding dS K for its half of dQ's columns. They meet once more at the end of each item before its
 rows' buffers are refilled.
 
 dQ (times the softmax scale) is stored from registers. Rows that see no key get
