@@ -42,9 +42,9 @@ dbias when the Mosaic dQ kernel has stored it (`dq.dq_and_dbias`,
 tiles fastest (concurrent programs read neighbouring bias columns), then batch
 entries, so the programs working on one (KV head, key tile) for several batch
 entries run at the same time: they read each bias tile once from memory and the
-rest from L2, and their additions meet in L2. Under causal masking key tiles run
-slowest, the heaviest first; lanes reverse on odd rounds. The sum never needs a
-[B, N, T, S] buffer or a second pass over S and dP; each addition rounds to the
+rest from L2, and their additions meet in L2. Under causal masking the key tiles
+run in mirror pairs, so every program does the same work per pair. The sum never
+needs a [B, N, T, S] buffer or a second pass over S and dP; each addition rounds to the
 bias dtype (the bulk copy adds in it), in whatever order the programs reach a tile,
 so this dbias is not bit-reproducible from run to run (`BlockSizes(fuse_dbias=False)`
 gives the separate, deterministic dbias kernel). Measured faster than one program
@@ -94,6 +94,8 @@ from pallas_attn.kernels.mosaic.common import (
     launch,
     optional_refs,
     origin_pair,
+    pair_order,
+    pair_rounds,
     scoped,
     take_turn,
     tile_gradient,
@@ -152,7 +154,11 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, bias_ref, mask_ref, slopes_r
     k_tiles = problem.kv_pad // unit_n
     batch_items = problem.batch // passes
     items = k_tiles * problem.num_kv_heads * batch_items
-    units = -(-items // programs) * passes
+    heads = problem.num_kv_heads * batch_items
+    # Causal: key tile kt's work falls linearly with kt (`common.pair_order`).
+    pairs = problem.pairs_query_tiles
+    units = (pair_rounds(k_tiles, heads, programs) if pairs
+             else -(-items // programs)) * passes
     pid, wg = lax.axis_index("program"), lax.axis_index("wg")
 
     def unit_of(u):
@@ -160,26 +166,23 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, bias_ref, mask_ref, slopes_r
         this program (its item's pass u % passes): query tiles [first, stop) of the
         band, [full_first, full_stop) without band masks; the batch entry's TileRanges
         (its key length and offset)."""
-        # Round r gives program pid item r * programs + pid, the lanes reversed on odd
-        # rounds. Under causal masking items run key tiles slowest, the first (the
-        # heaviest) first, so heavy and light items even out over the rounds; else
-        # key tiles fastest, so concurrent programs read neighbouring bias columns.
-        # Batch entries come next: the programs running one (KV head, key tile) for
-        # several batch entries read a shared bias tile at about the same time, once
-        # from memory and the rest from L2, and add their dbias tiles there.
+        # Key tiles run fastest, so concurrent programs read the same Q and dO and
+        # neighbouring bias columns; then batch entries, so the programs running one
+        # (KV head, key tile) for several batch entries read a shared bias tile at
+        # about the same time, once from memory and the rest from L2, and add their
+        # dbias tiles there. Causal without a window: key tiles in mirror pairs, the
+        # first (the heaviest) with the last (`common.pair_order`); else round r gives
+        # program pid item r * programs + pid, the lanes reversed on odd rounds.
         r = lax.div(u, passes)
-        lane = jnp.where(lax.rem(r, 2) == 0, pid, programs - 1 - pid)
-        idx = r * programs + lane
         p = lax.rem(u, passes)
-        per_tile = problem.num_kv_heads * batch_items
-        if problem.spec.is_causal:
-            kt, rest = lax.div(idx, per_tile), lax.rem(idx, per_tile)
+        if pairs:
+            valid, kt, rest = pair_order(r, pid, k_tiles, heads, programs)
         else:
-            kt, rest = lax.rem(idx, k_tiles), lax.div(idx, k_tiles)
+            idx = r * programs + jnp.where(lax.rem(r, 2) == 0, pid, programs - 1 - pid)
+            valid, kt, rest = idx < items, lax.rem(idx, k_tiles), lax.div(idx, k_tiles)
         kh = lax.div(rest, batch_items)
         b = lax.rem(rest, batch_items) * passes + p
         k0 = kt * unit_n
-        valid = idx < items
         q_lengths, kv_lengths = lengths
         ctx = TileRanges(problem, b, kh,
                          q_length=None if q_lengths is None else q_lengths[b],
