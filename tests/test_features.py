@@ -99,8 +99,7 @@ def _block_sizes(backend: str):
 # The cases the Mosaic backend runs: every feature is in its kernels' own suites
 # (test_mosaic_*.py); here these run the public call with every role on Mosaic at once.
 # Every case's routing is test_every_backend_runs_somewhere's.
-MOSAIC_CASES = ("causal_gqa", "bottom_right_T>S_empty_rows", "bias_shared_by_heads", "mask",
-                "segments", "dropout")
+MOSAIC_CASES = ("causal_gqa", "bias_shared_by_heads", "mask", "dropout")
 
 
 @pytest.mark.parametrize("case,backend", [

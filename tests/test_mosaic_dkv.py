@@ -55,44 +55,26 @@ CASES = [
     ("per_batch_bias_causal_ragged", dict(B=2, T=130, S=200, N=2), (2, 2),
      dict(is_causal=True), {}),
     ("batch_shared_bias_three_passes", dict(B=3, T=100, S=140, N=2), (1, 2), {}, {}),
-    ("gqa_window_soft_cap_shared_bias", dict(B=2, T=100, S=260, N=4, K=2), (1, 4),
-     dict(local_window_size=(40, 10), logits_soft_cap=5.0), {}),
     ("bottom_right_T>S_H128_no_grad_bias", dict(B=2, T=200, S=100, N=2, H=128), (1, 2),
      dict(is_causal=True, causal_alignment="bottom_right"), dict(bias_grad=False)),
-    # ALiBi slopes per batch entry and head, alone under causal GQA (log2 units).
-    ("alibi_causal_gqa", dict(B=2, T=130, S=200, N=4, K=2), None,
-     dict(is_causal=True, alibi_slopes=jnp.array([[0.5, 0.25, 0.125, 0.0625],
-                                                   [0.03, 0.2, 0.7, 0.01]])), {}),
     # Packed documents (each unit's query tiles narrow to its keys' documents) with a
-    # per-batch bias's gradient (tiles outside them zero); unsorted ids under GQA.
+    # per-batch bias's gradient (tiles outside them zero).
     ("segments_packed_causal_bias", dict(B=2, T=330, S=330, N=2), (2, 2),
      dict(is_causal=True, q_segment_ids=np.repeat(np.arange(5), 66)[None].repeat(2, 0)), {}),
-    # Sequence lengths: ragged, a batch entry with no key (its dK and dV zero), one
-    # whose queries end inside the first step; a per-batch bias's gradient.
-    ("lengths_causal_bias", dict(B=3, T=200, S=260, N=2), (3, 2),
-     dict(is_causal=True, query_seq_lengths=np.array([200, 30, 150]),
-          key_value_seq_lengths=np.array([0, 260, 131])), {}),
-    # Dropout: per (batch entry, head) masks under causal GQA.
+    # Dropout: per (batch entry, head) masks under causal GQA (keys by queries).
     ("dropout_causal_gqa", dict(B=2, T=200, S=260, N=4, K=2), None,
      dict(is_causal=True, dropout_rate=0.2, dropout_rng=jax.random.key(3)), {}),
     # Head dim 64 without a bias or ALiBi: every tile computed keys by queries (S^T =
-    # K Q^T, `config.dkv_keys_major`): windows, a soft cap and ragged lengths under GQA;
-    # packed documents; bottom-right causal, T > S.
+    # K Q^T, `config.dkv_keys_major`): windows, a soft cap and ragged lengths (a batch
+    # entry with no key: its dK and dV zero) under GQA.
     ("keys_major_window_soft_cap_lengths_gqa", dict(B=3, T=150, S=200, N=4, K=2), None,
      dict(local_window_size=(40, 10), logits_soft_cap=5.0,
           query_seq_lengths=np.array([150, 30, 100]),
           key_value_seq_lengths=np.array([0, 200, 131])), {}),
-    ("keys_major_packed_causal", dict(B=2, T=330, S=330, N=2), None,
-     dict(is_causal=True, q_segment_ids=np.repeat(np.arange(5), 66)[None].repeat(2, 0)), {}),
-    ("keys_major_bottom_right_T>S", dict(B=2, T=200, S=100, N=2), None,
-     dict(is_causal=True, causal_alignment="bottom_right"), {}),
     # A boolean mask (int8 tiles per step and consumer, queries by keys at d64 too):
-    # one per batch entry hiding whole rows under causal GQA; one per head with a
-    # batch-shared bias's gradient.
+    # one per batch entry hiding whole rows under causal GQA.
     ("mask_per_batch_causal_gqa_empty_rows", dict(B=2, T=200, S=260, N=4, K=2), None,
      dict(is_causal=True, mask=random_mask(8, (2, 1, 200, 260), hidden_rows=(3, 130))), {}),
-    ("mask_per_head_shared_bias", dict(B=2, T=130, S=200, N=2), (1, 2),
-     dict(mask=random_mask(9, (1, 2, 130, 200), hidden_rows=(70,))), {}),
     # Head dim 256: units of 64 keys that the consumers share (`config.is_wide`), each
     # with half of S, dP and the head dims; the whole dS tile copied as dbias.
     ("wide_H256_per_batch_bias_causal", dict(B=2, T=130, S=200, N=2, H=256), (2, 2),

@@ -49,7 +49,6 @@ WIDE = dict(block_q_dq=64)  # the wide kernel's (64, 64) tiles at a head dim of 
 
 # (id, shapes, bias shape as (Bb, Nb) or None, kwargs, tiles)
 CASES = [
-    ("plain_ragged", dict(B=1, T=130, S=200, N=2), None, {}, {}),
     # A boolean mask (int8 tiles per consumer): one per batch entry hiding whole rows
     # under causal masking (three consumers); one per head with a bias and a soft cap
     # at d128 (two consumers, turns).
@@ -66,28 +65,21 @@ CASES = [
     ("bottom_right_T>S_per_batch_bias_H128_Hv64", dict(B=2, T=200, S=100, N=2, H=128, Hv=64),
      (2, 2), dict(is_causal=True, causal_alignment="bottom_right"), {}),
     # Packed documents (each consumer's key tiles narrow to its rows' documents) with
-    # three consumers, the first item starting before row 0; unsorted ids with a bias
-    # (every tile compared).
+    # three consumers, the first item starting before row 0.
     ("segments_packed_causal", dict(B=2, T=250, S=250, N=2), None,
      dict(is_causal=True, q_segment_ids=np.repeat(np.arange(5), 50)[None].repeat(2, 0)), {}),
     # Sequence lengths: ragged, one batch entry with no query and one whose keys end
-    # inside the first tile; with packed documents too.
+    # inside the first tile.
     ("lengths_causal_bottom_right", dict(B=3, T=200, S=150, N=2), None,
      dict(is_causal=True, causal_alignment="bottom_right",
           query_seq_lengths=np.array([200, 0, 77]), key_value_seq_lengths=np.array([5, 150, 99])),
      {}),
-    ("lengths_segments_bias", dict(B=2, T=250, S=250, N=2), (1, 2),
-     dict(key_value_seq_lengths=np.array([180, 250]), query_seq_lengths=np.array([250, 120]),
-          q_segment_ids=np.repeat(np.arange(5), 50)[None].repeat(2, 0)), {}),
     # Dropout: per (batch entry, head) masks under causal GQA (three consumers); one
     # shared mask with a bias (two consumers).
     ("dropout_causal_gqa", dict(B=2, T=250, S=150, N=4, K=2), None,
      dict(is_causal=True, dropout_rate=0.2, dropout_rng=jax.random.key(3)), {}),
     ("dropout_shared_bias", dict(B=2, T=140, S=200, N=2), (2, 2),
      dict(dropout_rate=0.3, dropout_rng=jax.random.key(4), broadcast_dropout=True), {}),
-    ("segments_unsorted_bias", dict(B=2, T=140, S=200, N=2), (1, 2),
-     dict(q_segment_ids=np.random.default_rng(3).integers(0, 3, (2, 140)),
-          kv_segment_ids=np.random.default_rng(4).integers(0, 3, (2, 200))), {}),
     # Head dim 256: items of 64 rows that both consumers share (`config.is_wide`), each
     # with half of every tile's keys and half of dQ's columns; a bias tile of each
     # consumer's keys; H192/Hv64 with packed documents, lengths and dropout.

@@ -51,7 +51,6 @@ MOSAIC = pallas_attn.BlockSizes(128, 64, 32, 32, 32, 32, block_q_dbias=32, block
                                 num_stages=2, forward_backend="mosaic")
 
 CASES = [
-    ("plain_ragged", dict(B=1, T=130, S=200, N=2, H=64), {}, {}),
     ("causal_bottom_right_T>S_empty_rows", dict(B=1, T=200, S=100, N=2, H=64),
      dict(is_causal=True, causal_alignment="bottom_right"), {}),
     ("causal_gqa_H80_Hv128_block_k128_3_slots", dict(B=1, T=256, S=256, N=4, K=2, H=80,
@@ -102,15 +101,11 @@ CASES = [
          2, axis=0).reshape(2, 330) * np.array([[1], [2]]),
           alibi_slopes=jnp.array([0.3, 0.05])), {}),
     # Sequence lengths: ragged per batch entry (one of them past the padded tiles'
-    # first key tile, one row of queries whose length is 0), causal bottom-right,
-    # with segments too.
+    # first key tile, one row of queries whose length is 0), causal bottom-right.
     ("lengths_causal_bottom_right", dict(B=3, T=200, S=260, N=2, H=64),
      dict(is_causal=True, causal_alignment="bottom_right",
           query_seq_lengths=np.array([200, 70, 0]), key_value_seq_lengths=np.array([5, 260, 131])),
      {}),
-    ("lengths_segments_window", dict(B=2, T=260, S=260, N=2, H=64),
-     dict(local_window_size=(50, 20), key_value_seq_lengths=np.array([190, 64]),
-          q_segment_ids=np.repeat(np.arange(4), 65)[None].repeat(2, 0)), dict(block_k=128)),
     # Dropout: per (batch entry, head) masks under causal GQA with ragged lengths; one
     # mask shared by every head with a bias, a soft cap and segments.
     ("dropout_causal_gqa_lengths", dict(B=2, T=200, S=150, N=4, K=2, H=64),
