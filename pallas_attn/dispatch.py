@@ -143,13 +143,30 @@ def plan(call: Call, *, implementation: str = "pallas", device: DeviceInfo | Non
                 raise ValueError(
                     f"block_sizes.{field}='mosaic' does not cover this call: {refusal}")
     tiles = _triton_tiles(call, device, overrides, interpret)
-    routes = {role: _route(role, call, device, overrides, interpret, tiles[role])
-              for role in ("dkdv", "dq")}
     decode = _decode_route(call, device, overrides, interpret)
+    # The Mosaic routes are sized at the head dims their kernels run at: whole wgmma tiles
+    # where every role is a Mosaic kernel, else powers of two (`_every_role_mosaic`).
+    for pad in (mosaic_head_dim, padded_head_dim):
+        dims = (pad(call.head_dim), pad(call.value_head_dim))
+        routes, dbias = _routes(call, device, overrides, interpret, tiles, decode, dims)
+        if pad is padded_head_dim or _every_role_mosaic(routes, dbias):
+            break
+    return Plan("pallas", routes["forward"], routes["dq"], routes["dkdv"], dbias,
+                programs=2 if interpret else device.num_multiprocessors, device=device,
+                interpret=interpret, why=why, problem=call.describe(), head_dims=dims)
+
+
+def _routes(call: Call, device: DeviceInfo, overrides: BlockSizes, interpret: bool,
+            tiles: dict[str, triton.Tiles], decode: Route | str, dims: tuple[int, int]
+            ) -> tuple[dict[str, Route], Route | None]:
+    """Each role's route (dbias apart, None without a bias), the Mosaic ones sized for
+    kernels at head dims dims."""
+    routes = {role: _route(role, call, device, overrides, interpret, tiles[role], dims)
+              for role in ("dkdv", "dq")}
     if isinstance(decode, Route):
         routes["forward"] = decode
     else:
-        forward = _route("forward", call, device, overrides, interpret, tiles["forward"])
+        forward = _route("forward", call, device, overrides, interpret, tiles["forward"], dims)
         if decode:  # a few query rows: say why the decode kernel does not take them
             forward = dataclasses.replace(forward,
                                           declined=(("decode", decode), *forward.declined))
@@ -162,24 +179,18 @@ def plan(call: Call, *, implementation: str = "pallas", device: DeviceInfo | Non
             if routes[role].backend == "mosaic":
                 routes[role] = dataclasses.replace(
                     routes[role], repair=Route("triton", *triton.REPAIR_TILES))
-    dbias = (_dbias_route(call, device, overrides, interpret, tiles["dbias"], routes["dkdv"])
-             if call.spec.has_bias else None)
-    return Plan("pallas", routes["forward"], routes["dq"], routes["dkdv"], dbias,
-                programs=2 if interpret else device.num_multiprocessors, device=device,
-                interpret=interpret, why=why, problem=call.describe(),
-                head_dims=_padded_head_dims(call, routes, dbias))
+    dbias = (_dbias_route(call, device, overrides, interpret, tiles["dbias"], routes["dkdv"],
+                          dims) if call.spec.has_bias else None)
+    return routes, dbias
 
 
-def _padded_head_dims(call: Call, routes: dict[str, Route], dbias: Route | None
-                      ) -> tuple[int, int]:
-    """The kernels' head dims: whole wgmma tiles (`mosaic_head_dim`: 48, 80, 160) where the
-    forward, dQ and dK/dV run Mosaic kernels and dbias is none or the dK/dV kernel's (a
-    Triton repair pads its own copy, kernels/vjp.py), else powers of two, which the
-    Triton kernels and the dbias kernels need."""
-    mosaic = all(route.backend == "mosaic" for route in routes.values())
-    pad = (mosaic_head_dim if mosaic and (dbias is None or dbias.fused)
-           else padded_head_dim)
-    return pad(call.head_dim), pad(call.value_head_dim)
+def _every_role_mosaic(routes: dict[str, Route], dbias: Route | None) -> bool:
+    """Whether the kernels may run at whole-tile head dims (`mosaic_head_dim`: 48, 80,
+    160): the forward, dQ and dK/dV are Mosaic kernels and dbias is none or the dK/dV
+    kernel's (a Triton repair pads its own copy, kernels/vjp.py); the Triton kernels and
+    the dbias kernels need powers of two."""
+    return (all(route.backend == "mosaic" for route in routes.values())
+            and (dbias is None or dbias.fused))
 
 
 def _check_kernels_run(call: Call, interpret: bool, device: DeviceInfo | None) -> None:
@@ -281,8 +292,9 @@ def _first_fitting(options: tuple[int, ...], need: Any, device: DeviceInfo) -> t
 
 
 def _mosaic_route(role: str, call: Call, device: DeviceInfo, overrides: BlockSizes,
-                  automatic: bool, interpret: bool) -> Route | str:
-    """The Mosaic kernel's route for a role, or why it does not run it."""
+                  automatic: bool, interpret: bool, dims: tuple[int, int]) -> Route | str:
+    """The Mosaic kernel's route for a role at padded head dims dims, or why it does not
+    run it."""
     spec = call.spec
     if why := _not_hopper(device):
         return why
@@ -292,7 +304,7 @@ def _mosaic_route(role: str, call: Call, device: DeviceInfo, overrides: BlockSiz
     if why := mosaic.unsupported(call.dtype, spec, call.present, call.head_dim,
                                  call.value_head_dim, role):
         return why
-    hp, hvp = padded_head_dim(call.head_dim), padded_head_dim(call.value_head_dim)
+    hp, hvp = dims
     if automatic and call.q_len < mosaic.ITEM_ROWS:
         return f"fewer query rows ({call.q_len}) than one work item ({mosaic.ITEM_ROWS})"
     rows = call.q_len * (call.num_heads // call.num_kv_heads)
@@ -373,11 +385,12 @@ def _mosaic_route(role: str, call: Call, device: DeviceInfo, overrides: BlockSiz
 
 
 def _route(role: str, call: Call, device: DeviceInfo, overrides: BlockSizes, interpret: bool,
-           tiles: triton.Tiles) -> Route:
+           tiles: triton.Tiles, dims: tuple[int, int]) -> Route:
     forced = overrides.backend(role)
     declined = ()
     if forced != "triton":
-        mosaic_route = _mosaic_route(role, call, device, overrides, forced is None, interpret)
+        mosaic_route = _mosaic_route(role, call, device, overrides, forced is None, interpret,
+                                     dims)
         if isinstance(mosaic_route, Route):
             return mosaic_route
         if forced == "mosaic":
@@ -479,7 +492,7 @@ def _fusable(call: Call, dkdv: Route) -> bool:
 
 
 def _dbias_route(call: Call, device: DeviceInfo, overrides: BlockSizes, interpret: bool,
-                 tiles: triton.Tiles, dkdv: Route) -> Route:
+                 tiles: triton.Tiles, dkdv: Route, dims: tuple[int, int]) -> Route:
     """dbias: written by the dK/dV kernel where it can (fused), else its own kernel.
 
     Automatic fusion: always where the Mosaic dK/dV kernel can (docs/decisions.md,
@@ -515,7 +528,7 @@ def _dbias_route(call: Call, device: DeviceInfo, overrides: BlockSizes, interpre
     if not fusable and overrides.fuse_dbias is None:
         declined.append(("fused", f"the {dkdv.backend} dK/dV kernel cannot write the gradient "
                          f"of a bias of shape {shape}, {call.bias_dtype}"))
-    route = _route("dbias", call, device, overrides, interpret, tiles)
+    route = _route("dbias", call, device, overrides, interpret, tiles, dims)
     return dataclasses.replace(route, declined=(*declined, *route.declined))
 
 

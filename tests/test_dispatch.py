@@ -18,7 +18,6 @@ import pytest
 import pallas_attn
 from pallas_attn import dispatch
 from pallas_attn.device import DeviceInfo
-from pallas_attn.kernels import padded_head_dim
 from pallas_attn.kernels.mosaic import config as mosaic
 from pallas_attn.kernels.triton import config as triton
 from pallas_attn.plan import BlockSizes, Route
@@ -230,7 +229,7 @@ def test_the_triton_routes_are_the_ladders_first_fitting_rung(name):
 # ------------------------------------------------------------------ shared memory
 def _need(plan: pallas_attn.Plan, c: dispatch.Call, role: str) -> int:
     route = plan.route(role)
-    hp, hvp = padded_head_dim(c.head_dim), padded_head_dim(c.value_head_dim)
+    hp, hvp = plan.head_dims  # the Mosaic kernels' (whole tiles, or powers of two)
     if route.backend == "triton":
         return triton.shared_memory(role, (route.block_q, route.block_k, route.num_warps,
                                            route.num_stages), c.head_dim, c.value_head_dim,
