@@ -37,7 +37,7 @@ DQ_WIDE_TILES = (ROWS_PER_CONSUMER, 64)
 DBIAS_BLOCK_K = (64, 128)
 
 # The forward's three consumers: the most registers per thread their output accumulator,
-# scores and P may hold (head dim 64 with 128-key tiles, 128 with 64-key tiles).
+# scores and P may hold (head dim 64 with 128-key tiles, 128 and 160 with 64-key tiles).
 FORWARD_THREE_REGISTERS = 128
 
 # A boolean mask as the kernels read it: one byte per entry (the bulk copies and
