@@ -163,13 +163,13 @@ class Problem:
         return bound if bound <= FIXED_REFERENCE_MAX_LOG2 else None
 
     @property
-    def pairs_query_tiles(self) -> bool:
-        """Causal attention without a window: a query tile's work grows linearly with
-        its index, so each forward program takes tile i and its mirror
-        num_tiles - 1 - i and every program does the same work (schedule_query_tiles;
-        the Mosaic forward and dQ kernels' `common.pair_order`). The Triton backward
-        gained nothing from it (docs/decisions.md, "Pairing causal tiles in the Triton
-        forward")."""
+    def pairs_causal_tiles(self) -> bool:
+        """Causal attention without a window: a tile's work grows or falls linearly with
+        its index, so programs take tiles in mirror pairs (i and num_tiles - 1 - i) and
+        each does the same work: the Triton forward's query tiles
+        (schedule_query_tiles), the Mosaic kernels' query or key tiles
+        (`mosaic.common.pair_order`). The Triton backward gained nothing from it
+        (docs/decisions.md, "Pairing causal tiles in the Triton forward")."""
         return self.spec.is_causal and self.spec.local_window is None
 
     def has(self, name: str) -> bool:

@@ -227,7 +227,8 @@ def pair_rounds(tiles: int, heads: int, programs: int) -> int:
 def pair_order(r: Any, pid: Any, tiles: int, heads: int, programs: int
                ) -> tuple[Any, Any, Any]:
     """(valid, rank, head) of program pid's item in round r, over heads x tiles items of
-    query-tile ranks 0..tiles-1 (rank 0 the heaviest causal tile).
+    tile ranks 0..tiles-1, rank 0 the heaviest causal tile (a head's last query tile in
+    the forward and dQ kernels, its first key tile in the dK/dV kernel).
 
     Pair j is tile ranks s and tiles - 1 - s (one tile where they meet) of head
     j // ceil(tiles / 2): program pid runs pair r // 2 * programs + pid, the heavy tile
@@ -282,14 +283,14 @@ class Walk:
 
     @property
     def rounds(self) -> int:
-        if self.problem.pairs_query_tiles:
+        if self.problem.pairs_causal_tiles:
             return pair_rounds(self.num_tiles, self.problem.batch * self.problem.num_heads,
                                self.programs)
         return -(-self.items // self.programs)
 
     def item(self, r) -> Item:
         pid = lax.axis_index("program")
-        if self.problem.pairs_query_tiles:
+        if self.problem.pairs_causal_tiles:
             valid, rank, batch_head = pair_order(
                 r, pid, self.num_tiles, self.problem.batch * self.problem.num_heads,
                 self.programs)

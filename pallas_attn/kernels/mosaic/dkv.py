@@ -156,7 +156,7 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, bias_ref, mask_ref, slopes_r
     items = k_tiles * problem.num_kv_heads * batch_items
     heads = problem.num_kv_heads * batch_items
     # Causal: key tile kt's work falls linearly with kt (`common.pair_order`).
-    pairs = problem.pairs_query_tiles
+    pairs = problem.pairs_causal_tiles
     units = (pair_rounds(k_tiles, heads, programs) if pairs
              else -(-items // programs)) * passes
     pid, wg = lax.axis_index("program"), lax.axis_index("wg")

@@ -54,7 +54,7 @@ def forward_kernel(*refs, problem: Problem, names: tuple[str, ...]):
     r = name_refs(names, refs)
     b, n = pl.program_id(1), pl.program_id(2)
     num_tiles = problem.q_pad // problem.plan.forward.block_q
-    schedule_query_tiles(num_tiles, problem.pairs_query_tiles,
+    schedule_query_tiles(num_tiles, problem.pairs_causal_tiles,
                          lambda i: _forward_tile(problem, r, _context(problem, r, b, n), i))
 
 
@@ -154,7 +154,7 @@ def forward(problem: Problem, q: jax.Array, k: jax.Array, v: jax.Array,
     row = jax.ShapeDtypeStruct((B, N, Tp), jnp.float32)
     out_shape = [jax.ShapeDtypeStruct((B, Tp, N, v.shape[-1]), q.dtype), row, row]
     route = problem.plan.forward
-    grid = (scheduled_grid_size(Tp // route.block_q, problem.pairs_query_tiles), B, N)
+    grid = (scheduled_grid_size(Tp // route.block_q, problem.pairs_causal_tiles), B, N)
     out, row_max, log2_sum = launch(forward_kernel, problem, names, inputs, out_shape, grid,
                                     route.num_warps, route.num_stages, "pallas_attn_forward")
     return out, (row_max, log2_sum)
