@@ -53,14 +53,7 @@ CASES = {
     "bias_fused_keys_gqa": dict(bias=jnp.ones((2, 4, 1, 256), jnp.float32), K=2,
                                 key_value_seq_lengths=jnp.array([100, 256]),
                                 block_sizes=pallas_attn.BlockSizes(fuse_dbias=True)),
-    # The Hopper (Mosaic GPU) forward: causal GQA with ragged lengths and Hv != H (a
-    # separate output buffer), a float16 window with 64-key tiles and 3 slots, and a
-    # soft cap with its fixed row reference.
-    "mosaic_causal_gqa_ragged": dict(T=200, S=300, N=8, K=2, H=80, Hv=64, is_causal=True,
-                                     block_sizes=_MOSAIC),
-    "mosaic_window_float16": dict(dtype=jnp.float16, H=128, local_window_size=(64, 32),
-                                  block_sizes=dataclasses.replace(_MOSAIC, block_k=64,
-                                                                  num_stages=3)),
+    # The Hopper (Mosaic GPU) forward: a soft cap with its fixed row reference.
     "mosaic_softcap": dict(H=128, logits_soft_cap=20.0, causal_alignment="bottom_right",
                            is_causal=True, block_sizes=_MOSAIC),
     # Head dim 256 with the default tiles: 64-key tiles, the output staged in Q's
@@ -88,20 +81,13 @@ CASES = {
                                           bias=jnp.ones((1, 1, 256, 256), jnp.float32),
                                           block_sizes=pallas_attn.BlockSizes(
                                               **dict(_MOSAIC_DBIAS, num_stages_dbias=1))),
-    # The Hopper dK/dV kernel: summing a batch-shared bias's dS with reduce-add copies
-    # (soft cap, GQA, ragged, Mosaic forward), storing a per-batch float16 bias's under
-    # a causal window, and without a bias at H80/Hv64 with one slot.
-    "mosaic_dkv_shared_bias_softcap_gqa": dict(
-        H=128, T=200, S=300, K=2, bias=jnp.ones((1, 4, 200, 300), jnp.bfloat16),
-        logits_soft_cap=20.0, block_sizes=dataclasses.replace(_MOSAIC, **_MOSAIC_DKV)),
+    # The Hopper dK/dV kernel: storing a per-batch float16 bias's dbias under a causal
+    # window (a batch-shared bias's sum: mosaic_dq_bias_softcap_alibi).
     "mosaic_dkv_per_batch_bias_window_float16": dict(
         dtype=jnp.float16, bias=jnp.ones((2, 4, 256, 256), jnp.float16), is_causal=True,
         local_window_size=(64, 32), block_sizes=pallas_attn.BlockSizes(**_MOSAIC_DKV)),
-    # ALiBi in the Hopper kernels: per-head slopes under causal masking (forward and
-    # dK/dV), per-batch slopes with a batch-shared bias and a soft cap (dK/dV writing
-    # dbias), and a head-shared bias's dbias kernel.
-    "mosaic_alibi_causal": dict(H=128, alibi_slopes=jnp.ones(4), is_causal=True,
-                                block_sizes=dataclasses.replace(_MOSAIC, **_MOSAIC_DKV)),
+    # ALiBi in the Hopper kernels: per-batch slopes with a batch-shared bias and a soft
+    # cap (dK/dV writing dbias), and a head-shared bias's dbias kernel.
     "mosaic_alibi_shared_bias_softcap": dict(
         T=200, S=300, K=2, alibi_slopes=jnp.ones((2, 4)), logits_soft_cap=20.0,
         bias=jnp.ones((1, 4, 200, 300), jnp.bfloat16),

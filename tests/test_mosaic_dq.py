@@ -205,9 +205,6 @@ MOSAIC_ALL_WIDE = dataclasses.replace(MOSAIC_DQ_DKV_WIDE, block_q=128, block_k=6
           alibi_slopes=jnp.array([0.2, 0.04])), MOSAIC_DQ),
     (dict(B=3, T=150, S=200, N=2, H=64), (1, 2),
      dict(local_window_size=(60, 20), alibi_slopes=jnp.array([0.2, 0.04])), MOSAIC_DQ_DKV),
-    (dict(B=2, T=260, S=260, N=2, H=64), (1, 2),
-     dict(is_causal=True, q_segment_ids=np.repeat(np.arange(4), 65)[None].repeat(2, 0)),
-     MOSAIC_DQ_DKV),
     (dict(B=2, T=150, S=200, N=4, K=2, H=256), (1, 4),
      dict(is_causal=True, logits_soft_cap=8.0), MOSAIC_DQ_DKV_WIDE),
     (dict(B=2, T=130, S=150, N=4, K=2, H=160, Hv=136), (1, 4),
@@ -215,7 +212,7 @@ MOSAIC_ALL_WIDE = dataclasses.replace(MOSAIC_DQ_DKV_WIDE, block_q=128, block_k=6
     (dict(B=2, T=130, S=150, N=4, K=2, H=80, Hv=96), (1, 4),
      dict(is_causal=True, alibi_slopes=jnp.array([0.2, 0.1, 0.05, 0.02])), MOSAIC_ALL),
 ], ids=["shared_bias_causal_soft_cap_mqa", "alibi_bottom_right_empty_rows_H80_Hv64",
-        "with_mosaic_dkv_shared_bias_window_alibi", "with_mosaic_dkv_packed_shared_bias",
+        "with_mosaic_dkv_shared_bias_window_alibi",
         "wide_H256_with_mosaic_dkv_shared_bias", "all_mosaic_H160_Hv136_padded_to_160",
         "all_mosaic_H80_Hv96_unpadded"])
 def test_gradients_with_the_mosaic_dq_against_reference_and_float64(shapes, bias_shape,
