@@ -146,11 +146,12 @@ def plan(call: Call, *, implementation: str = "pallas", device: DeviceInfo | Non
     decode = _decode_route(call, device, overrides, interpret)
     # The Mosaic routes are sized at the head dims their kernels run at: whole wgmma tiles
     # where every role is a Mosaic kernel, else powers of two (`_every_role_mosaic`).
-    for pad in (mosaic_head_dim, padded_head_dim):
-        dims = (pad(call.head_dim), pad(call.value_head_dim))
+    dims = (mosaic_head_dim(call.head_dim), mosaic_head_dim(call.value_head_dim))
+    routes, dbias = _routes(call, device, overrides, interpret, tiles, decode, dims)
+    powers = (padded_head_dim(call.head_dim), padded_head_dim(call.value_head_dim))
+    if dims != powers and not _every_role_mosaic(routes, dbias):
+        dims = powers
         routes, dbias = _routes(call, device, overrides, interpret, tiles, decode, dims)
-        if pad is padded_head_dim or _every_role_mosaic(routes, dbias):
-            break
     return Plan("pallas", routes["forward"], routes["dq"], routes["dkdv"], dbias,
                 programs=2 if interpret else device.num_multiprocessors, device=device,
                 interpret=interpret, why=why, problem=call.describe(), head_dims=dims)

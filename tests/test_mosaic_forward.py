@@ -324,11 +324,12 @@ def test_causal_items_run_once_each_in_balanced_mirror_pairs(tiles, heads, progr
     """The Mosaic forward's and dQ kernel's causal walk: every (head, query tile) item
     exactly once, and no program's causal work (rank r sees tiles - r key tiles, plus a
     fixed cost per item) more than one pair above the mean."""
-    from pallas_attn.kernels.mosaic.common import pair_order, pair_rounds
-    rounds = pair_rounds(tiles, heads, programs)
+    from pallas_attn.kernels.mosaic.common import work_order, work_rounds
+    rounds = work_rounds(tiles, heads, programs, paired=True)
     r, pid = (jnp.asarray(x, jnp.int32) for x in np.meshgrid(
         np.arange(rounds + 1), np.arange(programs), indexing="ij"))
-    valid, rank, head = (np.asarray(x) for x in pair_order(r, pid, tiles, heads, programs))
+    valid, rank, head = (np.asarray(x) for x in work_order(r, pid, tiles, heads, programs,
+                                                           paired=True))
     assert not valid[rounds].any()
     valid, rank, head = valid[:rounds], rank[:rounds], head[:rounds]
     items = sorted(zip(head[valid].tolist(), rank[valid].tolist(), strict=True))

@@ -168,7 +168,7 @@ class Problem:
         its index, so programs take tiles in mirror pairs (i and num_tiles - 1 - i) and
         each does the same work: the Triton forward's query tiles
         (schedule_query_tiles), the Mosaic kernels' query or key tiles
-        (`mosaic.common.pair_order`). The Triton backward gained nothing from it
+        (`mosaic.common.work_order`). The Triton backward gained nothing from it
         (docs/decisions.md, "Pairing causal tiles in the Triton forward")."""
         return self.spec.is_causal and self.spec.local_window is None
 

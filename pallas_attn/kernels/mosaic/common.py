@@ -219,22 +219,30 @@ def segments_of(operands: dict[str, Any], limits: str) -> tuple[jax.Array, ...]:
     return (*ids, chunk_limits(operands[limits]))
 
 
-def pair_rounds(tiles: int, heads: int, programs: int) -> int:
-    """The rounds of `pair_order`: two per round of pairs."""
-    return 2 * -(-heads * -(-tiles // 2) // programs)
+def work_rounds(tiles: int, heads: int, programs: int, paired: bool) -> int:
+    """The rounds of `work_order`."""
+    if paired:  # two per round of pairs
+        return 2 * -(-heads * -(-tiles // 2) // programs)
+    return -(-heads * tiles // programs)
 
 
-def pair_order(r: Any, pid: Any, tiles: int, heads: int, programs: int
+def work_order(r: Any, pid: Any, tiles: int, heads: int, programs: int, paired: bool
                ) -> tuple[Any, Any, Any]:
     """(valid, rank, head) of program pid's item in round r, over heads x tiles items of
-    tile ranks 0..tiles-1, rank 0 the heaviest causal tile (a head's last query tile in
-    the forward and dQ kernels, its first key tile in the dK/dV kernel).
+    tile ranks 0..tiles-1, ranks fastest; rank 0 is the heaviest causal tile (a head's
+    last query tile in the forward and dQ kernels, its first key tile in the dK/dV
+    kernel).
 
-    Pair j is tile ranks s and tiles - 1 - s (one tile where they meet) of head
-    j // ceil(tiles / 2): program pid runs pair r // 2 * programs + pid, the heavy tile
-    on even rounds and its mirror on odd ones, so that every program does the same
-    causal work per two rounds (a round-robin of heaviest-first tiles was 1.5x out of
-    balance at 256 tiles over 16 heads on 132 programs)."""
+    Paired (causal without a window, `Problem.pairs_causal_tiles`): pair j is ranks s and
+    tiles - 1 - s (one tile where they meet) of head j // ceil(tiles / 2); program pid
+    runs pair r // 2 * programs + pid, the heavy tile on even rounds and its mirror on
+    odd ones, so that every program does the same causal work per two rounds (a
+    round-robin of heaviest-first tiles was 1.5x out of balance at 256 tiles over 16
+    heads on 132 programs). Else round r gives program pid item r * programs + pid, the
+    lanes reversed on odd rounds."""
+    if not paired:
+        idx = r * programs + jnp.where(lax.rem(r, 2) == 0, pid, programs - 1 - pid)
+        return idx < heads * tiles, lax.rem(idx, tiles), lax.div(idx, tiles)
     half = -(-tiles // 2)
     j = lax.div(r, 2) * programs + pid
     s = lax.rem(j, half)
@@ -252,11 +260,9 @@ class Walk:
     divide it, a head's first item starts before row 0 and its consumers for those
     rows have nothing to do.
 
-    Query tiles run fastest, so concurrent programs share K/V; rank 0 is a head's last
-    tile. Under causal masking without a window the items run in mirror pairs
-    (`pair_order`), so every program does the same work per pair whatever the tile and
-    head counts; else round r gives program pid item r * programs + pid, the lanes
-    reversed on odd rounds.
+    Query tiles run fastest, so concurrent programs share K/V (`work_order`: causal
+    items in mirror pairs, so every program does the same work per pair whatever the
+    tile and head counts).
     """
 
     problem: Problem
@@ -278,27 +284,15 @@ class Walk:
         return -(-self.problem.q_pad // self.item_rows)
 
     @property
-    def items(self) -> int:
-        return self.num_tiles * self.problem.batch * self.problem.num_heads
-
-    @property
     def rounds(self) -> int:
-        if self.problem.pairs_causal_tiles:
-            return pair_rounds(self.num_tiles, self.problem.batch * self.problem.num_heads,
-                               self.programs)
-        return -(-self.items // self.programs)
+        return work_rounds(self.num_tiles, self.problem.batch * self.problem.num_heads,
+                           self.programs, self.problem.pairs_causal_tiles)
 
     def item(self, r) -> Item:
-        pid = lax.axis_index("program")
-        if self.problem.pairs_causal_tiles:
-            valid, rank, batch_head = pair_order(
-                r, pid, self.num_tiles, self.problem.batch * self.problem.num_heads,
-                self.programs)
-        else:  # round-robin, the lanes reversed on odd rounds
-            idx = r * self.programs + jnp.where(lax.rem(r, 2) == 0, pid,
-                                                self.programs - 1 - pid)
-            valid, rank, batch_head = (idx < self.items, lax.rem(idx, self.num_tiles),
-                                       lax.div(idx, self.num_tiles))
+        valid, rank, batch_head = work_order(
+            r, lax.axis_index("program"), self.num_tiles,
+            self.problem.batch * self.problem.num_heads, self.programs,
+            self.problem.pairs_causal_tiles)
         return Item(valid, self.problem.q_pad - (rank + 1) * self.item_rows,
                     lax.rem(batch_head, self.problem.batch),
                     lax.div(batch_head, self.problem.batch))

@@ -56,10 +56,9 @@ DBIAS_STAGES = (2, 1)  # the first that fits
 # 3 x 160 + 24.
 _REGISTERS = {2: (232, 40), 3: (160, 24)}
 
-# Head dims per role, as powers of two (`padded_head_dim`; where every role is a
-# Mosaic kernel at whole tiles in between, `Plan.head_dims`): above
-# 128 the dQ and dK/dV kernels' consumers share each tile (`is_wide`); the dbias
-# kernel's do not.
+# Head dims per role, as powers of two (`padded_head_dim`; where every role is a Mosaic
+# kernel, whole tiles in between, `Plan.head_dims`): above 128 the dQ and dK/dV
+# kernels' consumers share each tile (`is_wide`); the dbias kernel's do not.
 HEAD_DIMS = {"forward": (64, 128, 256), "dq": (64, 128, 256), "dkdv": (64, 128, 256),
              "dbias": (64, 128)}
 DTYPES = ("bfloat16", "float16")

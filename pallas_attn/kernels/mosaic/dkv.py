@@ -94,12 +94,12 @@ from pallas_attn.kernels.mosaic.common import (
     launch,
     optional_refs,
     origin_pair,
-    pair_order,
-    pair_rounds,
     scoped,
     take_turn,
     tile_gradient,
     unsupported,
+    work_order,
+    work_rounds,
     zero_tile_init,
     zero_tiles_outside,
 )
@@ -153,12 +153,8 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, bias_ref, mask_ref, slopes_r
     rows_n, unit_n, keys_n = tiles_of.rows, tiles_of.unit, tiles_of.keys
     k_tiles = problem.kv_pad // unit_n
     batch_items = problem.batch // passes
-    items = k_tiles * problem.num_kv_heads * batch_items
     heads = problem.num_kv_heads * batch_items
-    # Causal: key tile kt's work falls linearly with kt (`common.pair_order`).
-    pairs = problem.pairs_causal_tiles
-    units = (pair_rounds(k_tiles, heads, programs) if pairs
-             else -(-items // programs)) * passes
+    units = work_rounds(k_tiles, heads, programs, problem.pairs_causal_tiles) * passes
     pid, wg = lax.axis_index("program"), lax.axis_index("wg")
 
     def unit_of(u):
@@ -170,16 +166,12 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, bias_ref, mask_ref, slopes_r
         # neighbouring bias columns; then batch entries, so the programs running one
         # (KV head, key tile) for several batch entries read a shared bias tile at
         # about the same time, once from memory and the rest from L2, and add their
-        # dbias tiles there. Causal without a window: key tiles in mirror pairs, the
-        # first (the heaviest) with the last (`common.pair_order`); else round r gives
-        # program pid item r * programs + pid, the lanes reversed on odd rounds.
+        # dbias tiles there. Causal: key tiles in mirror pairs, the first (the
+        # heaviest) with the last (`common.work_order`).
         r = lax.div(u, passes)
         p = lax.rem(u, passes)
-        if pairs:
-            valid, kt, rest = pair_order(r, pid, k_tiles, heads, programs)
-        else:
-            idx = r * programs + jnp.where(lax.rem(r, 2) == 0, pid, programs - 1 - pid)
-            valid, kt, rest = idx < items, lax.rem(idx, k_tiles), lax.div(idx, k_tiles)
+        valid, kt, rest = work_order(r, pid, k_tiles, heads, programs,
+                                     problem.pairs_causal_tiles)
         kh = lax.div(rest, batch_items)
         b = lax.rem(rest, batch_items) * passes + p
         k0 = kt * unit_n

@@ -27,8 +27,8 @@ and its Q and dO would not fit: both consumers work on items of 64 rows, each
 computing S, dP and dS for half of a tile's keys (over the whole head dim), writing
 its half of the tile's dS (two tiles used in turn, swizzled so a half is whole tiles,
 `config.operand_swizzle`) and, after an exchange (a barrier both pass once per tile),
-adding dS K for its half of dQ's columns. They meet once more at the end of each item before its
-rows' buffers are refilled.
+adding dS K for its half of dQ's columns. They meet once more at the end of each item
+before its rows' buffers are refilled.
 
 dQ (times the softmax scale) is stored from registers. Rows that see no key get
 zeros. With segment ids (or a mask: its ranges), items and consumers narrow their key

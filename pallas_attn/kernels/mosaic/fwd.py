@@ -3,9 +3,9 @@
 The work is items of 64 query rows per consumer warpgroup of one (batch entry,
 head): two consumers (items of 128 rows), or three (192 rows) where each one's
 accumulator and scores fit a third of the registers and there is no bias
-(`config.forward_consumers`: head dim 64, or 128 and 160 with 64-key tiles). One program
-per multiprocessor loops over items (`common.Walk`: round-robin, lanes reversed
-every other round, query tiles fastest and the heaviest causal tile first; items
+(`config.forward_consumers`: head dim 64, or 128 and 160 with 64-key tiles). One
+program per multiprocessor loops over items (`common.Walk`: query tiles fastest,
+causal tiles in mirror pairs so that every program does the same work; items
 end at the padded length, so with three consumers a head's first item may start
 before row 0, and the consumers whose rows lie there only release the ring's
 slots) with a producer warpgroup and the consumers:
