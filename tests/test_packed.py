@@ -54,15 +54,20 @@ MOSAIC = pallas_attn.BlockSizes(block_q=128, block_k=64, block_q_dkv=64, block_k
                                 dq_backend="mosaic", dkv_backend="mosaic")
 
 
-@pytest.mark.parametrize("kw", [{}, dict(is_causal=True)], ids=["full", "causal"])
-def test_the_mosaic_kernels_never_read_a_poisoned_document(kw):
+@pytest.mark.parametrize(("lengths", "kw"), [((64, 64, 64, 64), dict(is_causal=True)),
+                                             ((140, 52, 64), {})],
+                         ids=["causal", "ragged"])
+def test_the_mosaic_kernels_never_read_a_poisoned_document(lengths, kw):
     """The Hopper kernels in the Mosaic GPU interpreter: documents of 64 tokens, so a
-    forward or dQ item (128 rows) holds two and each consumer narrows to its own; with
-    NaN in the last document's keys and values of batch entry 0, every other document
-    (and entry 1 whole) is finite and equals the reference's."""
+    forward or dQ item (128 rows) holds two and each consumer narrows to its own, or of
+    140 and 52, so a consumer's band holds tiles inside its document (which compare no
+    ids) and one shared with the next (which must); with NaN in the last document's
+    keys and values of batch entry 0, every other document (and entry 1 whole) is
+    finite and equals the reference's."""
     inputs = make_inputs(9, dtype=jnp.bfloat16, B=2, T=256, S=256, N=2, K=1, H=64)
     q, k, v, ct = inputs["q"], inputs["k"], inputs["v"], inputs["ct"]
-    segments = jnp.repeat(jnp.arange(4), 64)[None].repeat(2, 0).astype(jnp.int32)
+    ids = np.repeat(np.arange(len(lengths)), lengths)
+    segments = jnp.asarray(ids)[None].repeat(2, 0).astype(jnp.int32)
     poisoned = slice(192, 256)
 
     def run(k, v):

@@ -564,9 +564,11 @@ class TileRanges:
         return (first, stop, *full_tile_span(full_lo, full_hi, block_k, first, stop))
 
     def query_tiles(self, k0: Any, k_stop: Any, block_q: int,
-                    limits: tuple[Any, Any] | None = None) -> tuple[Any, Any, Any, Any]:
+                    limits: tuple[Any, Any] | None = None,
+                    inner: tuple[Any, Any] | None = None) -> tuple[Any, Any, Any, Any]:
         """(first, stop, full_first, full_stop) query tiles for keys [k0, k_stop);
-        limits: queries [lo, hi) outside which none sees these keys (their segments)."""
+        limits: queries [lo, hi) outside which none sees these keys (their segments);
+        inner: queries [lo, hi) that see every one of them, or None."""
         spec, off = self.p.spec, self.offset
         q_stop = self.p.q_len
         if self.q_length is not None:
@@ -583,5 +585,7 @@ class TileRanges:
             left, right = spec.local_window
             full_lo = jnp.maximum(full_lo, k_stop - 1 - off - right)
             full_hi = jnp.minimum(full_hi, k0 - off + left + 1)
+        if inner is not None:
+            full_lo, full_hi = jnp.maximum(full_lo, inner[0]), jnp.minimum(full_hi, inner[1])
         full_hi = _zero_unless(k_stop <= self.kv_stop(), full_hi)  # a ragged key tile
         return (first, stop, *full_tile_span(full_lo, full_hi, block_q, first, stop))

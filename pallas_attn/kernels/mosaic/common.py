@@ -98,16 +98,19 @@ class Segments:
     """Segment ids in global memory ([B, Tp] and [B, Sp] int32; None where only a mask
     narrows what rows see) and the limits of what each chunk of ROWS_PER_CONSUMER
     positions sees (`chunk_limits`: keys per chunk of query rows in the forward and dQ
-    kernels, query rows per chunk of keys in the dK/dV kernel)."""
+    kernels, query rows per chunk of keys in the dK/dV kernel); inner: what every
+    position of a chunk sees (`chunk_inner`), or None where every tile compares ids."""
 
     q_ids: Any
     kv_ids: Any
     limits: Any
+    inner: Any = None
 
     @classmethod
     def of(cls, refs: tuple[Any, ...]) -> Segments | None:
-        """From the refs of `segments_of`'s operands: (ids, ids, limits), (limits,) or ()."""
-        return None if not refs else cls(*refs) if len(refs) == 3 else cls(None, None, refs[0])
+        """From the refs of `segments_of`'s operands: (ids, ids, limits[, inner]),
+        (limits,) or ()."""
+        return None if not refs else cls(*refs) if len(refs) > 1 else cls(None, None, refs[0])
 
     def rows(self, b, row0, query_dim: int = 0) -> jax.Array | None:
         """The query ids of rows [row0, row0 + 64) along a WGMMA tile's dimension
@@ -134,6 +137,20 @@ class Segments:
             chunk = lax.div(jnp.maximum(first, 0), ROWS_PER_CONSUMER)
             lo = jnp.where(first >= 0, jnp.minimum(lo, self.limits[b, 0, chunk]), lo)
             hi = jnp.where(first >= 0, jnp.maximum(hi, self.limits[b, 1, chunk]), hi)
+        return lo, hi
+
+    def common(self, b, start, size: int) -> tuple[Any, Any] | None:
+        """(lo, hi): what every position of [start, start + size) sees, from their chunks
+        (empty if one lies before position 0), or None without inner limits. Tiles
+        inside it compare no ids (`core.TileRanges.key_tiles`' inner)."""
+        if self.inner is None:
+            return None
+        lo, hi = jnp.int32(0), jnp.int32(2**30)
+        for c in range(size // ROWS_PER_CONSUMER):
+            first = start + c * ROWS_PER_CONSUMER
+            chunk = lax.div(jnp.maximum(first, 0), ROWS_PER_CONSUMER)
+            lo = jnp.maximum(lo, self.inner[b, 0, chunk])
+            hi = jnp.where(first >= 0, jnp.minimum(hi, self.inner[b, 1, chunk]), 0)
         return lo, hi
 
 
@@ -186,6 +203,18 @@ def chunk_limits(ranges: jax.Array) -> jax.Array:
     return jnp.stack([chunks[:, 0].min(axis=-1), chunks[:, 1].max(axis=-1)], axis=1)
 
 
+def chunk_inner(ranges: jax.Array, n: int) -> jax.Array:
+    """[B, 2, n / 64] int32 from exact per-position ranges [B, 2, m] of n positions on
+    the other side (core.segment_ranges): per chunk of 64 positions, the highest start
+    and the lowest stop, what every position of the chunk sees; empty where a stop lies
+    past n (unsorted ids: the ranges are not exact)."""
+    B, _, m = ranges.shape
+    chunks = ranges.reshape(B, 2, m // ROWS_PER_CONSUMER, ROWS_PER_CONSUMER)
+    hi = chunks[:, 1].min(axis=-1)
+    return jnp.stack([chunks[:, 0].max(axis=-1), jnp.where(chunks[:, 1].max(axis=-1) > n, 0, hi)],
+                     axis=1)
+
+
 def lengths_of(operands: dict[str, Any]) -> tuple[jax.Array | None, jax.Array | None]:
     """The query and key lengths [B] among a kernel's operands (None where absent)."""
     return tuple(operands.get(name) for name in config.LENGTHS)
@@ -208,15 +237,19 @@ def dropout_of(operands: dict[str, Any]) -> jax.Array | None:
     return operands.get("dropout_keys")
 
 
-def segments_of(operands: dict[str, Any], limits: str) -> tuple[jax.Array, ...]:
-    """The segment operands of a Mosaic kernel (`Segments.of`): the ids and the chunk
-    limits of `limits` ("key_ranges" or "query_ranges"); the limits alone where a mask
-    gave the ranges; () without ranges."""
+def segments_of(operands: dict[str, Any], limits: str, n: int) -> tuple[jax.Array, ...]:
+    """The segment operands of a Mosaic kernel (`Segments.of`): the ids, the chunk
+    limits of `limits` ("key_ranges" or "query_ranges", of n keys or queries) and,
+    without a mask (whose ranges are no segment's), their inner limits; the limits
+    alone where only a mask gave the ranges; () without ranges."""
     if limits not in operands:
         return ()
-    ids = ((operands["q_segment_ids"], operands["kv_segment_ids"])
-           if "q_segment_ids" in operands else ())
-    return (*ids, chunk_limits(operands[limits]))
+    ranges = operands[limits]
+    if "q_segment_ids" not in operands:
+        return (chunk_limits(ranges),)
+    inner = () if "mask" in operands else (chunk_inner(ranges, n),)
+    return (operands["q_segment_ids"], operands["kv_segment_ids"], chunk_limits(ranges),
+            *inner)
 
 
 def work_rounds(tiles: int, heads: int, programs: int, paired: bool) -> int:
@@ -437,10 +470,14 @@ def mask_tile(mask_smem, slot) -> jax.Array | None:
 
 def own_band(ctx: TileRanges, tiles: Band, row0, stop, block_k: int,
              segments: Segments | None = None) -> Band:
-    """A consumer's key tiles (its 64 rows from row0, within their segments' keys),
-    clipped into the item's [tiles.first, stop) (they agree except at the band's ends)."""
-    limits = None if segments is None else segments.span(ctx.b, row0, ROWS_PER_CONSUMER)
-    own = Band(*ctx.key_tiles(row0, row0 + ROWS_PER_CONSUMER, block_k, limits))
+    """A consumer's key tiles (its 64 rows from row0, within their segments' keys; full
+    only inside the keys all of them see), clipped into the item's [tiles.first, stop)
+    (they agree except at the band's ends)."""
+    limits = inner = None
+    if segments is not None:
+        limits = segments.span(ctx.b, row0, ROWS_PER_CONSUMER)
+        inner = segments.common(ctx.b, row0, ROWS_PER_CONSUMER)
+    own = Band(*ctx.key_tiles(row0, row0 + ROWS_PER_CONSUMER, block_k, limits, inner))
     first = jnp.clip(own.first, tiles.first, stop)
     last = jnp.clip(own.stop, first, stop)
     full_first = jnp.clip(own.full_first, first, last)
@@ -496,9 +533,10 @@ def tile_scores(problem: Problem, s: jax.Array, row0, k0, masked: bool, *,
     (causal, window, padded keys) of rows from row0 and keys from k0 where masked,
     invisible entries at -inf. bias: the tile's bias (float32) or None; slope: the
     head's ALiBi slope (a scalar) or None; row_shift: `common.logit_scores`';
-    segments: the rows' and the keys' segment ids (`Segments.rows` / `cols`) or None,
-    compared on every tile; kv_length / q_length: the batch entry's key / query length
-    (masked tiles; rows past the query length and padded rows see nothing there);
+    segments: the rows' and the keys' segment ids (`Segments.rows` / `cols`) or None
+    (the kernels pass them for masked tiles: full ones lie inside `Segments.common`);
+    kv_length / q_length: the batch entry's key / query length (masked tiles; rows past
+    the query length and padded rows see nothing there);
     mask: the tile of the caller's boolean mask or None, applied on every tile;
     offset: the rows' alignment with the keys (TileRanges.offset; problem.offset if None).
     query_dim 1: the tile is [keys, rows] (s = K Q^T; `tile_gradient`).

@@ -59,9 +59,9 @@ programs add to one tile), the only places where it differs from the compiled
 kernel.
 
 With segment ids (or a mask: its ranges), a unit's query tiles narrow to the rows that
-see its keys, and with ids every step compares them; entries of other segments give
-exact zeros (`common.tile_gradient`). With sequence lengths, keys past the length are
-masked and units past it have no steps
+see its keys, and with ids the steps outside the rows that see every key of the unit
+compare them; entries of other segments give exact zeros (`common.tile_gradient`).
+With sequence lengths, keys past the length are masked and units past it have no steps
 (positions past the lengths are zeroed in q, k, v and dO before the call). With a
 boolean mask, each step's slot also holds each consumer's tile of the mask (int8, queries
 by keys: the tiles stay queries by keys, as with a bias), and the entries it clears give
@@ -180,8 +180,11 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, bias_ref, mask_ref, slopes_r
                          q_length=None if q_lengths is None else q_lengths[b],
                          kv_length=None if kv_lengths is None else kv_lengths[b],
                          origin=origin_pair(origin))
-        limits = None if segments is None else segments.span(b, k0, unit_n)
-        first, stop, full_first, full_stop = ctx.query_tiles(k0, k0 + unit_n, rows_n, limits)
+        limits = inner = None
+        if segments is not None:
+            limits, inner = segments.span(b, k0, unit_n), segments.common(b, k0, unit_n)
+        first, stop, full_first, full_stop = ctx.query_tiles(k0, k0 + unit_n, rows_n, limits,
+                                                             inner)
         # An invalid unit (past the last item) gets an empty band.
         stop, full_first, full_stop = (jnp.where(valid, x, first)
                                        for x in (stop, full_first, full_stop))
@@ -333,7 +336,8 @@ def _consume(problem: Problem, tiles_of: _Tiles, wg, unit_of, units, add_dbias: 
             slot = lax.rem(at, jnp.int32(stages))
             n = kh * group + h
             row0 = i * rows_n
-            ids = None if key_ids is None else (segments.rows(b, row0, query_dim), key_ids)
+            ids = (None if key_ids is None or not masked
+                   else (segments.rows(b, row0, query_dim), key_ids))
             keep = (None if dropout is None
                     else dropout.keep(dropout.row_keys(b, n, row0, rows_n, query_dim),
                                       multipliers, query_dim))

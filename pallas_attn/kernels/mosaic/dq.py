@@ -266,7 +266,7 @@ def _consume(problem: Problem, ctx, tiles, step_of, row0, stop, mine: dict, ds_t
         slot = slot_of(t)
         k0 = t * block_k + key0
         tile_bias = None if bias is None else bias.take(t, own.stop)
-        ids = None if row_ids is None else (row_ids, segments.cols(b, k0, keys_n))
+        ids = None if row_ids is None or not masked else (row_ids, segments.cols(b, k0, keys_n))
         plgpu.barrier_wait(k_loaded.at[slot])
         plgpu.barrier_wait(v_loaded.at[slot])
         tile_mask = mask_tile(mask_smem, slot)

@@ -32,8 +32,9 @@ slots) with a producer warpgroup and the consumers:
   the next Q loads once it has left.
 * With segment ids (or a mask), each item's and each consumer's band narrows to the
   keys its rows see (`common.Segments`: chunk limits from core.segment_ranges or
-  core.mask_ranges); with ids every tile compares the rows' ids (read once per item)
-  with the key tile's.
+  core.mask_ranges); with ids the tiles at the edges of the keys every row of a
+  consumer sees compare the rows' ids (read once per item) with the key tile's, and
+  the tiles inside run like unmasked ones (without a mask, sorted ids).
 * With dropout, P V takes the kept probabilities (`common.Dropout`: the keep hash
   of semantics/dropout.py on each tile) while the row sum takes all of them; the
   output is scaled by 1 / (1 - rate) once per row.
@@ -257,7 +258,8 @@ def _consume(problem: Problem, ctx: TileRanges, tiles: Band, slot_of, row0, stop
         acc, m_prev, l_prev = carry
         slot = slot_of(t)
         tile_bias = None if bias is None else bias.take(t, own.stop)
-        ids = None if row_ids is None else (row_ids, segments.cols(b, t * block_k, block_k))
+        ids = (None if row_ids is None or not masked
+               else (row_ids, segments.cols(b, t * block_k, block_k)))
         plgpu.barrier_wait(k_loaded.at[slot])
         tile_mask = mask_tile(mask_smem, slot)
 
@@ -324,7 +326,7 @@ def forward(problem: Problem, q: jax.Array, k: jax.Array, v: jax.Array,
     out_type = (jax.ShapeDtypeStruct((B, Tp, N, hvp), dtype), row, row)
     bias, slopes, sinks = (optional.get(x) for x in ("bias", "alibi_slopes", "sinks"))
     mask = mask_of(optional)
-    segments = segments_of(optional, "key_ranges")
+    segments = segments_of(optional, "key_ranges", problem.kv_len)
     lengths = lengths_of(optional)
     origin = origin_of(optional)
     keys = optional.get("dropout_keys")
