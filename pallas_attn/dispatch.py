@@ -360,7 +360,8 @@ def _mosaic_route(role: str, call: Call, device: DeviceInfo, overrides: BlockSiz
         consumers = mosaic.dq_consumers(
             hp, hvp, dq_tiles[1], stages, call.dtype, bias_dtype=call.bias_dtype,
             has_window=spec.local_window is not None,
-            budget=device.max_shared_memory_per_block, has_mask=spec.has_mask)
+            budget=device.max_shared_memory_per_block, has_mask=spec.has_mask,
+            has_segments=spec.has_segments)
         route = Route("mosaic", *dq_tiles, 0, stages, consumers)
         need = mosaic.dq_scratch(hp, hvp, dq_tiles[1], stages, consumers, call.dtype,
                                  call.bias_dtype, dbias=spec.has_bias,

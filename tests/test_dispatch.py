@@ -169,6 +169,11 @@ def test_mosaic_routes_have_their_fixed_tiles_and_consumers():
     assert biased.dbias == Route("mosaic", 128, 64, 0, 2, 2,
                                  declined=biased.dbias.declined)
     assert dispatch.plan(call(local_window=(64, 64)), device=H100).dq.consumers == 2
+    # Segment ids: items of 128 rows, which documents of a power of two fill whole.
+    packed = dispatch.plan(call(has_segments=True,
+                                present=("q_segment_ids", "kv_segment_ids")), device=H100,
+                           block_sizes=pallas_attn.BlockSizes(dq_backend="mosaic"))
+    assert packed.dq.backend == "mosaic" and packed.dq.consumers == 2
     f32 = dispatch.plan(call(bias_shape=(1, 1, 4096, 4096), bias_dtype="float32"), device=H100)
     assert (f32.dbias.backend, f32.dbias.num_stages) == ("mosaic", 1)
     assert plan.programs == 132 and plan.programs_for(40) == 40 and plan.programs_for(0) == 1

@@ -257,8 +257,9 @@ def test_ring_blocks_run_on_the_mosaic_kernels(origin, features, H):
     gradients equal the reference's for the same block. Every position rule counts from
     the origin (not a multiple of a tile): the causal diagonal and the window cross the
     block, ALiBi takes the global distance, dropout the global positions' mask, the
-    lengths are global. Head dim 64 without ALiBi runs the three-consumer forward and dQ
-    and the keys-by-queries dK/dV; 256 the wide kernels, here under jax_enable_x64."""
+    lengths are global. Head dim 64 without ALiBi runs the three-consumer forward (the dQ
+    takes three without segment ids) and the keys-by-queries dK/dV; 256 the wide kernels,
+    here under jax_enable_x64."""
     with jax.enable_x64(features.endswith("x64")):  # Python ints as int64 next to the origin
         _mosaic_block(origin, features, H)
 
@@ -294,7 +295,8 @@ def _mosaic_block(origin, features, H):
     plan = dispatch.plan(dispatch.Call.of(spec, ops), block_sizes=blocks, interpret=True)
     assert (plan.forward.backend, plan.dq.backend, plan.dkdv.backend) == ("mosaic",) * 3
     if features.startswith("soft_cap"):
-        assert plan.forward.consumers == plan.dq.consumers == 3 and plan.dkdv.keys_major
+        # dQ: two consumers with segment ids (items of 128 rows).
+        assert plan.forward.consumers == 3 and plan.dq.consumers == 2 and plan.dkdv.keys_major
 
     def reference_results(q, k, v):
         return reference.attention(spec, ops._replace(query=q, key=k, value=v))

@@ -392,15 +392,17 @@ def forward_consumers(hp: int, hvp: int, block_k: int, stages: int, dtype: Any, 
 
 
 def dq_consumers(hp: int, hvp: int, block_k: int, stages: int, dtype: Any, *,
-                 bias_dtype: Any, has_window: bool, budget: int, has_mask: bool = False
-                 ) -> int:
+                 bias_dtype: Any, has_window: bool, budget: int, has_mask: bool = False,
+                 has_segments: bool = False) -> int:
     """Consumer warpgroups of the dQ kernel: 3 (work items of 192 query rows, no turns)
     without a bias or a local window where their buffers fit, else 2 (items of 128 rows
     that take turns on the tensor cores; `is_wide`: items of 64 rows that both share). With
     a bias three were slower (registers: each consumer also holds its bias tile), with a
     window too, with a mask above head dim 64 (docs/decisions.md, "Three dQ consumers",
-    "A boolean mask in the Mosaic kernels")."""
-    if bias_dtype is not None or has_window or is_wide(hp, hvp) or (has_mask and hp > 64):
+    "A boolean mask in the Mosaic kernels"); with segment ids, items of 192 rows straddle
+    documents of a power of two and stream both documents' keys."""
+    if (bias_dtype is not None or has_window or is_wide(hp, hvp) or (has_mask and hp > 64)
+            or has_segments):
         return 2
     three = dq_scratch(hp, hvp, block_k, stages, 3, dtype, has_mask=has_mask).bytes
     return 3 if three <= budget else 2
