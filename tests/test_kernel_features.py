@@ -95,9 +95,10 @@ def test_bias_broadcast_shapes_with_dbias(bias_shape, kwargs, fuse_dbias):
 FUSED = dataclasses.replace(SMALL_BLOCKS, fuse_dbias=True)
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("bias_shape", [(3, N, 40, 23), (3, N, 1, 23)],
-                         ids=["BxNxTxS", "BxNx1xS"])
+@pytest.mark.parametrize(("bias_shape", "dtype"), [((3, N, 40, 23), "float32"),
+                                                   ((3, N, 40, 23), "bfloat16"),
+                                                   ((3, N, 1, 23), "bfloat16")],
+                         ids=["BxNxTxS-float32", "BxNxTxS-bfloat16", "BxNx1xS-bfloat16"])
 def test_fused_dbias_with_ragged_ranges(bias_shape, dtype):
     """dbias written by the dK/dV kernel where programs skip query tiles: per-entry
     lengths (one entry sees nothing), a causal band, GQA and dropout. Skipped tiles
@@ -175,8 +176,6 @@ WINDOW_CASES = [
     ("left3_right5", dict(T=17, S=23), dict(local_window_size=(3, 5))),
     ("int4_bottom_right_T<S", dict(T=17, S=40), dict(local_window_size=4,
                                                       causal_alignment="bottom_right")),
-    ("causal_top_left_T>S", dict(T=40, S=23),
-     dict(local_window_size=(6, 2), is_causal=True, causal_alignment="top_left")),
     ("causal_bottom_right_T>S", dict(T=40, S=23),
      dict(local_window_size=(6, 2), is_causal=True, causal_alignment="bottom_right")),
     ("causal_bottom_right_T<S", dict(T=17, S=56),
@@ -220,8 +219,7 @@ def test_alibi_slopes_gradient_raises_with_pallas():
         jax.grad(loss)(slopes)
 
 
-@pytest.mark.parametrize("cap,with_bias", [(1.0, True), (30.0, True), (2.0, False),
-                                          (30.0, False), (50.0, False)])
+@pytest.mark.parametrize("cap,with_bias", [(1.0, True), (2.0, False), (30.0, False)])
 def test_logits_soft_cap(cap, with_bias):
     """With a bias the cap applies to scale * q.k + bias; without one the kernels fold
     the scale into the tanh's argument (two code paths). Caps up to 50 / log2(e)
@@ -457,7 +455,7 @@ def sample_combination(seed: int) -> dict:
     return dict(shapes=shapes, dtype=dtype, kwargs=kwargs, arrays=arrays, bias=bias)
 
 
-COMBINATION_SEEDS = list(range(100, 105))
+COMBINATION_SEEDS = list(range(100, 103))
 
 
 @pytest.mark.parametrize("seed", COMBINATION_SEEDS)

@@ -29,12 +29,7 @@ _MOSAIC_DQ = dict(block_q_dq=128, block_k_dq=64, num_stages_dq=2, dq_backend="mo
 
 CASES = {
     "plain": dict(),
-    "causal_gqa_ragged": dict(T=200, S=300, N=8, K=2, H=80, is_causal=True),
-    "bottom_right_window": dict(is_causal=True, causal_alignment="bottom_right",
-                                local_window_size=(64, 0)),
     "float32_mqa_h192": dict(T=100, S=70, N=4, K=1, H=192, dtype=jnp.float32),
-    "float16_softcap_alibi": dict(dtype=jnp.float16, logits_soft_cap=5.0,
-                                  alibi_slopes=jnp.ones(4)),
     "dropout_broadcast": dict(dropout_rate=0.1, dropout_rng=jax.random.key(0),
                               broadcast_dropout=True),
     "lengths_segments_mask": dict(query_seq_lengths=jnp.array([3, 4]),
@@ -62,11 +57,8 @@ CASES = {
                                     bias=jnp.ones((1, 4, 200, 300), jnp.bfloat16),
                                     block_sizes=pallas_attn.BlockSizes(
                                         forward_backend="mosaic")),
-    # With a bias: one per head in the inputs' dtype under a soft cap (the default
-    # tiles), and a float32 one per batch entry with float16 inputs (64-key tiles).
-    "mosaic_bias_softcap": dict(H=128, T=200, S=300, K=2, bias=jnp.ones((1, 4, 200, 300),
-                                                                     jnp.bfloat16),
-                                logits_soft_cap=20.0, block_sizes=_MOSAIC),
+    # With a bias: a float32 one per batch entry with float16 inputs (64-key tiles; one
+    # per head under a soft cap: mosaic_dbias_softcap_gqa's forward).
     "mosaic_float32_bias_float16": dict(dtype=jnp.float16, H=128, is_causal=True,
                                         bias=jnp.ones((2, 1, 256, 256), jnp.float32),
                                         block_sizes=dataclasses.replace(_MOSAIC, block_k=64)),
@@ -86,26 +78,19 @@ CASES = {
     "mosaic_dkv_per_batch_bias_window_float16": dict(
         dtype=jnp.float16, bias=jnp.ones((2, 4, 256, 256), jnp.float16), is_causal=True,
         local_window_size=(64, 32), block_sizes=pallas_attn.BlockSizes(**_MOSAIC_DKV)),
-    # ALiBi in the Hopper kernels: per-batch slopes with a batch-shared bias and a soft
-    # cap (dK/dV writing dbias), and a head-shared bias's dbias kernel.
-    "mosaic_alibi_shared_bias_softcap": dict(
-        T=200, S=300, K=2, alibi_slopes=jnp.ones((2, 4)), logits_soft_cap=20.0,
-        bias=jnp.ones((1, 4, 200, 300), jnp.bfloat16),
-        block_sizes=dataclasses.replace(_MOSAIC, **_MOSAIC_DKV)),
+    # ALiBi in the Hopper kernels, per-batch slopes: a head-shared bias's dbias kernel
+    # (with a batch-shared bias under a soft cap: mosaic_dq_bias_softcap_alibi).
     "mosaic_alibi_dbias_head_shared": dict(
         T=200, S=300, K=2, alibi_slopes=jnp.ones((2, 4)),
         bias=jnp.ones((2, 1, 200, 300), jnp.bfloat16),
         block_sizes=dataclasses.replace(_MOSAIC, **_MOSAIC_DBIAS)),
     # The Hopper dQ kernel: a batch-shared bias under a soft cap with ALiBi (GQA,
     # ragged, every other kernel Mosaic too: the dQ kernel stores batch entry 0's dbias
-    # and the dK/dV kernel adds the others'), and causal at H80/Hv64 with three slots.
+    # and the dK/dV kernel adds the others').
     "mosaic_dq_bias_softcap_alibi": dict(
         T=200, S=300, K=2, H=128, alibi_slopes=jnp.ones(4), logits_soft_cap=20.0,
         bias=jnp.ones((1, 4, 200, 300), jnp.bfloat16),
         block_sizes=dataclasses.replace(_MOSAIC, **_MOSAIC_DKV, **_MOSAIC_DQ)),
-    "mosaic_dq_causal_h80_three_slots": dict(
-        T=200, S=300, N=8, K=2, H=80, Hv=64, is_causal=True,
-        block_sizes=pallas_attn.BlockSizes(**dict(_MOSAIC_DQ, num_stages_dq=3))),
     # Segment ids in every Mosaic role: row and key ids read from global memory into
     # the WGMMA layout's rows and columns, chunk limits read as scalars.
     "mosaic_segments_causal_gqa": dict(
@@ -136,9 +121,6 @@ CASES = {
         dropout_rng=jax.random.key(0),
         block_sizes=pallas_attn.BlockSizes(forward_backend="mosaic", dq_backend="mosaic",
                                            dkv_backend="mosaic")),
-    "mosaic_dkv_h80_one_slot": dict(T=200, S=300, N=8, K=2, H=80, Hv=64, is_causal=True,
-                                    block_sizes=pallas_attn.BlockSizes(
-                                        **dict(_MOSAIC_DKV, num_stages_dkv=1))),
     # The wide dQ and dK/dV kernels (head dim 256, 64-byte swizzled tiles, consumers
     # sharing each item and unit): a batch-shared bias's dbias under a soft cap (GQA,
     # ragged: the dQ kernel stores entry 0's, the dK/dV kernel adds the others'), and

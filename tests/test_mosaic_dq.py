@@ -134,16 +134,13 @@ def test_mosaic_dq_matches_the_triton_dq_kernel(dtype, shapes, bias_shape, kwarg
      dict(is_causal=True, alibi_slopes=jnp.array([[0.5, 0.25, 0.125, 0.0625],
                                                    [0.03, 0.2, 0.7, 0.01]]))),
     (dict(B=2, T=200, S=100, N=2), dict(is_causal=True, causal_alignment="bottom_right")),
-    (dict(B=1, T=200, S=150, N=4, K=2, H=256), dict(is_causal=True, logits_soft_cap=5.0)),
-], ids=["causal_gqa_alibi_per_batch", "bottom_right_T>S_empty_rows",
-        "wide_H256_causal_soft_cap"])
+], ids=["causal_gqa_alibi_per_batch", "bottom_right_T>S_empty_rows"])
 def test_dq_and_dbias_stores_batch_entry_0s_dbias(shapes, kwargs):
     """dq_and_dbias: the same dq as dq, and a dbias of the shared bias's shape that
     matches the Triton dbias kernel's for batch entry 0 alone, with every tile written
     (the interpreter poisons it with NaN): dS inside each item's band (tiles outside a
     consumer's own rows' band run masked), zeros outside it (the producer)."""
-    blocks = dataclasses.replace(MOSAIC_DQ, **(WIDE if shapes.get("H") == 256 else {}))
-    x = kernel_backward("bfloat16", shapes, (1, shapes["N"]), kwargs, blocks)
+    x = kernel_backward("bfloat16", shapes, (1, shapes["N"]), kwargs, MOSAIC_DQ)
     bias, slopes = x.operands["bias"], x.operands.get("alibi_slopes")
     args = (x.problem, x.q, x.k, x.v, x.do, x.stats, bias, slopes)
     dq_with, dbias, _ = mosaic_dq.dq_and_dbias(*args)
@@ -189,10 +186,8 @@ def test_logit_scores_takes_a_row_shift_only_in_log2_units():
 MOSAIC_DQ_DKV = dataclasses.replace(MOSAIC_DQ, block_q_dkv=64, block_k_dkv=128,
                                     dkv_backend="mosaic")
 MOSAIC_DQ_DKV_WIDE = dataclasses.replace(MOSAIC_DQ_DKV, block_k_dkv=64, **WIDE)
-# Every role on a Mosaic kernel: head dims pad to multiples of 16 up to 96 and of 32
-# above 128 (`Plan.head_dims`).
-MOSAIC_ALL = dataclasses.replace(MOSAIC_DQ_DKV, block_q=128, block_k=128,
-                                 forward_backend="mosaic")
+# Every role on a Mosaic kernel: head dims pad to multiples of 32 above 128
+# (`Plan.head_dims`).
 MOSAIC_ALL_WIDE = dataclasses.replace(MOSAIC_DQ_DKV_WIDE, block_q=128, block_k=64,
                                       forward_backend="mosaic")
 
@@ -209,12 +204,9 @@ MOSAIC_ALL_WIDE = dataclasses.replace(MOSAIC_DQ_DKV_WIDE, block_q=128, block_k=6
      dict(is_causal=True, logits_soft_cap=8.0), MOSAIC_DQ_DKV_WIDE),
     (dict(B=2, T=130, S=150, N=4, K=2, H=160, Hv=136), (1, 4),
      dict(is_causal=True, logits_soft_cap=8.0), MOSAIC_ALL_WIDE),
-    (dict(B=2, T=130, S=150, N=4, K=2, H=80, Hv=96), (1, 4),
-     dict(is_causal=True, alibi_slopes=jnp.array([0.2, 0.1, 0.05, 0.02])), MOSAIC_ALL),
 ], ids=["shared_bias_causal_soft_cap_mqa", "alibi_bottom_right_empty_rows_H80_Hv64",
         "with_mosaic_dkv_shared_bias_window_alibi",
-        "wide_H256_with_mosaic_dkv_shared_bias", "all_mosaic_H160_Hv136_padded_to_160",
-        "all_mosaic_H80_Hv96_unpadded"])
+        "wide_H256_with_mosaic_dkv_shared_bias", "all_mosaic_H160_Hv136_padded_to_160"])
 def test_gradients_with_the_mosaic_dq_against_reference_and_float64(shapes, bias_shape,
                                                                     kwargs, blocks,
                                                                     monkeypatch):
@@ -228,7 +220,7 @@ def test_gradients_with_the_mosaic_dq_against_reference_and_float64(shapes, bias
                         lambda *a: (lambda r: padded.append(r[1].shape[3]) or r)(prepare(*a)))
     kernel, exact = check_kernel_gradients(jnp.bfloat16, shapes, bias_shape, kwargs, blocks)
     assert_empty_rows(kernel, empty_rows(exact))
-    every_role = blocks in (MOSAIC_ALL, MOSAIC_ALL_WIDE)
+    every_role = blocks is MOSAIC_ALL_WIDE
     assert set(padded) == {(mosaic_head_dim if every_role else padded_head_dim)(shapes["H"])}
     # The dbias chain runs exactly where both kernels are Mosaic.
     assert len(calls) == (blocks is not MOSAIC_DQ)

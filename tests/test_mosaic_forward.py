@@ -56,8 +56,6 @@ CASES = [
     ("causal_gqa_H80_Hv128_block_k128_3_slots", dict(B=1, T=256, S=256, N=4, K=2, H=80,
                                                     Hv=128),
      dict(is_causal=True), dict(block_k=128, num_stages=3)),
-    ("window_skips_leading_tiles", dict(B=1, T=300, S=300, N=1, H=64),
-     dict(local_window_size=(40, 10)), {}),
     ("causal_window_bottom_right_T<S", dict(B=2, T=100, S=260, N=1, H=48),
      dict(is_causal=True, causal_alignment="bottom_right", local_window_size=(70, 0)),
      dict(num_stages=3)),
