@@ -78,8 +78,10 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
-@pytest.mark.parametrize("case", sorted(CASES))
+# The jnp paths take the same gathered pages: the blockwise one on one case.
+@pytest.mark.parametrize(("case", "implementation"), [
+    (case, implementation) for case in sorted(CASES) for implementation in IMPLEMENTATIONS
+    if implementation != "xla_chunked" or case == "spec5_p80_straddling_tiles"])
 def test_paged_equals_the_op_on_the_gathered_cache(case, implementation):
     c = CASES[case]
     kw = c.get("kw", {})
