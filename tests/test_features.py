@@ -1,7 +1,8 @@
 """One feature suite, written once, run against every implementation and kernel backend.
 
 Backends:
-  xla          the reference (implementation="xla")
+  xla          the reference (implementation="xla"): every case's yardstick, a backend
+               of its own in the tests below test_feature
   xla_chunked  the blockwise jnp path
   triton       the Pallas kernels with every role on Triton's (the Pallas interpreter)
   mosaic       every role on the Hopper (Mosaic GPU) kernels, in JAX's Mosaic GPU
