@@ -418,6 +418,13 @@ def mask_ranges(mask: jax.Array, batch: int, q_len: int, kv_len: int, q_pad: int
             padded(per_key, kv_len, kv_pad, q_len))
 
 
+def exact_stop(hi: Any, n: int) -> Any:
+    """The lowest stop hi of some positions' `segment_ranges`, or 0 where it lies past the
+    n positions on the other side (unsorted ids: the ranges are not exact), so that the
+    keys (rows) every one of them sees are [highest start, exact_stop)."""
+    return jnp.where(hi > n, 0, hi)
+
+
 def _pad_ranges(ranges: jax.Array, size: int, n: int) -> jax.Array:
     """Ranges [B, 2, m] padded to [B, 2, size] with the empty range [n, 0), neutral under
     a tile's min of starts and max of stops."""

@@ -37,6 +37,7 @@ from pallas_attn.kernels import cast_varying_like, int32_indices
 from pallas_attn.kernels.core import (
     Problem,
     TileRanges,
+    exact_stop,
     log2_row_shift,
     logit_scores,
     normalised,
@@ -132,9 +133,7 @@ class Segments:
         """(lo, hi): what positions [start, start + size) see, from their chunks (a
         multiple of 64 positions; chunks before position 0 see nothing)."""
         lo, hi = jnp.int32(2**30), jnp.int32(0)
-        for c in range(size // ROWS_PER_CONSUMER):
-            first = start + c * ROWS_PER_CONSUMER
-            chunk = lax.div(jnp.maximum(first, 0), ROWS_PER_CONSUMER)
+        for first, chunk in _chunks(start, size):
             lo = jnp.where(first >= 0, jnp.minimum(lo, self.limits[b, 0, chunk]), lo)
             hi = jnp.where(first >= 0, jnp.maximum(hi, self.limits[b, 1, chunk]), hi)
         return lo, hi
@@ -146,12 +145,17 @@ class Segments:
         if self.inner is None:
             return None
         lo, hi = jnp.int32(0), jnp.int32(2**30)
-        for c in range(size // ROWS_PER_CONSUMER):
-            first = start + c * ROWS_PER_CONSUMER
-            chunk = lax.div(jnp.maximum(first, 0), ROWS_PER_CONSUMER)
+        for first, chunk in _chunks(start, size):
             lo = jnp.maximum(lo, self.inner[b, 0, chunk])
             hi = jnp.where(first >= 0, jnp.minimum(hi, self.inner[b, 1, chunk]), 0)
         return lo, hi
+
+
+def _chunks(start, size: int) -> list[tuple[Any, Any]]:
+    """(first position, chunk index) of the chunks of ROWS_PER_CONSUMER positions in
+    [start, start + size); a first position before 0 reads chunk 0."""
+    firsts = [start + c * ROWS_PER_CONSUMER for c in range(size // ROWS_PER_CONSUMER)]
+    return [(first, lax.div(jnp.maximum(first, 0), ROWS_PER_CONSUMER)) for first in firsts]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -210,8 +214,7 @@ def chunk_inner(ranges: jax.Array, n: int) -> jax.Array:
     past n (unsorted ids: the ranges are not exact)."""
     B, _, m = ranges.shape
     chunks = ranges.reshape(B, 2, m // ROWS_PER_CONSUMER, ROWS_PER_CONSUMER)
-    hi = chunks[:, 1].min(axis=-1)
-    return jnp.stack([chunks[:, 0].max(axis=-1), jnp.where(chunks[:, 1].max(axis=-1) > n, 0, hi)],
+    return jnp.stack([chunks[:, 0].max(axis=-1), exact_stop(chunks[:, 1].min(axis=-1), n)],
                      axis=1)
 
 

@@ -20,7 +20,13 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_attn.kernels import int32_indices, varying_like
-from pallas_attn.kernels.core import KERNEL_INPUTS, Problem, TileRanges, logit_scores
+from pallas_attn.kernels.core import (
+    KERNEL_INPUTS,
+    Problem,
+    TileRanges,
+    exact_stop,
+    logit_scores,
+)
 from pallas_attn.semantics import dropout as dropout_lib
 from pallas_attn.semantics import scores
 
@@ -176,10 +182,9 @@ class TileContext(TileRanges):
         inner = None
         if self.folds_segments:
             rows = pl.ds(q0, block_q)
-            hi = jnp.min(self.refs["key_ranges"][self.b, 1, rows])
-            # A stop past the keys: unsorted ids, ranges that are not exact (segment_ranges).
             inner = (jnp.max(self.refs["key_ranges"][self.b, 0, rows]),
-                     jnp.where(hi > self.p.kv_len, 0, hi))
+                     exact_stop(jnp.min(self.refs["key_ranges"][self.b, 1, rows]),
+                                self.p.kv_len))
         return self.key_tiles(q0, q0 + block_q, block_k, self.key_limits(q0, block_q), inner)
 
     def hides_in_tile(self, masked: bool) -> bool:
