@@ -79,8 +79,15 @@ def nonfinite_keys(key: jax.Array, value: jax.Array) -> tuple[jax.Array, jax.Arr
     visible one gives the row a NaN score instead (`with_nonfinite_keys`), so the row's
     output, logsumexp and gradients show it."""
     poison = jnp.swapaxes(nonfinite_poison(key, value)[..., 0], 1, 2)
-    return (jnp.where(jnp.isfinite(key), key, jnp.zeros_like(key)),
-            jnp.where(jnp.isfinite(value), value, jnp.zeros_like(value)), poison)
+
+    def zeroed(pair):
+        return tuple(jnp.where(jnp.isfinite(x), x, jnp.zeros_like(x)) for x in pair)
+
+    # NOTE: finite inputs skip the zeroed copies, which cost a causal T = 256 call on a
+    # CPU about 6% (docs/decisions.md, "Zeroed non-finite keys only where one is").
+    key, value = jax.lax.cond(jnp.isnan(jnp.sum(poison)), zeroed, lambda pair: pair,
+                              (key, value))
+    return key, value, poison
 
 
 def with_nonfinite_keys(logits: jax.Array, poison: jax.Array) -> jax.Array:
