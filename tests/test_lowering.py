@@ -30,12 +30,10 @@ _MOSAIC_DQ = dict(block_q_dq=128, block_k_dq=64, num_stages_dq=2, dq_backend="mo
 CASES = {
     "plain": dict(),
     "float32_mqa_h192": dict(T=100, S=70, N=4, K=1, H=192, dtype=jnp.float32),
-    "dropout_broadcast": dict(dropout_rate=0.1, dropout_rng=jax.random.key(0),
-                              broadcast_dropout=True),
-    "lengths_segments_mask": dict(query_seq_lengths=jnp.array([3, 4]),
-                                  key_value_seq_lengths=jnp.array([100, 0]),
-                                  q_segment_ids=jnp.zeros((2, 256), jnp.int32),
-                                  mask=jnp.ones((2, 1, 256, 256), bool)),
+    "lengths_segments_mask_dropout_broadcast": dict(
+        query_seq_lengths=jnp.array([3, 4]), key_value_seq_lengths=jnp.array([100, 0]),
+        q_segment_ids=jnp.zeros((2, 256), jnp.int32), mask=jnp.ones((2, 1, 256, 256), bool),
+        dropout_rate=0.1, dropout_rng=jax.random.key(0), broadcast_dropout=True),
     "bias_full": dict(bias=jnp.ones((2, 4, 256, 256), jnp.bfloat16)),
     "bias_heads_keys": dict(bias=jnp.ones((1, 4, 1, 256), jnp.float32), is_causal=True),
     "bias_queries": dict(bias=jnp.ones((1, 1, 256, 1), jnp.float32)),
@@ -48,20 +46,13 @@ CASES = {
     "bias_fused_keys_gqa": dict(bias=jnp.ones((2, 4, 1, 256), jnp.float32), K=2,
                                 key_value_seq_lengths=jnp.array([100, 256]),
                                 block_sizes=pallas_attn.BlockSizes(fuse_dbias=True)),
-    # The Hopper (Mosaic GPU) forward: a soft cap with its fixed row reference.
-    "mosaic_softcap": dict(H=128, logits_soft_cap=20.0, causal_alignment="bottom_right",
-                           is_causal=True, block_sizes=_MOSAIC),
-    # Head dim 256 with the default tiles: 64-key tiles, the output staged in Q's
-    # buffer, P V accumulated in place; a bias tile per consumer.
-    "mosaic_h256_causal_bias": dict(H=256, T=200, S=300, K=2, is_causal=True,
-                                    bias=jnp.ones((1, 4, 200, 300), jnp.bfloat16),
-                                    block_sizes=pallas_attn.BlockSizes(
-                                        forward_backend="mosaic")),
-    # With a bias: a float32 one per batch entry with float16 inputs (64-key tiles; one
-    # per head under a soft cap: mosaic_dbias_softcap_gqa's forward).
-    "mosaic_float32_bias_float16": dict(dtype=jnp.float16, H=128, is_causal=True,
-                                        bias=jnp.ones((2, 1, 256, 256), jnp.float32),
-                                        block_sizes=dataclasses.replace(_MOSAIC, block_k=64)),
+    # With a bias: a float32 one per batch entry with float16 inputs and a boolean mask
+    # per head (64-key tiles: the mask's int8 tiles in 64-byte rows; one bias per head
+    # under a soft cap: mosaic_dbias_softcap_gqa's forward).
+    "mosaic_float32_bias_float16_mask_block_k64": dict(
+        dtype=jnp.float16, H=128, is_causal=True,
+        bias=jnp.ones((2, 1, 256, 256), jnp.float32), mask=jnp.ones((1, 4, 256, 256), bool),
+        block_sizes=dataclasses.replace(_MOSAIC, block_k=64)),
     # The Hopper dbias kernel (a bias shared by batch entries or heads): with the Mosaic
     # forward under a soft cap (GQA, ragged), and a float32 bias shared by every head
     # and batch entry at d64 with float16 inputs, causal, behind the Triton forward.
@@ -91,44 +82,36 @@ CASES = {
         T=200, S=300, K=2, H=128, alibi_slopes=jnp.ones(4), logits_soft_cap=20.0,
         bias=jnp.ones((1, 4, 200, 300), jnp.bfloat16),
         block_sizes=dataclasses.replace(_MOSAIC, **_MOSAIC_DKV, **_MOSAIC_DQ)),
-    # Segment ids in every Mosaic role: row and key ids read from global memory into
-    # the WGMMA layout's rows and columns, chunk limits read as scalars.
-    "mosaic_segments_causal_gqa": dict(
-        T=256, S=384, N=8, K=2, H=128, is_causal=True,
+    # Segment ids, sequence lengths and dropout in every Mosaic role (GQA, causal under
+    # a window): row and key ids read from global memory into the WGMMA layout's rows and
+    # columns, chunk limits read as scalars; bands that stop at the key length; the keep
+    # hash in uint32 on WGMMA tiles.
+    "mosaic_segments_lengths_dropout_window_gqa": dict(
+        T=256, S=384, N=8, K=2, H=128, is_causal=True, local_window_size=(100, 0),
         q_segment_ids=jnp.zeros((2, 256), jnp.int32),
         kv_segment_ids=jnp.zeros((2, 384), jnp.int32),
+        query_seq_lengths=jnp.full((2,), 200, jnp.int32),
+        key_value_seq_lengths=jnp.full((2,), 300, jnp.int32),
+        dropout_rate=0.1, dropout_rng=jax.random.key(0),
         block_sizes=pallas_attn.BlockSizes(forward_backend="mosaic", dq_backend="mosaic",
                                            dkv_backend="mosaic")),
     # A boolean mask in the Mosaic forward (int8 tiles per consumer): three consumers
-    # at d64 with 128-key tiles; with a bias at d128 and 64-key tiles (64-byte rows).
+    # at d64 with 128-key tiles (with a bias at d128 and 64-key tiles:
+    # mosaic_float32_bias_float16_mask_block_k64).
     "mosaic_mask_three_consumers": dict(
         T=200, S=300, is_causal=True, mask=jnp.ones((2, 1, 200, 300), bool),
         block_sizes=pallas_attn.BlockSizes(forward_backend="mosaic")),
-    "mosaic_mask_bias_block_k64": dict(
-        H=128, mask=jnp.ones((1, 4, 256, 256), bool),
-        bias=jnp.ones((2, 4, 256, 256), jnp.bfloat16),
-        block_sizes=dataclasses.replace(_MOSAIC, block_k=64)),
-    # Sequence lengths in every Mosaic role (bands that stop at the key length).
-    "mosaic_lengths_window": dict(
-        T=256, S=384, N=8, K=2, H=128, local_window_size=(100, 0),
-        query_seq_lengths=jnp.full((2,), 200, jnp.int32),
-        key_value_seq_lengths=jnp.full((2,), 300, jnp.int32),
-        block_sizes=pallas_attn.BlockSizes(forward_backend="mosaic", dq_backend="mosaic",
-                                           dkv_backend="mosaic")),
-    # Dropout in every Mosaic role (the keep hash in uint32 on WGMMA tiles), GQA.
-    "mosaic_dropout_causal_gqa": dict(
-        T=256, S=384, N=8, K=2, H=128, is_causal=True, dropout_rate=0.1,
-        dropout_rng=jax.random.key(0),
-        block_sizes=pallas_attn.BlockSizes(forward_backend="mosaic", dq_backend="mosaic",
-                                           dkv_backend="mosaic")),
-    # The wide dQ and dK/dV kernels (head dim 256, 64-byte swizzled tiles, consumers
-    # sharing each item and unit): a batch-shared bias's dbias under a soft cap (GQA,
-    # ragged: the dQ kernel stores entry 0's, the dK/dV kernel adds the others'), and
+    # Head dim 256 on every Mosaic role. The forward with the default tiles: 64-key
+    # tiles, the output staged in Q's buffer, P V accumulated in place; a bias tile per
+    # consumer. The wide dQ and dK/dV kernels (64-byte swizzled tiles, consumers sharing
+    # each item and unit): a batch-shared bias's dbias under a soft cap (GQA, ragged,
+    # causal: the dQ kernel stores entry 0's, the dK/dV kernel adds the others'); and
     # H192/Hv64 with segments, lengths and dropout under causal masking.
-    "mosaic_backward_wide_shared_bias_softcap": dict(
-        H=256, T=200, S=300, K=2, bias=jnp.ones((1, 4, 200, 300), jnp.bfloat16),
-        logits_soft_cap=20.0,
-        block_sizes=pallas_attn.BlockSizes(dq_backend="mosaic", dkv_backend="mosaic")),
+    "mosaic_all_h256_causal_shared_bias_softcap": dict(
+        H=256, T=200, S=300, K=2, is_causal=True,
+        bias=jnp.ones((1, 4, 200, 300), jnp.bfloat16), logits_soft_cap=20.0,
+        block_sizes=pallas_attn.BlockSizes(forward_backend="mosaic", dq_backend="mosaic",
+                                           dkv_backend="mosaic")),
     "mosaic_backward_wide_h192_features": dict(
         T=256, S=384, N=8, K=2, H=192, Hv=64, is_causal=True, dropout_rate=0.1,
         dropout_rng=jax.random.key(0), q_segment_ids=jnp.zeros((2, 256), jnp.int32),
@@ -158,10 +141,11 @@ CASES = {
         bias=jnp.ones((1, 4, 200, 300), jnp.bfloat16), logits_soft_cap=20.0,
         block_sizes=pallas_attn.BlockSizes(forward_backend="mosaic", dq_backend="mosaic",
                                            dkv_backend="mosaic")),
-    # A mask alone in every Mosaic role: its ranges without segment ids.
-    "mosaic_mask_ranges": dict(
-        T=256, S=384, N=8, K=2, H=128, is_causal=True,
-        mask=jnp.ones((2, 1, 256, 384), bool),
+    # A mask alone in every Mosaic role: its ranges without segment ids; a soft cap with
+    # its fixed row reference (no bias), bottom-right causal.
+    "mosaic_mask_ranges_softcap": dict(
+        T=256, S=384, N=8, K=2, H=128, is_causal=True, causal_alignment="bottom_right",
+        logits_soft_cap=20.0, mask=jnp.ones((2, 1, 256, 384), bool),
         block_sizes=pallas_attn.BlockSizes(forward_backend="mosaic", dq_backend="mosaic",
                                            dkv_backend="mosaic")),
     # The decode kernel: keys split over programs and merged by the merge kernel (sinks,

@@ -43,15 +43,16 @@ CASES = [
     ("batch_shared_ragged", dict(B=2, T=130, S=200, N=2), (1, 2), {}, {}),
     ("causal_bottom_right_T>S_skipped_items", dict(B=2, T=200, S=100, N=2), (1, 2),
      dict(is_causal=True, causal_alignment="bottom_right"), {}),
-    ("head_shared_gqa_window_one_slot", dict(B=2, T=140, S=260, N=4, K=2), (2, 1),
-     dict(local_window_size=(40, 10)), dict(num_stages_dbias=1)),
+    # ALiBi: each member's own slope (per batch entry and head), with a soft cap, over a
+    # window (GQA, one slot).
+    ("head_shared_gqa_window_alibi_soft_cap_one_slot", dict(B=2, T=140, S=260, N=2, K=1),
+     (2, 1), dict(local_window_size=(40, 10), alibi_slopes=jnp.array([[0.5, 0.05],
+                                                                       [0.02, 0.3]]),
+                  logits_soft_cap=5.0), dict(num_stages_dbias=1)),
     ("shared_by_all_soft_cap_block_k128_H128", dict(B=2, T=128, S=256, N=2, H=128), (1, 1),
      dict(logits_soft_cap=5.0, is_causal=True), dict(block_k_dbias=128)),
     ("soft_cap_running_max_H80_Hv64", dict(B=1, T=150, S=120, N=2, H=80, Hv=64), (1, 2),
      dict(logits_soft_cap=100.0, scale=0.3), {}),
-    # ALiBi: each member's own slope (per batch entry and head), with a soft cap.
-    ("head_shared_alibi_soft_cap", dict(B=2, T=130, S=150, N=2), (2, 1),
-     dict(alibi_slopes=jnp.array([[0.5, 0.05], [0.02, 0.3]]), logits_soft_cap=5.0), {}),
 ]
 
 

@@ -51,30 +51,29 @@ WIDE = dict(block_k_dkv=64)  # the wide kernel's (64, 64) tiles at a head dim of
 
 # (id, shapes, bias shape as (Bb, Nb) or None, kwargs, tiles)
 CASES = [
-    ("plain_one_slot", dict(B=1, T=64, S=128, N=1), None, {}, dict(num_stages_dkv=1)),
-    ("per_batch_bias_causal_ragged", dict(B=2, T=130, S=200, N=2), (2, 2),
-     dict(is_causal=True), {}),
     ("batch_shared_bias_three_passes", dict(B=3, T=100, S=140, N=2), (1, 2), {}, {}),
-    ("bottom_right_T>S_H128_no_grad_bias", dict(B=2, T=200, S=100, N=2, H=128), (1, 2),
-     dict(is_causal=True, causal_alignment="bottom_right"), dict(bias_grad=False)),
+    # One slot (num_stages_dkv=1).
+    ("bottom_right_T>S_H128_no_grad_bias_one_slot", dict(B=2, T=200, S=100, N=2, H=128),
+     (1, 2), dict(is_causal=True, causal_alignment="bottom_right"),
+     dict(bias_grad=False, num_stages_dkv=1)),
     # Packed documents (each unit's query tiles narrow to its keys' documents) with a
-    # per-batch bias's gradient (tiles outside them zero).
+    # per-batch bias's gradient (tiles outside them zero) under causal masking, ragged.
     ("segments_packed_causal_bias", dict(B=2, T=330, S=330, N=2), (2, 2),
      dict(is_causal=True, q_segment_ids=np.repeat(np.arange(5), 66)[None].repeat(2, 0)), {}),
-    # Dropout: per (batch entry, head) masks under causal GQA (keys by queries).
-    ("dropout_causal_gqa", dict(B=2, T=200, S=260, N=4, K=2), None,
-     dict(is_causal=True, dropout_rate=0.2, dropout_rng=jax.random.key(3)), {}),
-    # Head dim 64 without a bias or ALiBi: every tile computed keys by queries (S^T =
-    # K Q^T, `config.dkv_keys_major`): windows, a soft cap and ragged lengths (a batch
-    # entry with no key: its dK and dV zero) under GQA.
-    ("keys_major_window_soft_cap_lengths_gqa", dict(B=3, T=150, S=200, N=4, K=2), None,
-     dict(local_window_size=(40, 10), logits_soft_cap=5.0,
-          query_seq_lengths=np.array([150, 30, 100]),
-          key_value_seq_lengths=np.array([0, 200, 131])), {}),
     # A boolean mask (int8 tiles per step and consumer, queries by keys at d64 too):
     # one per batch entry hiding whole rows under causal GQA.
     ("mask_per_batch_causal_gqa_empty_rows", dict(B=2, T=200, S=260, N=4, K=2), None,
      dict(is_causal=True, mask=random_mask(8, (2, 1, 200, 260), hidden_rows=(3, 130))), {}),
+    # Head dim 64 without a bias or ALiBi: every tile computed keys by queries (S^T =
+    # K Q^T, `config.dkv_keys_major`): windows, a soft cap, ragged lengths (a batch
+    # entry with no key: its dK and dV zero) and dropout (per (batch entry, head) masks)
+    # under GQA.
+    ("keys_major_window_soft_cap_lengths_dropout_gqa", dict(B=3, T=150, S=200, N=4, K=2),
+     None,
+     dict(local_window_size=(40, 10), logits_soft_cap=5.0,
+          query_seq_lengths=np.array([150, 30, 100]),
+          key_value_seq_lengths=np.array([0, 200, 131]), dropout_rate=0.2,
+          dropout_rng=jax.random.key(3)), {}),
     # Head dim 256: units of 64 keys that the consumers share (`config.is_wide`), each
     # with half of S, dP and the head dims; the whole dS tile copied as dbias.
     ("wide_H256_per_batch_bias_causal", dict(B=2, T=130, S=200, N=2, H=256), (2, 2),
@@ -139,7 +138,7 @@ def test_mosaic_dkv_matches_the_triton_kernels(dtype, shapes, bias_shape, kwargs
 
 @pytest.mark.parametrize("shapes,kwargs", [
     (dict(B=3, T=100, S=140, N=2), dict(is_causal=True)),
-    (dict(B=2, T=100, S=260, N=4, K=2), dict(local_window_size=(40, 10),
+    (dict(B=2, T=100, S=260, N=2, K=1), dict(local_window_size=(40, 10),
                                             logits_soft_cap=5.0)),
 ], ids=["causal_three_entries", "gqa_window_soft_cap"])
 def test_mosaic_dkv_adds_the_other_entries_to_dbias_first(shapes, kwargs):
@@ -178,14 +177,14 @@ def test_dbias_first_only_starts_a_batch_shared_sum_of_its_shape(bias_shape, fir
     (dict(B=2, T=150, S=140, N=2, K=1, H=64), (1, 2), dict(is_causal=True)),
     (dict(B=2, T=70, S=200, N=2, H=48), (2, 2), dict(logits_soft_cap=8.0,
                                                      local_window_size=(60, 20))),
-    (dict(B=2, T=100, S=130, N=2, H=80, Hv=64), None, {}),
+    (dict(B=1, T=100, S=130, N=2, H=80, Hv=64), None, {}),
     (dict(B=2, T=90, S=150, N=2, H=64), (1, 2),
      dict(alibi_slopes=jnp.array([0.2, 0.04]), is_causal=True,
           causal_alignment="bottom_right")),
-    (dict(B=2, T=200, S=260, N=2, H=64), None,
-     dict(q_segment_ids=np.repeat(np.arange(4), 50)[None].repeat(2, 0),
-          kv_segment_ids=np.repeat(np.arange(4), 65)[None].repeat(2, 0))),
-    (dict(B=2, T=200, S=260, N=4, K=2, H=256), (1, 4),
+    (dict(B=1, T=200, S=260, N=2, H=64), None,
+     dict(q_segment_ids=np.repeat(np.arange(4), 50)[None],
+          kv_segment_ids=np.repeat(np.arange(4), 65)[None])),
+    (dict(B=2, T=200, S=260, N=2, K=1, H=256), (1, 2),
      dict(is_causal=True, q_segment_ids=np.repeat(np.arange(4), 50)[None].repeat(2, 0),
           kv_segment_ids=np.repeat(np.arange(4), 65)[None].repeat(2, 0))),
 ], ids=["batch_shared_causal_mqa", "per_batch_window_soft_cap_H48", "no_bias_H80_Hv64",

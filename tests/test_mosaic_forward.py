@@ -51,90 +51,84 @@ MOSAIC = pallas_attn.BlockSizes(128, 64, 32, 32, 32, 32, block_q_dbias=32, block
                                 num_stages=2, forward_backend="mosaic")
 
 CASES = [
-    ("causal_bottom_right_T>S_empty_rows", dict(B=1, T=200, S=100, N=2, H=64),
-     dict(is_causal=True, causal_alignment="bottom_right"), {}),
-    ("causal_gqa_H80_Hv128_block_k128_3_slots", dict(B=1, T=256, S=256, N=4, K=2, H=80,
-                                                    Hv=128),
-     dict(is_causal=True), dict(block_k=128, num_stages=3)),
     ("causal_window_bottom_right_T<S", dict(B=2, T=100, S=260, N=1, H=48),
      dict(is_causal=True, causal_alignment="bottom_right", local_window_size=(70, 0)),
      dict(num_stages=3)),
-    # Head dim 256: 64-key tiles, the output staged in Q's buffer (its own would not fit).
-    ("H256_causal_output_staged_in_q", dict(B=1, T=260, S=200, N=2, H=200, Hv=256),
-     dict(is_causal=True, causal_alignment="bottom_right"), {}),
+    ("causal_gqa_H80_Hv128_block_k128_3_slots", dict(B=1, T=256, S=256, N=4, K=2, H=80,
+                                                    Hv=128),
+     dict(is_causal=True), dict(block_k=128, num_stages=3)),
     ("H128_Hv64_separate_output_buffer", dict(B=1, T=128, S=64, N=2, H=128, Hv=64),
      dict(scale=0.05), {}),
+    # Head dim 256: 64-key tiles, the output staged in Q's buffer (its own would not fit);
+    # bottom-right causal with T > S (rows that see no key).
+    ("H256_causal_output_staged_in_q", dict(B=1, T=260, S=200, N=2, H=200, Hv=256),
+     dict(is_causal=True, causal_alignment="bottom_right"), {}),
     # Soft cap: with the cap's bound as every row's reference (bfloat16; float16 keeps
     # the running maximum), and a cap too large for it (running maximum).
-    ("soft_cap_causal", dict(B=1, T=200, S=200, N=2, H=64), dict(is_causal=True,
-                                                                 logits_soft_cap=5.0), {}),
     ("soft_cap_large_window", dict(B=1, T=140, S=300, N=1, H=64),
      dict(logits_soft_cap=50.0, local_window_size=(60, 60)), dict(block_k=128)),
-    # A bias (natural-unit scores, loaded into registers per key tile): one per head,
-    # shared by the batch entries, over ragged lengths; one per batch entry in the
-    # inputs' dtype, with causal masking and a soft cap on top; and rows with extreme
+    ("soft_cap_causal", dict(B=1, T=200, S=200, N=2, H=64), dict(is_causal=True,
+                                                                 logits_soft_cap=5.0), {}),
+    # A bias (natural-unit scores, loaded into registers per key tile): one per batch
+    # entry in the inputs' dtype, with causal masking and a soft cap on top; one per
+    # head, shared by the batch entries, over ragged lengths; and rows with extreme
     # biases: far below zero, -inf everywhere (no visible key) or every third key.
-    ("bias_per_head_ragged", dict(B=2, T=130, S=200, N=2, H=64),
-     dict(bias=((1, 2, 130, 200), "float32")), {}),
     ("bias_per_batch_causal_soft_cap", dict(B=2, T=200, S=140, N=2, H=64),
      dict(bias=((2, 1, 200, 140), None), is_causal=True, logits_soft_cap=5.0),
      dict(block_k=128)),
+    ("bias_per_head_ragged", dict(B=2, T=130, S=200, N=2, H=64),
+     dict(bias=((1, 2, 130, 200), "float32")), {}),
     ("bias_extreme_rows", dict(B=1, T=140, S=150, N=2, H=64),
      dict(bias=((1, 2, 140, 150), "extreme")), {}),
     # ALiBi (an iota term with the head's slope, read from global memory per item):
-    # slopes per batch entry and head (log2-unit scores) under causal GQA, and slopes
-    # per head with a bias and a soft cap over a window (natural units, then the cap).
-    ("alibi_per_batch_causal_gqa", dict(B=2, T=200, S=150, N=4, K=2, H=64),
-     dict(is_causal=True, alibi_slopes=jnp.array([[0.5, 0.25, 0.125, 0.0625],
-                                                   [0.03, 0.2, 0.7, 0.01]])), {}),
+    # slopes per head with a bias and a soft cap over a window (natural units, then the
+    # cap); slopes per batch entry and head (log2-unit scores) under causal GQA, with
+    # dropout (per (batch entry, head) masks) and ragged lengths.
     ("alibi_bias_soft_cap_window", dict(B=1, T=140, S=260, N=2, H=64),
      dict(alibi_slopes=jnp.array([0.3, 0.05]), bias=((1, 2, 140, 260), None),
           logits_soft_cap=5.0, local_window_size=(90, 30)), dict(block_k=128)),
-    # Segment ids: packed documents (sorted, one array for queries and keys: the item's
-    # and each consumer's key tiles narrow to their documents) under causal masking with
-    # ALiBi; unsorted ids of their own for queries and keys (nothing skipped, every tile
-    # compared), T < S with a bias.
-    ("segments_packed_causal_alibi", dict(B=2, T=330, S=330, N=2, H=64),
-     dict(is_causal=True, q_segment_ids=np.repeat([[0, 1, 2, 3, 4]], 66, axis=1).repeat(
-         2, axis=0).reshape(2, 330) * np.array([[1], [2]]),
-          alibi_slopes=jnp.array([0.3, 0.05])), {}),
-    # Sequence lengths: ragged per batch entry (one of them past the padded tiles'
-    # first key tile, one row of queries whose length is 0), causal bottom-right.
-    ("lengths_causal_bottom_right", dict(B=3, T=200, S=260, N=2, H=64),
-     dict(is_causal=True, causal_alignment="bottom_right",
-          query_seq_lengths=np.array([200, 70, 0]), key_value_seq_lengths=np.array([5, 260, 131])),
-     {}),
-    # Dropout: per (batch entry, head) masks under causal GQA with ragged lengths; one
-    # mask shared by every head with a bias, a soft cap and segments.
-    ("dropout_causal_gqa_lengths", dict(B=2, T=200, S=150, N=4, K=2, H=64),
-     dict(is_causal=True, dropout_rate=0.2, dropout_rng=jax.random.key(3),
+    ("alibi_per_batch_dropout_causal_gqa_lengths", dict(B=2, T=200, S=150, N=2, K=1, H=64),
+     dict(is_causal=True, alibi_slopes=jnp.array([[0.5, 0.125], [0.03, 0.7]]),
+          dropout_rate=0.2, dropout_rng=jax.random.key(3),
           key_value_seq_lengths=np.array([150, 90])), {}),
-    ("dropout_shared_bias_soft_cap_segments", dict(B=2, T=260, S=260, N=2, H=64),
-     dict(dropout_rate=0.3, dropout_rng=jax.random.key(4), broadcast_dropout=True,
-          bias=((1, 2, 260, 260), None), logits_soft_cap=5.0,
-          q_segment_ids=np.repeat(np.arange(4), 65)[None].repeat(2, 0)), dict(block_k=128)),
+    # Sequence lengths: ragged per batch entry (one of them past the padded tiles'
+    # first key tile, one row of queries whose length is 0), causal bottom-right; with
+    # a boolean mask (int8 tiles streamed per consumer), one per batch entry, hiding
+    # whole rows (three consumers, a head's first item before row 0).
+    ("lengths_mask_per_batch_causal_bottom_right_empty_rows", dict(B=3, T=200, S=260, N=2,
+                                                                    H=64),
+     dict(is_causal=True, causal_alignment="bottom_right",
+          query_seq_lengths=np.array([200, 70, 0]), key_value_seq_lengths=np.array([5, 260, 131]),
+          mask=random_mask(8, (3, 1, 200, 260), hidden_rows=(3, 130))),
+     {}),
     # Three consumers (head dim 64, no bias: items of 192 rows): T = 200 pads to 256, so
     # each head's first item starts at row -128 and two of its consumers only release
-    # the ring's slots; with sorted segments (the idle consumers' bands) and dropout.
-    ("three_consumers_first_item_before_row_0_segments_dropout",
+    # the ring's slots; with sorted segments of their own for queries and keys (the idle
+    # consumers' bands), dropout and ALiBi under bottom-right causal masking.
+    ("three_consumers_first_item_before_row_0_segments_dropout_alibi",
      dict(B=1, T=200, S=230, N=2, H=64),
      dict(is_causal=True, causal_alignment="bottom_right", dropout_rate=0.2,
-          dropout_rng=jax.random.key(6),
+          dropout_rng=jax.random.key(6), alibi_slopes=jnp.array([0.3, 0.05]),
           q_segment_ids=np.repeat(np.arange(4), 50)[None],
           kv_segment_ids=np.concatenate([np.repeat(np.arange(4), 50), np.full(30, 3)])[None]),
      {}),
-    # A boolean mask (int8 tiles streamed per consumer): one per batch entry under
-    # causal masking with rows it hides entirely (three consumers, a head's first item
-    # before row 0); one per head with a bias and a soft cap at d128 (two consumers,
-    # 64-key tiles).
-    ("mask_per_batch_causal_empty_rows", dict(B=2, T=200, S=260, N=2, H=64),
-     dict(is_causal=True, mask=random_mask(8, (2, 1, 200, 260), hidden_rows=(3, 130))), {}),
+    # Dropout with one mask shared by every head, a bias, a soft cap and packed documents
+    # (sorted, one array for queries and keys: the item's and each consumer's key tiles
+    # narrow to their documents).
+    ("dropout_shared_bias_soft_cap_segments", dict(B=1, T=260, S=260, N=2, H=64),
+     dict(dropout_rate=0.3, dropout_rng=jax.random.key(4), broadcast_dropout=True,
+          bias=((1, 2, 260, 260), None), logits_soft_cap=5.0,
+          q_segment_ids=np.repeat(np.arange(4), 65)[None]), dict(block_k=128)),
+    # A boolean mask per head with a bias and a soft cap at d128 (two consumers, 64-key
+    # tiles).
     ("mask_per_head_bias_soft_cap", dict(B=1, T=140, S=200, N=2, H=128),
      dict(mask=random_mask(9, (1, 2, 140, 200), hidden_rows=(70,)),
           bias=((1, 2, 140, 200), None), logits_soft_cap=5.0), {}),
-    ("segments_unsorted_bias_T<S", dict(B=2, T=140, S=260, N=2, H=64),
-     dict(q_segment_ids=np.random.default_rng(1).integers(0, 3, (2, 140)),
-          kv_segment_ids=np.random.default_rng(2).integers(0, 3, (2, 260)),
+    # Unsorted segment ids of their own for queries and keys (nothing skipped, every tile
+    # compared), T < S with a bias.
+    ("segments_unsorted_bias_T<S", dict(B=1, T=140, S=260, N=2, H=64),
+     dict(q_segment_ids=np.random.default_rng(1).integers(0, 3, (1, 140)),
+          kv_segment_ids=np.random.default_rng(2).integers(0, 3, (1, 260)),
           bias=((1, 2, 140, 260), None)), dict(block_k=128)),
 ]
 

@@ -64,7 +64,7 @@ def test_the_mosaic_kernels_never_read_a_poisoned_document(lengths, kw):
     ids) and one shared with the next (which must); with NaN in the last document's
     keys and values of batch entry 0, every other document (and entry 1 whole) is
     finite and equals the reference's."""
-    inputs = make_inputs(9, dtype=jnp.bfloat16, B=2, T=256, S=256, N=2, K=1, H=64)
+    inputs = make_inputs(9, dtype=jnp.bfloat16, B=2, T=256, S=256, N=1, K=1, H=64)
     q, k, v, ct = inputs["q"], inputs["k"], inputs["v"], inputs["ct"]
     ids = np.repeat(np.arange(len(lengths)), lengths)
     segments = jnp.asarray(ids)[None].repeat(2, 0).astype(jnp.int32)
@@ -100,7 +100,7 @@ def test_a_document_mask_never_reads_a_poisoned_document(blocks, causal):
     within each document): the kernels skip the tiles outside each row's first-to-last
     visible key (core.mask_ranges), so NaN keys and values of a document no other row
     sees never reach the others; a kernel reading those tiles would turn them NaN."""
-    inputs = make_inputs(11, dtype=jnp.bfloat16, B=2, T=256, S=256, N=2, K=1, H=64)
+    inputs = make_inputs(11, dtype=jnp.bfloat16, B=2, T=256, S=256, N=1, K=1, H=64)
     q, k, v, ct = inputs["q"], inputs["k"], inputs["v"], inputs["ct"]
     doc = jnp.repeat(jnp.arange(4), 64)
     mask = doc[:, None] == doc[None, :]

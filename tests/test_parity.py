@@ -254,12 +254,11 @@ def test_the_kernels_on_a_machine_without_a_gpu_say_what_to_do():
 X64_FEATURES = dict(
     is_causal=True, causal_alignment="bottom_right", local_window_size=(20, 3),
     logits_soft_cap=8.0, query_seq_lengths=np.array([30, 21]),
-    key_value_seq_lengths=np.array([40, 17]), dropout_rate=0.2)
+    key_value_seq_lengths=np.array([40, 17]), dropout_rate=0.2, bias=True, segments=True)
 
 
 @pytest.mark.parametrize("impl,features", [
-    ("xla", X64_FEATURES), ("xla_chunked", X64_FEATURES), ("pallas", X64_FEATURES),
-    ("pallas", dict(bias=True, segments=True)), ("xla_chunked", dict(bias=True, segments=True))])
+    ("xla", X64_FEATURES), ("xla_chunked", X64_FEATURES), ("pallas", X64_FEATURES)])
 def test_jax_enable_x64_changes_no_result(impl, features):
     """With jax_enable_x64 on (Python ints become int64) every implementation runs and
     gives what it gives with it off: outputs, lse and every gradient (the Mosaic kernels

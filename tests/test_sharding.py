@@ -75,19 +75,21 @@ def _put(mesh, x, *spec):
     return jax.device_put(x, NamedSharding(mesh, P(*spec)))
 
 
+def _dropout_alibi() -> dict:
+    return dict(dropout_rate=0.25, dropout_rng=jax.random.key(7),
+                alibi_slopes=jax.lax.stop_gradient(jnp.linspace(0.1, 0.8, 4)))
+
+
 FEATURES = {
     "plain": lambda B, T: {},
-    "causal_window_softcap": lambda B, T: dict(is_causal=True, local_window_size=(9, 0),
-                                               logits_soft_cap=5.0),
-    "lengths_segments": lambda B, T: dict(
+    "causal_window_softcap_sinks": lambda B, T: dict(
+        is_causal=True, local_window_size=(9, 0), logits_soft_cap=5.0,
+        sinks=jnp.array([0.5, -1.0, 2.0, 0.0])),
+    "lengths_segments_dropout_alibi": lambda B, T: dict(
         query_seq_lengths=jnp.array([T, 20, 7, 0][:B], jnp.int32),
         key_value_seq_lengths=jnp.array([T, 30, 3, 12][:B], jnp.int32),
-        q_segment_ids=(jnp.arange(T)[None, :] // 10 + jnp.arange(B)[:, None]) % 3),
-    "dropout_alibi": lambda B, T: dict(
-        dropout_rate=0.25, dropout_rng=jax.random.key(7),
-        alibi_slopes=jax.lax.stop_gradient(jnp.linspace(0.1, 0.8, 4))),
-    "sinks_softcap": lambda B, T: dict(sinks=jnp.array([0.5, -1.0, 2.0, 0.0]),
-                                       logits_soft_cap=4.0),
+        q_segment_ids=(jnp.arange(T)[None, :] // 10 + jnp.arange(B)[:, None]) % 3,
+        **_dropout_alibi()),
     "broadcast_dropout_mask": lambda B, T: dict(
         dropout_rate=0.5, dropout_rng=jax.random.key(3), broadcast_dropout=True,
         mask=jax.random.bernoulli(jax.random.key(5), 0.7, (B, 1, T, T))),
@@ -295,8 +297,7 @@ def test_explicit_sharding_in_types_runs_per_shard(implementation, kv_heads):
     arrays' types and the rule runs through jax.shard_map; same numbers, no gather."""
     mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=(AxisType.Explicit,) * 2)
     q, k, v, ct = _inputs(K=kv_heads)
-    options = FEATURES["dropout_alibi"](*q.shape[:2])
-    options["is_causal"] = True
+    options = dict(_dropout_alibi(), is_causal=True)
     step = _step(implementation, **options)
     spec = ("data", None, "model", None)
     kv_spec = spec if kv_heads > 1 else ("data",)
