@@ -554,6 +554,7 @@ _MATRIX_ROWS: tuple[tuple[str, dict[str, Any]], ...] = (
     ("boolean mask [B, 1, T, S]", dict(mask_shape=(4, 1, 4096, 4096))),
     ("boolean mask [B, 1, 1, S] (per key)", dict(mask_shape=(4, 1, 1, 4096))),
     ("segment ids", dict(present=("q_segment_ids", "kv_segment_ids"))),
+    ("segment ids, causal", dict(is_causal=True, present=("q_segment_ids", "kv_segment_ids"))),
     ("sequence lengths", dict(present=("query_seq_lengths", "key_value_seq_lengths"))),
     ("dropout", dict(dropout_rate=0.1)),
     ("float32 inputs", dict(dtype="float32")),
