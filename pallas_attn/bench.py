@@ -483,7 +483,7 @@ def check_shapes(on_device: bool) -> list[Shape]:
         # bulk-copies its bias tiles into shared memory) under a soft cap, ragged, GQA.
         Shape(2, 1000, 1100, 4, 2, 128, False, (("bias", None), ("softcap", 20.0)),
               dtype="bfloat16"),
-        # A cap too large for the fixed row reference: the running row maximum instead.
+        # A large cap: logits spread over +-50 before the running row maximum.
         Shape(2, 1024, 1024, 4, 4, 128, False, (("softcap", 50.0),), dtype="bfloat16"),
         # ALiBi alone in the Mosaic kernels (log2-unit scores), ragged, GQA, float16.
         Shape(2, 1000, 1100, 8, 2, 64, True, (("alibi", None),), dtype="float16"),

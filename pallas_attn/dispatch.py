@@ -316,7 +316,10 @@ def _mosaic_route(role: str, call: Call, device: DeviceInfo, overrides: BlockSiz
                 f"positions past the lengths, which costs more than they save below "
                 f"{MOSAIC_LENGTHS_MIN_ROWS} query rows per kv head (T x group = {rows}; "
                 f"docs/decisions.md)")
-    if automatic and role in ("dq", "dkdv") and "q_segment_ids" in call.present:
+    # NOTE: with causal masking the Mosaic dQ kernel measured faster next to the Triton
+    # dK/dV one (docs/decisions.md, "Segment ids under causal masking: the Mosaic dQ").
+    if (automatic and "q_segment_ids" in call.present
+            and (role == "dkdv" or (role == "dq" and not spec.is_causal))):
         return (f"segment ids: the Triton {ROLE_LABELS[role]} kernel (finer tiles to skip) "
                 f"measured faster with them (docs/decisions.md)")
     block_q, block_k, _, stages = overrides.tiles(role)
@@ -551,6 +554,7 @@ _MATRIX_ROWS: tuple[tuple[str, dict[str, Any]], ...] = (
     ("boolean mask [B, 1, T, S]", dict(mask_shape=(4, 1, 4096, 4096))),
     ("boolean mask [B, 1, 1, S] (per key)", dict(mask_shape=(4, 1, 1, 4096))),
     ("segment ids", dict(present=("q_segment_ids", "kv_segment_ids"))),
+    ("segment ids, causal", dict(is_causal=True, present=("q_segment_ids", "kv_segment_ids"))),
     ("sequence lengths", dict(present=("query_seq_lengths", "key_value_seq_lengths"))),
     ("dropout", dict(dropout_rate=0.1)),
     ("float32 inputs", dict(dtype="float32")),

@@ -23,10 +23,10 @@ where m + ln l would round to m. A row that sees no key has m = +inf (and
 log2 l = 0), so every backward p is 0 there without a select; its public lse is
 +inf until the API turns it into -inf.
 
-The reference m is the running row maximum, except for soft-capped scores: they
-are bounded by cap * log2(e), and where that bound is small enough
-(Problem.fixed_row_reference) the bound itself is every row's reference, so the
-forward needs no row maximum and never rescales its accumulator.
+The reference m is the running row maximum, soft-capped scores included: a row's
+largest weight is then exactly 1, so a row of one visible key outputs that key's value
+exactly and the backward's delta = dO . O matches its dP (docs/decisions.md, "The
+running row maximum under a soft cap").
 """
 
 from __future__ import annotations
@@ -56,10 +56,6 @@ LN2 = math.log(2.0)
 # row keeps zero probabilities (its s are -inf), and logits as low as finfo.min
 # still form a proper softmax.
 MAX_FLOOR = float(jnp.finfo(jnp.float32).min)
-# NOTE: a fixed reference (the soft cap's bound) leaves probabilities as small as
-# 2**(-2 * bound); a bound up to 50 keeps them above 2**-100, normal in float32 and
-# bfloat16. float16 P (min normal 2**-14) never uses the fixed reference.
-FIXED_REFERENCE_MAX_LOG2 = 50.0
 # float16 dS scaled by ds_scales' factors stays at most 2**DS_MAX_LOG2.
 DS_MAX_LOG2 = 15
 
@@ -146,21 +142,6 @@ class Problem:
         if self.has("origin"):  # the offset is only known at run time
             return False
         return max(self.q_pad, self.kv_pad) + abs(self.offset) < 2**24
-
-    @property
-    def fixed_row_reference(self) -> float | None:
-        """A constant row reference when every score is bounded, else None.
-
-        Soft-capped scores lie in [-cap * log2(e), cap * log2(e)] (log2 units), so
-        exp2(s - cap * log2(e)) <= 1 for every row without a row maximum, as long as
-        the smallest probability, 2**(-2 * cap * log2(e)), stays a normal number of
-        P's dtype (not float16, cap * log2(e) <= FIXED_REFERENCE_MAX_LOG2).
-        """
-        cap = self.spec.logits_soft_cap
-        if cap is None or self.dtype == "float16":
-            return None
-        bound = cap * LOG2E
-        return bound if bound <= FIXED_REFERENCE_MAX_LOG2 else None
 
     @property
     def pairs_causal_tiles(self) -> bool:
@@ -289,26 +270,14 @@ def log2_row_shift(problem: Problem, bias: Any) -> bool:
 
 
 
-def softmax_reference_init(problem: Problem) -> float:
-    """The row reference before any key tile: the soft cap's bound where it is every
-    row's reference (`Problem.fixed_row_reference`), else MAX_FLOOR."""
-    fixed = problem.fixed_row_reference
-    return MAX_FLOOR if fixed is None else fixed
-
-
 def softmax_step(problem: Problem, s: jax.Array, m_prev: jax.Array, l_prev: jax.Array,
                  rows: Callable[[jax.Array], jax.Array] = lambda x: x[:, None]
-                 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array | None]:
+                 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """One key tile of the online softmax: (probabilities against the new reference,
-    new row reference, new row sum, alpha or None) from the tile's scores s (invisible
-    entries -inf) and the running reference and sum. The caller rescales its
-    accumulator by alpha (None: no rescaling). rows(x) broadcasts a per-row vector
+    new row reference, new row sum, alpha) from the tile's scores s (invisible entries
+    -inf) and the running reference (the row maximum, from MAX_FLOOR) and sum. The
+    caller rescales its accumulator by alpha. rows(x) broadcasts a per-row vector
     against the tile."""
-    fixed = problem.fixed_row_reference
-    if fixed is not None:  # bounded scores: the bound is every row's reference
-        prob = jnp.exp2(s - fixed)  # invisible: s = -inf, prob = 0
-        return prob, m_prev, l_prev + jnp.sum(prob, axis=1), None
-    # The reference is the running row maximum; it stays >= MAX_FLOOR.
     m_next = jnp.maximum(m_prev, jnp.max(s, axis=1))
     alpha = problem.exp2_of(m_prev - m_next)  # natural units: times log2(e)
     prob = problem.exp2_of(s - rows(m_next))  # invisible: s = -inf, prob = 0

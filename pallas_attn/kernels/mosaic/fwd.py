@@ -57,10 +57,10 @@ besides q, k, v, a bias and a mask with their own entry per query and key, ALiBi
 slopes, sinks, segment ids, sequence lengths, dropout keys and an origin (positions past
 the lengths are zeroed before the call, vjp.prepare; ring attention's blocks count every
 position from their origin: `core.TileRanges`, `common.Dropout`); causal, local windows in
-both alignments, soft cap (with the fixed row reference where it applies), ALiBi (each
-consumer reads its item's slope), GQA and ragged lengths are covered. With 128-key
-tiles a float32 bias does not fit next to two K/V slots (config.forward_scratch), so the
-routing table gives it the Triton forward; block_k 64 runs it here.
+both alignments, soft cap, ALiBi (each consumer reads its item's slope), GQA and ragged
+lengths are covered. With 128-key tiles a float32 bias does not fit next to two K/V
+slots (config.forward_scratch), so the routing table gives it the Triton forward;
+block_k 64 runs it here.
 
 Key tiles outside an item's band are never loaded. A consumer whose own band is
 narrower than the item's (causal: warpgroup 0 can end a key tile earlier) still
@@ -81,10 +81,10 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_attn.kernels.core import (
+    MAX_FLOOR,
     Problem,
     TileRanges,
     merge_sink,
-    softmax_reference_init,
     softmax_step,
 )
 from pallas_attn.kernels.mosaic.common import (
@@ -284,7 +284,7 @@ def _consume(problem: Problem, ctx: TileRanges, tiles: Band, slot_of, row0, stop
             plgpu.commit_smem()
             p = p_smem
         late = hv >= LATE_RESCALE_HEAD_DIM
-        if alpha is not None and not late:
+        if not late:
             acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
         if not (late or problem.interpret):
             # NOTE: keeps the rescale and P's conversion ahead of the turn's barriers.
@@ -294,7 +294,7 @@ def _consume(problem: Problem, ctx: TileRanges, tiles: Band, slot_of, row0, stop
         plgpu.barrier_wait(v_loaded.at[slot])
         if schedule is not None:
             plgpu.barrier_wait(schedule)  # the other consumer has issued its Q K^T
-        if alpha is not None and late:
+        if late:
             acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
         (acc,) = accumulate(((acc, ((p, v_smem.at[slot]),)),), problem.interpret)
         plgpu.barrier_arrive(v_consumed.at[slot])
@@ -302,8 +302,7 @@ def _consume(problem: Problem, ctx: TileRanges, tiles: Band, slot_of, row0, stop
 
     row_layout = plgpu.Layout.WGMMA.reduce(1)
     carry = (plgpu.layout_cast(jnp.zeros((rows_n, hv), jnp.float32), plgpu.Layout.WGMMA),
-             plgpu.layout_cast(jnp.full((rows_n,), softmax_reference_init(problem), jnp.float32),
-                               row_layout),
+             plgpu.layout_cast(jnp.full((rows_n,), MAX_FLOOR, jnp.float32), row_layout),
              plgpu.layout_cast(jnp.zeros((rows_n,), jnp.float32), row_layout))
     if bias is not None:
         pl.when(own.first < own.stop)(lambda: bias.start(own.first))

@@ -31,6 +31,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_attn.kernels import next_power_of_2
 from pallas_attn.kernels.core import (
+    MAX_FLOOR,
     Problem,
     TileRanges,
     finite,
@@ -38,7 +39,6 @@ from pallas_attn.kernels.core import (
     merge_sink,
     nonfinite_rows,
     run_tile_loops,
-    softmax_reference_init,
     softmax_step,
 )
 from pallas_attn.kernels.triton.config import DECODE_OPERANDS
@@ -135,15 +135,14 @@ def decode_kernel(*refs, problem: Problem, names: tuple[str, ...]):
         if visible is not None:
             s = jnp.where(visible, s, -jnp.inf)
         prob, m_next, l_next, alpha = softmax_step(problem, s, m_prev, l_prev)
-        if alpha is not None:
-            acc = acc * alpha[:, None]
+        acc = acc * alpha[:, None]
         if v is None:
             v = load("v", k0, pages)
         acc = acc + plgpu.dot(prob.astype(v.dtype), v, precision=problem.precision)
         return acc, m_next, l_next, next_pages
 
     init = (jnp.zeros((R, r["v"].shape[-1]), jnp.float32),
-            jnp.full((R,), softmax_reference_init(problem), jnp.float32),
+            jnp.full((R,), MAX_FLOOR, jnp.float32),
             jnp.zeros((R,), jnp.float32), pages_of(lo * block_k))
     acc, m, l_sum, _ = run_tile_loops(lo, hi, full_lo, jnp.clip(full_stop, full_lo, hi), body,
                                       init)
@@ -165,7 +164,7 @@ def combine_kernel(*refs, problem: Problem, names: tuple[str, ...], chunk: int):
     b, kh, row = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     splits = problem.plan.forward.splits
     token, head = lax.div(row, problem.group), kh * problem.group + lax.rem(row, problem.group)
-    empty = softmax_reference_init(problem)  # a split without keys: sum 0, weight <= 1
+    empty = MAX_FLOOR  # a split without keys: sum 0, weight <= 1
 
     def merge(c, carry):
         acc, m, total = carry

@@ -27,12 +27,12 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_attn.kernels.core import (
     KERNEL_INPUTS,
+    MAX_FLOOR,
     Problem,
     finite,
     merge_sink,
     nonfinite_rows,
     run_tile_loops,
-    softmax_reference_init,
     softmax_step,
 )
 from pallas_attn.kernels.triton.context import (
@@ -82,8 +82,7 @@ def _forward_tile(problem: Problem, r: dict, ctx: TileContext, i) -> None:
             v = finite(ctx.hide_keys(v, k0))
         s, _, _ = ctx.scores(q, k, q0, k0, masked, poison)
         prob, m_next, l_next, alpha = softmax_step(problem, s, m_prev, l_prev)
-        if alpha is not None:
-            acc = acc * alpha[:, None]
+        acc = acc * alpha[:, None]
         if spec.has_dropout:
             prob = jnp.where(ctx.keep(q0, k0, block_q, block_k), prob, 0.0)
         if v is None:
@@ -93,7 +92,7 @@ def _forward_tile(problem: Problem, r: dict, ctx: TileContext, i) -> None:
 
     init = (
         jnp.zeros((block_q, r["v"].shape[-1]), jnp.float32),
-        jnp.full((block_q,), softmax_reference_init(problem), jnp.float32),
+        jnp.full((block_q,), MAX_FLOOR, jnp.float32),
         jnp.zeros((block_q,), jnp.float32),
     )
     tiles = ctx.key_tiles_of(q0, block_q, block_k)
