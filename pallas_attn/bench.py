@@ -470,7 +470,7 @@ def check_shapes(on_device: bool) -> list[Shape]:
         Shape(2, 1024, 1024, 4, 4, 128, True, (("window", 256), ("segments", None)),
               dtype="bfloat16"),
         # The Mosaic (Hopper) forward with a window (it skips leading key tiles), and
-        # with a soft cap whose bound is every row's reference.
+        # with a soft cap.
         Shape(2, 1024, 1024, 4, 4, 128, False, (("window", 256),), dtype="float16"),
         Shape(2, 1024, 1024, 4, 4, 128, True, (("softcap", 20.0),), dtype="bfloat16"),
         # dbias written by the dK/dV kernel (a bias per batch entry and head; causal, so

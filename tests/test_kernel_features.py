@@ -508,10 +508,11 @@ def test_huge_negative_bias_row_is_not_an_empty_row():
     np.testing.assert_allclose(np.asarray(out), np.asarray(ref_out), rtol=1e-5, atol=1e-5)
 
 
-# Under a soft cap the bfloat16 forwards take the cap as every row's reference, so a row's
-# largest probability is not 1 and rounds for P V: a row of one visible key once came out
-# an ulp off its value, and delta = dO . O then put about 9x the reference's error into dq.
-# The Mosaic forward's case runs the Triton backward.
+# A row of one visible key outputs that key's value exactly under a soft cap: its weight
+# must be exactly 1 (the running row maximum). With the cap's bound as every row's
+# reference, P V took the weight rounded to bfloat16, the output came out an ulp off and
+# delta = dO . O put about 9x the reference's error into dq. The Mosaic forward's case
+# runs the Triton backward.
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("forward_backend", ["triton", "mosaic"])
 def test_soft_cap_rows_of_one_visible_key_output_its_value(forward_backend):

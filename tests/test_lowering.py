@@ -141,8 +141,8 @@ CASES = {
         bias=jnp.ones((1, 4, 200, 300), jnp.bfloat16), logits_soft_cap=20.0,
         block_sizes=pallas_attn.BlockSizes(forward_backend="mosaic", dq_backend="mosaic",
                                            dkv_backend="mosaic")),
-    # A mask alone in every Mosaic role: its ranges without segment ids; a soft cap with
-    # its fixed row reference (no bias), bottom-right causal.
+    # A mask alone in every Mosaic role: its ranges without segment ids; a soft cap
+    # (no bias), bottom-right causal.
     "mosaic_mask_ranges_softcap": dict(
         T=256, S=384, N=8, K=2, H=128, is_causal=True, causal_alignment="bottom_right",
         logits_soft_cap=20.0, mask=jnp.ones((2, 1, 256, 384), bool),

@@ -63,8 +63,7 @@ CASES = [
     # bottom-right causal with T > S (rows that see no key).
     ("H256_causal_output_staged_in_q", dict(B=1, T=260, S=200, N=2, H=200, Hv=256),
      dict(is_causal=True, causal_alignment="bottom_right"), {}),
-    # Soft cap: with the cap's bound as every row's reference (bfloat16; float16 keeps
-    # the running maximum), and a cap too large for it (running maximum).
+    # Soft cap: a large cap over a window, and a small one under causal masking.
     ("soft_cap_large_window", dict(B=1, T=140, S=300, N=1, H=64),
      dict(logits_soft_cap=50.0, local_window_size=(60, 60)), dict(block_k=128)),
     ("soft_cap_causal", dict(B=1, T=200, S=200, N=2, H=64), dict(is_causal=True,
