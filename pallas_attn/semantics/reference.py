@@ -83,8 +83,11 @@ def nonfinite_keys(key: jax.Array, value: jax.Array) -> tuple[jax.Array, jax.Arr
     def zeroed(pair):
         return tuple(jnp.where(jnp.isfinite(x), x, jnp.zeros_like(x)) for x in pair)
 
-    # NOTE: finite inputs skip the zeroed copies, which cost a causal T = 256 call on a
-    # CPU about 6% (docs/decisions.md, "Zeroed non-finite keys only where one is").
+    # NOTE: on a CPU finite inputs skip the zeroed copies, which cost a causal T = 256 call
+    # about 6% (docs/decisions.md, "Zeroed non-finite keys only where one is"); a GPU
+    # would wait on the host for the cond's predicate, so it always zeroes.
+    if jax.default_backend() != "cpu":
+        return (*zeroed((key, value)), poison)
     key, value = jax.lax.cond(jnp.isnan(jnp.sum(poison)), zeroed, lambda pair: pair,
                               (key, value))
     return key, value, poison
