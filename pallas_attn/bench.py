@@ -465,8 +465,11 @@ def check_shapes(on_device: bool) -> list[Shape]:
         Shape(2, 1000, 1100, 8, 2, 128, True, (("dropout", 0.2),), dtype="bfloat16"),
         Shape(2, 1024, 1024, 4, 4, 128, False, (("bias_per_batch", None), ("dropout", 0.1)),
               dtype="float16"),
-        # Packed documents in the Mosaic kernels (each tile narrowed to its documents).
+        # Packed documents in the Mosaic kernels (each tile narrowed to its documents),
+        # and as a mask (tiles inside a document read no mask), causal and ragged.
         Shape(2, 1024, 1024, 8, 2, 128, True, (("packed", 4),), dtype="float16"),
+        Shape(2, 1024, 1024, 8, 2, 128, False, (("mask_documents", 4),), dtype="bfloat16"),
+        Shape(2, 1000, 1000, 4, 4, 64, True, (("mask_documents", 4),), dtype="float16"),
         Shape(2, 1024, 1024, 4, 4, 128, True, (("window", 256), ("segments", None)),
               dtype="bfloat16"),
         # The Mosaic (Hopper) forward with a window (it skips leading key tiles), and

@@ -99,7 +99,7 @@ def _kernel_outputs(dtype: str, shapes: dict, bias_shape: tuple | None, kwargs: 
     bias = x.operands.get("bias")
     mosaic = mosaic_dkv.dkdv(x.problem, x.q, x.k, x.v, x.do, x.stats, bias, bias_grad,
                              x.operands.get("alibi_slopes"),
-                             segments=segments_of(x.operands, "query_ranges", x.problem.q_len),
+                             segments=segments_of(x.operands, "query_ranges"),
                              lengths=lengths_of(x.operands),
                              dropout_keys=x.operands.get("dropout_keys"),
                              mask=mask_of(x.operands))

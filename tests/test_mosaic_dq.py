@@ -98,7 +98,7 @@ def _kernel_outputs(dtype: str, shapes: dict, bias_shape: tuple | None, kwargs: 
                         dataclasses.replace(MOSAIC_DQ, **blocks))
     mosaic, marks = mosaic_dq.dq(
         x.problem, x.q, x.k, x.v, x.do, x.stats, x.operands.get("bias"),
-        x.operands.get("alibi_slopes"), segments_of(x.operands, "key_ranges", x.problem.kv_len),
+        x.operands.get("alibi_slopes"), segments_of(x.operands, "key_ranges"),
         lengths_of(x.operands), x.operands.get("dropout_keys"), mask_of(x.operands))
     triton = triton_dq.dq(*x.triton(block_q_dq=32, block_k_dq=32, dq_backend="triton"))
     assert mosaic.shape == x.q.shape and mosaic.dtype == x.q.dtype

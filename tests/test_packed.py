@@ -92,22 +92,26 @@ def test_the_mosaic_kernels_never_read_a_poisoned_document(lengths, kw):
         np.testing.assert_allclose(got[1], want[1], atol=scale, rtol=2e-2)
 
 
-@pytest.mark.parametrize(("blocks", "causal"), [(BLOCKS, False), (BLOCKS, True), (MOSAIC, True)],
+@pytest.mark.parametrize(("blocks", "causal", "length"),
+                         [(BLOCKS, False, 64), (BLOCKS, True, 64), (MOSAIC, True, 64),
+                          (MOSAIC, False, 128)],
                          ids=["triton-documents", "triton-causal_documents",
-                              "mosaic-causal_documents"])
-def test_a_document_mask_never_reads_a_poisoned_document(blocks, causal):
+                              "mosaic-causal_documents", "mosaic-documents_of_128"])
+def test_a_document_mask_never_reads_a_poisoned_document(blocks, causal, length):
     """The same documents as a boolean mask [B, 1, T, S] (block-diagonal, or causal
     within each document): the kernels skip the tiles outside each row's first-to-last
     visible key (core.mask_ranges), so NaN keys and values of a document no other row
-    sees never reach the others; a kernel reading those tiles would turn them NaN."""
+    sees never reach the others; a kernel reading those tiles would turn them NaN. The
+    tiles inside a document run without the mask (documents of 128: whole tiles in
+    every Mosaic role)."""
     inputs = make_inputs(11, dtype=jnp.bfloat16, B=2, T=256, S=256, N=1, K=1, H=64)
     q, k, v, ct = inputs["q"], inputs["k"], inputs["v"], inputs["ct"]
-    doc = jnp.repeat(jnp.arange(4), 64)
+    doc = jnp.arange(256) // length
     mask = doc[:, None] == doc[None, :]
     if causal:
         mask = mask & jnp.tri(256, dtype=bool)
     mask = jnp.broadcast_to(mask, (2, 1, 256, 256))
-    poisoned = slice(192, 256)
+    poisoned = slice(256 - length, 256)
 
     def run(impl, k, v):
         def loss(q, k, v):
@@ -126,8 +130,44 @@ def test_a_document_mask_never_reads_a_poisoned_document(blocks, causal):
     want = [np.asarray(x, np.float32) for x in _masked_reference(*f32, ct, mask)]
     for got, ref in zip(bad, want, strict=True):
         scale = 2e-2 * max(1.0, float(np.abs(ref).max()))
-        np.testing.assert_allclose(got[0, :192], ref[0, :192], atol=scale, rtol=2e-2)
+        np.testing.assert_allclose(got[0, :256 - length], ref[0, :256 - length], atol=scale,
+                                   rtol=2e-2)
         np.testing.assert_allclose(got[1], ref[1], atol=scale, rtol=2e-2)
+
+
+@pytest.mark.parametrize(("blocks", "argnums"), [(BLOCKS, (0,)), (MOSAIC, (0, 1, 2))],
+                         ids=["triton", "mosaic"])
+def test_whole_tiles_read_no_mask(blocks, argnums, monkeypatch):
+    """Tiles inside what a row sees whole (core.mask_ranges' second half) run without the
+    mask: told that every row sees every key whole, the kernels ignore the mask's hidden
+    entries, and the forward and the gradients give the unmasked result (dK/dV only on
+    Mosaic: the Triton dK/dV kernel reads the mask everywhere). A kernel that read the
+    mask there would hide the entries."""
+    from pallas_attn.kernels import core, vjp
+
+    def whole(mask, batch, q_len, kv_len, q_pad, kv_pad):
+        key, query = core.mask_ranges(mask, batch, q_len, kv_len, q_pad, kv_pad)
+        everything = lambda r, n, m: r.at[:, 2].set(0).at[:, 3, :m].set(n)  # noqa: E731
+        return everything(key, kv_len, q_len), everything(query, q_len, kv_len)
+
+    monkeypatch.setattr(vjp, "mask_ranges", whole)
+    inputs = make_inputs(13, dtype=jnp.bfloat16, B=1, T=256, S=256, N=1, K=1, H=64)
+    q, k, v, ct = inputs["q"], inputs["k"], inputs["v"], inputs["ct"]
+    mask = (jnp.arange(256)[None, :] % 7 != 3)[None, None] | jnp.eye(256, dtype=bool)
+
+    def run(mask, **kw):
+        def loss(q, k, v):
+            out = pallas_attn.dot_product_attention(q, k, v, mask=mask, **kw)
+            return jnp.sum(out.astype(jnp.float32) * ct), out
+
+        (_, out), grads = jax.jit(jax.value_and_grad(loss, argnums, has_aux=True))(q, k, v)
+        return [np.asarray(x, np.float32) for x in (out, *grads)]
+
+    got = run(mask, implementation="pallas", interpret=True, block_sizes=blocks)
+    want = run(None, implementation="xla")
+    for g, w in zip(got, want, strict=True):
+        scale = 2e-2 * max(1.0, float(np.abs(w).max()))
+        np.testing.assert_allclose(g, w, atol=scale, rtol=2e-2)
 
 
 def test_segments_and_a_mask_skip_what_either_hides():
@@ -177,20 +217,69 @@ def test_mask_ranges_bound_every_visible_entry(monkeypatch):
             cols = np.flatnonzero(seen[b, i]) if i < 9 else []
             want = ([cols[0] // CHUNK * CHUNK, min(11, (cols[-1] // CHUNK + 1) * CHUNK)]
                     if len(cols) else [11, 0])
-            np.testing.assert_array_equal(keys[b, :, i], want)
+            np.testing.assert_array_equal(keys[b, :2, i], want)
         for j in range(16):  # each key: the rows that see a key of its chunk
             chunk = slice(j // CHUNK * CHUNK, j // CHUNK * CHUNK + CHUNK)
             rows = np.flatnonzero(seen[b, :, chunk].any(axis=1)) if j < 11 else []
             want = ([rows[0] // CHUNK * CHUNK, min(9, (rows[-1] // CHUNK + 1) * CHUNK)]
                     if len(rows) else [9, 0])
-            np.testing.assert_array_equal(queries[b, :, j], want)
+            np.testing.assert_array_equal(queries[b, :2, j], want)
     keys, queries = core.mask_ranges(jnp.ones((1, 1, 1, 11), bool), 2, 9, 11, 12, 16)
-    np.testing.assert_array_equal(keys[:, :, :9], np.broadcast_to([[0], [11]], (2, 2, 9)))
-    np.testing.assert_array_equal(queries[:, :, :11], np.broadcast_to([[0], [9]], (2, 2, 11)))
+    np.testing.assert_array_equal(keys[:, :, :9], np.broadcast_to([[0], [11]] * 2, (2, 4, 9)))
+    np.testing.assert_array_equal(queries[:, :, :11], np.broadcast_to([[0], [9]] * 2, (2, 4, 11)))
     rows = jnp.array([True, False, True, True, False, False, False, False, False])
     keys, queries = core.mask_ranges(rows[None, None, :, None], 2, 9, 11, 12, 16)
-    np.testing.assert_array_equal(keys[0, :, :5], [[0, 11, 0, 0, 11], [11, 0, 11, 11, 0]])
-    np.testing.assert_array_equal(queries[1, :, :11], np.broadcast_to([[0], [4]], (2, 11)))
+    np.testing.assert_array_equal(keys[0, :, :5], [[0, 11, 0, 0, 11], [11, 0, 11, 11, 0]] * 2)
+    np.testing.assert_array_equal(queries[1, :2, :11], np.broadcast_to([[0], [4]], (2, 11)))
+    np.testing.assert_array_equal(queries[1, 2:, :11], np.broadcast_to([[9], [0]], (2, 11)))
+
+
+def _first_run(full: np.ndarray) -> tuple[int, int] | None:
+    """The first run [start, stop) of True in a 1-d array, or None."""
+    if not full.any():
+        return None
+    start = int(np.argmax(full))
+    rest = np.flatnonzero(~full[start:])
+    return start, start + int(rest[0]) if len(rest) else len(full)
+
+
+def test_mask_ranges_whole_runs(monkeypatch):
+    """The second half of core.mask_ranges: each row's first run of key chunks that it
+    sees whole in every head, each key's first run of row groups that see its chunk
+    whole (padding counted visible, stops clipped to the lengths); every entry
+    inside is visible, so the kernels read no mask there."""
+    from pallas_attn.kernels import core
+
+    CHUNK = 4  # noqa: N806 - several chunks in the lengths below
+    monkeypatch.setattr(core, "MASK_RANGE_CHUNK", CHUNK)
+    T, S = 22, 19  # noqa: N806
+    rows, cols = np.arange(T)[:, None], np.arange(S)[None, :]
+    docs = np.minimum(rows // 8, 2) == np.minimum(cols // 8, 2)  # documents of 8
+    mask = np.stack([np.stack([docs, docs & (cols <= rows)]),  # heads: documents, causal
+                     np.stack([docs, docs])])
+    mask[1, :, 3, 1] = False  # a hole: row 3 sees chunk 0 whole no more
+    mask[1, 0, 17, :] = True  # one head only: nothing whole gained
+    keys, queries = (np.asarray(x) for x in core.mask_ranges(jnp.asarray(mask), 2, T, S,
+                                                               24, 20))
+    every = mask.all(axis=1)
+    padded = np.pad(every, ((0, 0), (0, 24 - T), (0, 20 - S)), constant_values=True)
+    for b in range(2):
+        for i in range(24):
+            run = _first_run(padded[b, i].reshape(-1, CHUNK).all(axis=1)) if i < T else None
+            want = [run[0] * CHUNK, min(S, run[1] * CHUNK)] if run else [S, 0]
+            np.testing.assert_array_equal(keys[b, 2:, i], want, err_msg=f"row {b} {i}")
+            assert i >= T or every[b, i, want[0]:want[1]].all()
+        groups = padded[b].reshape(-1, CHUNK, 5, CHUNK).all(axis=(1, 3))  # [row group, chunk]
+        for j in range(20):
+            run = _first_run(groups[:, j // CHUNK]) if j < S else None
+            want = [run[0] * CHUNK, min(T, run[1] * CHUNK)] if run else [T, 0]
+            np.testing.assert_array_equal(queries[b, 2:, j], want, err_msg=f"key {b} {j}")
+            if j < S:
+                assert every[b, want[0]:want[1], j].all()
+    # Documents of 8 over chunks of 4: rows see their document's chunks whole (row 3
+    # past its hole); causal rows only the chunks before their own.
+    np.testing.assert_array_equal(keys[1, 2:, [0, 3, 9, 20]], [[0, 8], [4, 8], [8, 16], [16, 19]])
+    np.testing.assert_array_equal(keys[0, 2:, [8, 12, 21]], [[19, 0], [8, 12], [16, 19]])
 
 
 def test_unsorted_and_ragged_segments_stay_exact():
@@ -213,12 +302,13 @@ def test_segment_ranges():
     kv = jnp.array([[0, 1, 1, 1, 2, 2, 0, 0], [0, 0, 1, 1, 2, 2, 0, 0]], jnp.int32)
     keys, queries = segment_ranges(q, kv, q_len=5, kv_len=6)
     # Entry 0: keys sorted over the first 6; query row 5 is padding (empty range).
-    np.testing.assert_array_equal(keys[0], [[0, 0, 1, 1, 4, 6], [1, 1, 4, 4, 6, 0]])
+    np.testing.assert_array_equal(keys[0], [[0, 0, 1, 1, 4, 6], [1, 1, 4, 4, 6, 0]] * 2)
     # Entry 1: sorted keys; its queries are unsorted, so every key keeps all rows (a stop
     # past the rows: the range is not exact).
-    np.testing.assert_array_equal(keys[1], [[2, 0, 2, 0, 0, 6], [4, 2, 4, 2, 2, 0]])
-    np.testing.assert_array_equal(queries[1][:, :6], [[0] * 6, [6] * 6])
-    np.testing.assert_array_equal(queries[1][:, 6:], [[5, 5], [0, 0]])
+    np.testing.assert_array_equal(keys[1], [[2, 0, 2, 0, 0, 6], [4, 2, 4, 2, 2, 0]] * 2)
+    # Whole ranges only where exact: empty for every key of entry 1.
+    np.testing.assert_array_equal(queries[1][:, :6], [[0] * 6, [6] * 6, [0] * 6, [0] * 6])
+    np.testing.assert_array_equal(queries[1][:, 6:], [[5, 5], [0, 0]] * 2)
 
 
 def test_runs_and_searches_agree():

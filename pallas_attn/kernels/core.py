@@ -211,14 +211,34 @@ def nonfinite_rows(x: jax.Array) -> jax.Array:
 
 
 def run_tile_loops(first: Any, stop: Any, full_first: Any, full_stop: Any,
-                   body: Callable[[Any, Any, bool], Any], carry: Any) -> Any:
-    """Loops tiles [first, stop): edge tiles with band masking, the middle without."""
+                   body: Callable[[Any, Any, bool | None], Any], carry: Any,
+                   whole: Any = None) -> Any:
+    """Loops tiles [first, stop): body(t, carry, masked) with masked True at the edges
+    (the band's rules, the ids and the mask), False in the middle (nothing hidden);
+    where `whole` (`whole_tiles`) is false at run time, None in the middle (the ids and
+    the mask, not the band)."""
     def loop(lo, hi, masked, c):
         return lax.fori_loop(lo, hi, lambda t, c: body(t, c, masked), c)
 
     carry = loop(first, full_first, True, carry)
-    carry = loop(full_first, full_stop, False, carry)
+    if whole is None:
+        carry = loop(full_first, full_stop, False, carry)
+    else:
+        carry = loop(full_first, jnp.where(whole, full_stop, full_first), False, carry)
+        carry = loop(full_first, jnp.where(whole, full_first, full_stop), None, carry)
     return loop(full_stop, stop, True, carry)
+
+
+def whole_tiles(band: tuple[Any, Any, Any, Any], inside: tuple[Any, Any, Any, Any]
+                ) -> tuple[tuple[Any, Any, Any, Any], Any]:
+    """((first, stop, full_first, full_stop), whole) from the same tiles' `key_tiles` or
+    `query_tiles` without and with what the positions see whole (inner): the full tiles
+    are the whole ones where there is one (whole true), else the band's (whole false:
+    they compare ids and read the mask, as before any tile was whole, rather than run
+    every tile with the band's rules)."""
+    whole = inside[3] > inside[2]
+    return (band[0], band[1], jnp.where(whole, inside[2], band[2]),
+            jnp.where(whole, inside[3], band[3])), whole
 
 
 def logit_scores(problem: Problem, s: jax.Array, rows: Any, cols: Any, *,
@@ -286,15 +306,16 @@ def softmax_step(problem: Problem, s: jax.Array, m_prev: jax.Array, l_prev: jax.
 
 def segment_ranges(q_segments: jax.Array, kv_segments: jax.Array, q_len: int, kv_len: int,
                    same: bool = False) -> tuple[jax.Array, jax.Array]:
-    """(key_ranges [B, 2, Tp], query_ranges [B, 2, Sp]) int32 of padded segment ids.
+    """(key_ranges [B, 4, Tp], query_ranges [B, 4, Sp]) int32 of padded segment ids.
 
-    key_ranges[b, :, i] = [lo, hi): the keys of query row i's segment, where a batch
+    key_ranges[b, :2, i] = [lo, hi): the keys of query row i's segment, where a batch
     entry's key segment ids are sorted (packed sequences); [0, S + 1) otherwise, which
-    skips nothing but stays correct (a stop past the keys says the range is not exact:
-    rows see only part of it). query_ranges likewise for each key. Padded rows
-    and keys get an empty range [len, 0), neutral under a tile's min / max. same: the
-    queries' and keys' ids are one array (self-attention), whose segments are then its
-    runs, found in one pass (cummax) instead of binary searches.
+    skips nothing but stays correct (rows see only part of it). key_ranges[b, 2:, i]:
+    the keys row i sees whole, the same range where it is exact, else empty.
+    query_ranges likewise for each key. Padded rows and keys get empty ranges [len, 0),
+    neutral under a tile's min / max. same: the queries' and keys' ids are one array
+    (self-attention), whose segments are then its runs, found in one pass (cummax)
+    instead of binary searches.
     """
     def ordered(ids):
         return jnp.all(ids[:, 1:] >= ids[:, :-1], axis=1)[:, None]
@@ -307,8 +328,8 @@ def segment_ranges(q_segments: jax.Array, kv_segments: jax.Array, q_len: int, kv
         ends = jnp.concatenate([change, jnp.ones_like(ids[:, :1], bool)], axis=1)
         lo = lax.cummax(jnp.where(starts, index, 0), axis=1)
         hi = lax.cummin(jnp.where(ends, index + 1, q_len), axis=1, reverse=True)
-        runs = jnp.stack([jnp.where(ordered(ids), lo, 0),
-                          jnp.where(ordered(ids), hi, q_len + 1)], axis=1)
+        runs = _with_whole(jnp.stack([jnp.where(ordered(ids), lo, 0),
+                                      jnp.where(ordered(ids), hi, q_len + 1)], axis=1), q_len)
         return (_pad_ranges(runs, q_segments.shape[1], kv_len),
                 _pad_ranges(runs, kv_segments.shape[1], q_len))
 
@@ -324,33 +345,36 @@ def segment_ranges(q_segments: jax.Array, kv_segments: jax.Array, q_len: int, kv
         found = jax.vmap(one)(rows[:, :n_rows], cols)
         sorted_ = ordered(cols)[:, :, None]
         found = jnp.where(sorted_, found, jnp.array([0, n_cols + 1], jnp.int32)[None, :, None])
-        return _pad_ranges(found, rows.shape[1], n_cols)
+        return _pad_ranges(_with_whole(found, n_cols), rows.shape[1], n_cols)
 
     return (search(q_segments, kv_segments, q_len, kv_len),
             search(kv_segments, q_segments, kv_len, q_len))
 
 
 # mask_ranges reads the mask once, into whether each chunk of this many keys holds a
-# visible one; the ranges come from that array, a sixteenth of the mask (the keys' from
-# its rows taken in groups of as many).
+# visible one and whether it is visible whole; the ranges come from those arrays, a
+# sixteenth of the mask (the keys' from its rows taken in groups of as many).
 MASK_RANGE_CHUNK = 16
 
 
 def mask_ranges(mask: jax.Array, batch: int, q_len: int, kv_len: int, q_pad: int,
                 kv_pad: int) -> tuple[jax.Array, jax.Array]:
-    """(key_ranges [B, 2, Tp], query_ranges [B, 2, Sp]) int32 of a boolean mask
+    """(key_ranges [B, 4, Tp], query_ranges [B, 4, Sp]) int32 of a boolean mask
     [B or 1, N or 1, T or 1, S or 1], as `segment_ranges` gives them, in chunks of
     MASK_RANGE_CHUNK keys: for each query row the keys from its first chunk holding a
-    visible key (in any head) to its last, and for each key the query rows from the
-    first group of MASK_RANGE_CHUNK rows that sees a key of its chunk to the last
-    (tiles made of whole groups skip as with exact rows); empty [n, 0) where nothing
-    is visible and for padding. Tiles outside a range hold no visible entry, so the
-    kernels skip them."""
+    visible key (in any head) to its last, and the first run of chunks it sees whole
+    (in every head); for each key the query rows from the first group of
+    MASK_RANGE_CHUNK rows that sees a key of its chunk to the last, and the first run
+    of groups that see its chunk whole (tiles made of whole groups skip as with exact
+    rows); empty [n, 0) where nothing is visible and for padding. Tiles outside the
+    first range hold no visible entry, so the kernels skip them; tiles inside the
+    second hide nothing, so the kernels read no mask there."""
     size = MASK_RANGE_CHUNK
 
-    def in_groups(x, axis):
-        """Whether each group of `size` along `axis` (padded) holds a visible entry; an
-        axis the mask broadcasts along stays whole."""
+    def in_groups(x, axis, whole=False):
+        """Whether each group of `size` along `axis` (padded) holds a visible entry (whole:
+        holds only visible ones, the padding counted visible); an axis the mask
+        broadcasts along stays whole."""
         n = x.shape[axis]
         if n == 1:
             return x
@@ -358,12 +382,15 @@ def mask_ranges(mask: jax.Array, batch: int, q_len: int, kv_len: int, q_pad: int
         widths[axis] = (0, -(-n // size) * size - n)
         shape = list(x.shape)
         shape[axis:axis + 1] = [-1, size]
-        return jnp.any(jnp.pad(x, widths).reshape(shape), axis=axis + 1)
+        reduce = jnp.all if whole else jnp.any
+        return reduce(jnp.pad(x, widths, constant_values=whole).reshape(shape), axis=axis + 1)
 
-    # [B or 1, T or 1, S / size or 1]: a visible key of the chunk in some head; the
-    # rows too in groups for each key's range (a column reduction over all of T is slow).
+    # [B or 1, T or 1, S / size or 1]: a visible key of the chunk in some head, the chunk
+    # visible in every head; the rows too in groups for each key's ranges (a column
+    # reduction over all of T is slow).
     seen = in_groups(jnp.any(mask, axis=1), 2)
-    groups = in_groups(seen, 1)
+    whole = in_groups(jnp.all(mask, axis=1), 2, whole=True)
+    groups, whole_groups = in_groups(seen, 1), in_groups(whole, 1, whole=True)
 
     def bounds(visible, axis, n, scale):
         """[B or 1, 2, m or 1]: first and last + 1 visible index along `axis`, times
@@ -377,34 +404,53 @@ def mask_ranges(mask: jax.Array, batch: int, q_len: int, kv_len: int, q_pad: int
                          axis=axis, keepdims=True)
         return jnp.moveaxis(jnp.concatenate([lo, hi], axis=axis), axis, 1)
 
-    def padded(found, rows, pad, n):
-        return _pad_ranges(jnp.broadcast_to(found, (batch, 2, rows)).astype(jnp.int32), pad, n)
+    def first_run(full, axis, n, scale):
+        """[B or 1, 2, m or 1]: the first run of full indices along `axis` times scale (at
+        most n), or [n, 0]; two reductions, where the longest run would need a scan."""
+        if full.shape[axis] == 1:
+            return bounds(full, axis, n, scale)
+        index = lax.broadcasted_iota(jnp.int32, full.shape, axis)
+        count = full.shape[axis]
+        start = jnp.min(jnp.where(full, index, count), axis=axis, keepdims=True)
+        stop = jnp.min(jnp.where(~full & (index > start), index, count), axis=axis,
+                       keepdims=True)
+        lo = jnp.where(start < count, start * scale, n)
+        hi = jnp.where(start < count, jnp.minimum(stop * scale, n), 0)
+        return jnp.moveaxis(jnp.concatenate([lo, hi], axis=axis), axis, 1)
 
-    per_key = bounds(groups, 1, q_len, size)
+    def padded(found, rows, pad, n):
+        return _pad_ranges(jnp.broadcast_to(found, (batch, 4, rows)).astype(jnp.int32), pad, n)
+
+    per_key = jnp.concatenate([bounds(groups, 1, q_len, size),
+                               first_run(whole_groups, 1, q_len, size)], axis=1)
     if per_key.shape[2] > 1:  # per chunk: one range for each of its keys
         per_key = jnp.repeat(per_key, size, axis=2)[:, :, :kv_len]
-    return (padded(bounds(seen, 2, kv_len, size), q_len, q_pad, kv_len),
-            padded(per_key, kv_len, kv_pad, q_len))
+    per_row = jnp.concatenate([bounds(seen, 2, kv_len, size),
+                               first_run(whole, 2, kv_len, size)], axis=1)
+    return padded(per_row, q_len, q_pad, kv_len), padded(per_key, kv_len, kv_pad, q_len)
 
 
-def exact_stop(hi: Any, n: int) -> Any:
-    """The lowest stop hi of some positions' `segment_ranges`, or 0 where it lies past the
-    n positions on the other side (unsorted ids: the ranges are not exact), so that the
-    keys (rows) every one of them sees are [highest start, exact_stop)."""
-    return jnp.where(hi > n, 0, hi)
+def _with_whole(ranges: jax.Array, n: int) -> jax.Array:
+    """[B, 4, m]: segment ranges [B, 2, m] over n positions on the other side, then what
+    each position sees whole: the same range, or empty where its stop lies past the n
+    positions (unsorted ids: the range is not exact)."""
+    return jnp.concatenate([ranges, ranges[:, :1], jnp.where(ranges[:, 1:] > n, 0,
+                                                              ranges[:, 1:])], axis=1)
 
 
 def _pad_ranges(ranges: jax.Array, size: int, n: int) -> jax.Array:
-    """Ranges [B, 2, m] padded to [B, 2, size] with the empty range [n, 0), neutral under
-    a tile's min of starts and max of stops."""
-    fill = jnp.broadcast_to(jnp.array([n, 0], jnp.int32)[None, :, None],
-                            (ranges.shape[0], 2, size - ranges.shape[2]))
+    """Ranges [B, 4, m] padded to [B, 4, size] with empty ranges [n, 0), neutral under a
+    tile's min of starts and max of stops."""
+    fill = jnp.broadcast_to(jnp.array([n, 0, n, 0], jnp.int32)[None, :, None],
+                            (ranges.shape[0], 4, size - ranges.shape[2]))
     return jnp.concatenate([ranges, fill], axis=2)
 
 
 def intersect_ranges(a: jax.Array, b: jax.Array) -> jax.Array:
-    """The ranges [B, 2, n] that both a and b allow."""
-    return jnp.stack([jnp.maximum(a[:, 0], b[:, 0]), jnp.minimum(a[:, 1], b[:, 1])], axis=1)
+    """The ranges [B, 4, n] that both a and b allow: what a position may see, within
+    both; what it sees whole, in both."""
+    return jnp.stack([jnp.maximum(a[:, 0], b[:, 0]), jnp.minimum(a[:, 1], b[:, 1]),
+                      jnp.maximum(a[:, 2], b[:, 2]), jnp.minimum(a[:, 3], b[:, 3])], axis=1)
 
 
 class DsScales(NamedTuple):

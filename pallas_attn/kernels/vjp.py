@@ -354,9 +354,9 @@ def _run_backward(static: tuple[Problem, bool], q, k, v, operands: dict, row_sta
         # dO too: the Mosaic kernels read whole tiles of it (P = 0 past the length).
         do = reference.hide_past(do, lengths[0], 0 if origin is None else origin[0])
     mask = mask_of(operands) if "mosaic" in (plan.dq.backend, plan.dkdv.backend) else None
-    dq_segments = (segments_of(operands, "key_ranges", problem.kv_len)
+    dq_segments = (segments_of(operands, "key_ranges")
                    if plan.dq.backend == "mosaic" else ())
-    dkv_segments = (segments_of(operands, "query_ranges", problem.q_len)
+    dkv_segments = (segments_of(operands, "query_ranges")
                     if plan.dkdv.backend == "mosaic" else ())
     # Both Mosaic kernels and a fused dbias of a bias shared by the batch entries: the
     # dQ kernel stores batch entry 0's dS tiles as dbias, the dK/dV kernel adds the

@@ -37,11 +37,11 @@ from pallas_attn.kernels import cast_varying_like, int32_indices
 from pallas_attn.kernels.core import (
     Problem,
     TileRanges,
-    exact_stop,
     log2_row_shift,
     logit_scores,
     normalised,
     run_tile_loops,
+    whole_tiles,
 )
 from pallas_attn.kernels.mosaic import config
 from pallas_attn.kernels.mosaic.config import (
@@ -77,11 +77,19 @@ def along(dim: int) -> Any:
 @dataclasses.dataclass(frozen=True)
 class Band:
     """Key tiles [first, stop) of some query rows; [full_first, full_stop) need no
-    band mask."""
+    band mask, and where whole (`core.whole_tiles`; None: always) is true no id or mask
+    either."""
     first: Any
     stop: Any
     full_first: Any
     full_stop: Any
+    whole: Any = None
+
+    def idle_unless(self, active, first) -> Band:
+        """This band where active, else the empty band at first (rows with no work)."""
+        return Band(*(jnp.where(active, x, first)
+                      for x in (self.first, self.stop, self.full_first, self.full_stop)),
+                    self.whole)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,20 +106,20 @@ class Item:
 class Segments:
     """Segment ids in global memory ([B, Tp] and [B, Sp] int32; None where only a mask
     narrows what rows see) and the limits of what each chunk of ROWS_PER_CONSUMER
-    positions sees (`chunk_limits`: keys per chunk of query rows in the forward and dQ
-    kernels, query rows per chunk of keys in the dK/dV kernel); inner: what every
-    position of a chunk sees (`chunk_inner`), or None where every tile compares ids."""
+    positions may see (`chunk_limits`: keys per chunk of query rows in the forward and
+    dQ kernels, query rows per chunk of keys in the dK/dV kernel); inner: what every
+    position of a chunk sees whole (`chunk_inner`: no id or mask hides anything there)."""
 
     q_ids: Any
     kv_ids: Any
     limits: Any
-    inner: Any = None
+    inner: Any
 
     @classmethod
     def of(cls, refs: tuple[Any, ...]) -> Segments | None:
-        """From the refs of `segments_of`'s operands: (ids, ids, limits[, inner]),
-        (limits,) or ()."""
-        return None if not refs else cls(*refs) if len(refs) > 1 else cls(None, None, refs[0])
+        """From the refs of `segments_of`'s operands: (ids, ids, limits, inner),
+        (limits, inner) or ()."""
+        return None if not refs else cls(*refs) if len(refs) == 4 else cls(None, None, *refs)
 
     def rows(self, b, row0, query_dim: int = 0) -> jax.Array | None:
         """The query ids of rows [row0, row0 + 64) along a WGMMA tile's dimension
@@ -138,12 +146,10 @@ class Segments:
             hi = jnp.where(first >= 0, jnp.maximum(hi, self.limits[b, 1, chunk]), hi)
         return lo, hi
 
-    def common(self, b, start, size: int) -> tuple[Any, Any] | None:
-        """(lo, hi): what every position of [start, start + size) sees, from their chunks
-        (empty if one lies before position 0), or None without inner limits. Tiles
-        inside it compare no ids (`core.TileRanges.key_tiles`' inner)."""
-        if self.inner is None:
-            return None
+    def common(self, b, start, size: int) -> tuple[Any, Any]:
+        """(lo, hi): what every position of [start, start + size) sees whole, from their
+        chunks (empty if one lies before position 0). Tiles inside it compare no ids
+        and read no mask (`core.TileRanges.key_tiles`' inner)."""
         lo, hi = jnp.int32(0), jnp.int32(2**30)
         for first, chunk in _chunks(start, size):
             lo = jnp.maximum(lo, self.inner[b, 0, chunk])
@@ -200,22 +206,21 @@ class Dropout:
 
 
 def chunk_limits(ranges: jax.Array) -> jax.Array:
-    """[B, 2, n / 64] int32 from per-position ranges [B, 2, n] (core.segment_ranges):
-    per chunk of 64 positions, the lowest start and the highest stop of its ranges."""
+    """[B, 2, n / 64] int32 from per-position ranges [B, 4, n] (core.segment_ranges):
+    per chunk of 64 positions, the lowest start and the highest stop of what they may
+    see."""
     B, _, n = ranges.shape
-    chunks = ranges.reshape(B, 2, n // ROWS_PER_CONSUMER, ROWS_PER_CONSUMER)
+    chunks = ranges[:, :2].reshape(B, 2, n // ROWS_PER_CONSUMER, ROWS_PER_CONSUMER)
     return jnp.stack([chunks[:, 0].min(axis=-1), chunks[:, 1].max(axis=-1)], axis=1)
 
 
-def chunk_inner(ranges: jax.Array, n: int) -> jax.Array:
-    """[B, 2, n / 64] int32 from exact per-position ranges [B, 2, m] of n positions on
-    the other side (core.segment_ranges): per chunk of 64 positions, the highest start
-    and the lowest stop, what every position of the chunk sees; empty where a stop lies
-    past n (unsorted ids: the ranges are not exact)."""
-    B, _, m = ranges.shape
-    chunks = ranges.reshape(B, 2, m // ROWS_PER_CONSUMER, ROWS_PER_CONSUMER)
-    return jnp.stack([chunks[:, 0].max(axis=-1), exact_stop(chunks[:, 1].min(axis=-1), n)],
-                     axis=1)
+def chunk_inner(ranges: jax.Array) -> jax.Array:
+    """[B, 2, n / 64] int32 from per-position ranges [B, 4, n] (core.segment_ranges):
+    per chunk of 64 positions, the highest start and the lowest stop of what they see
+    whole, what every position of the chunk sees."""
+    B, _, n = ranges.shape
+    chunks = ranges[:, 2:].reshape(B, 2, n // ROWS_PER_CONSUMER, ROWS_PER_CONSUMER)
+    return jnp.stack([chunks[:, 0].max(axis=-1), chunks[:, 1].min(axis=-1)], axis=1)
 
 
 def lengths_of(operands: dict[str, Any]) -> tuple[jax.Array | None, jax.Array | None]:
@@ -240,19 +245,16 @@ def dropout_of(operands: dict[str, Any]) -> jax.Array | None:
     return operands.get("dropout_keys")
 
 
-def segments_of(operands: dict[str, Any], limits: str, n: int) -> tuple[jax.Array, ...]:
-    """The segment operands of a Mosaic kernel (`Segments.of`): the ids, the chunk
-    limits of `limits` ("key_ranges" or "query_ranges", of n keys or queries) and,
-    without a mask (whose ranges are no segment's), their inner limits; the limits
-    alone where only a mask gave the ranges; () without ranges."""
+def segments_of(operands: dict[str, Any], limits: str) -> tuple[jax.Array, ...]:
+    """The segment operands of a Mosaic kernel (`Segments.of`): the ids (where given),
+    then the chunk limits and inner limits of `limits` ("key_ranges" or
+    "query_ranges"); () without ranges."""
     if limits not in operands:
         return ()
     ranges = operands[limits]
-    if "q_segment_ids" not in operands:
-        return (chunk_limits(ranges),)
-    inner = () if "mask" in operands else (chunk_inner(ranges, n),)
-    return (operands["q_segment_ids"], operands["kv_segment_ids"], chunk_limits(ranges),
-            *inner)
+    ids = ((operands["q_segment_ids"], operands["kv_segment_ids"])
+           if "q_segment_ids" in operands else ())
+    return (*ids, chunk_limits(ranges), chunk_inner(ranges))
 
 
 def work_rounds(tiles: int, heads: int, programs: int, paired: bool) -> int:
@@ -340,10 +342,12 @@ class Walk:
                          q_length=None if q_lengths is None else q_lengths[item.b],
                          kv_length=None if kv_lengths is None else kv_lengths[item.b],
                          origin=origin_pair(self.origin))
-        limits = (None if self.segments is None
-                  else self.segments.span(item.b, item.q0, self.item_rows))
+        limits = inner = None
+        if self.segments is not None:
+            limits = self.segments.span(item.b, item.q0, self.item_rows)
+            inner = self.segments.common(item.b, item.q0, self.item_rows)
         tiles = Band(*ctx.key_tiles(jnp.maximum(item.q0, 0), item.q0 + self.item_rows,
-                                    self.block_k, limits))
+                                    self.block_k, limits, inner))
         steps = jnp.where(item.valid, jnp.maximum(tiles.stop - tiles.first, 0), 0)
         return ctx, tiles, steps
 
@@ -357,9 +361,26 @@ class Walk:
         per slot; a slot is refilled once both consumers released it. on_item(item,
         tiles, steps), if given, runs before each item's copies. mask: (the mask ref
         [B or 1, N or 1, Tp, Sp], its ring [stages, consumers, 64, block_k]) or None; each
-        consumer's rows of the key tile's mask land with K (`mask_tile`)."""
+        consumer's rows of the key tile's mask land with K (`mask_tile`), except in the
+        tiles every row of the item sees whole, which no consumer masks (`own_band`)."""
         k_loaded, v_loaded, k_consumed, v_consumed = ring
         block_k, stages, problem = self.block_k, self.stages, self.problem
+
+        def copy_mask(mask, item, rows, slot, needed):
+            mask_ref, mask_smem = mask
+            heads = mask_ref.at[item.b if mask_ref.shape[0] > 1 else 0,
+                                item.n if mask_ref.shape[1] > 1 else 0]
+            for c in range(self.consumers):
+                # Rows before 0 (an idle consumer's): any in range, never read.
+                row0 = jnp.maximum(item.q0 + c * ROWS_PER_CONSUMER, 0)
+
+                @pl.when(needed)
+                def _copy(row0=row0, c=c):
+                    plgpu.copy_gmem_to_smem(heads.at[pl.ds(row0, ROWS_PER_CONSUMER), rows],
+                                            mask_smem.at[slot, c], k_loaded.at[slot])
+
+                # A tile the item sees whole: the slot's arrival without the copy.
+                pl.when(~needed)(lambda: plgpu.barrier_arrive(k_loaded.at[slot]))
 
         def stream(r, step):
             item = self.item(r)
@@ -383,15 +404,9 @@ class Walk:
                 plgpu.copy_gmem_to_smem(v_ref.at[item.b, rows, kh], v_smem.at[slot],
                                         v_loaded.at[slot])
                 if mask is not None:
-                    mask_ref, mask_smem = mask
-                    heads = mask_ref.at[item.b if mask_ref.shape[0] > 1 else 0,
-                                        item.n if mask_ref.shape[1] > 1 else 0]
-                    for c in range(self.consumers):
-                        # Rows before 0 (an idle consumer's): any in range, never read.
-                        row0 = jnp.maximum(item.q0 + c * ROWS_PER_CONSUMER, 0)
-                        plgpu.copy_gmem_to_smem(
-                            heads.at[pl.ds(row0, ROWS_PER_CONSUMER), rows],
-                            mask_smem.at[slot, c], k_loaded.at[slot])
+                    t = tiles.first + i
+                    copy_mask(mask, item, rows, slot,
+                              (t < tiles.full_first) | (t >= tiles.full_stop))
 
             return step + steps
 
@@ -462,10 +477,11 @@ def origin_pair(origin_ref) -> tuple[Any, Any] | None:
     return None if origin_ref is None else (origin_ref[0], origin_ref[1])
 
 
-def mask_tile(mask_smem, slot) -> jax.Array | None:
+def mask_tile(mask_smem, slot, masked: bool | None) -> jax.Array | None:
     """This consumer's rows of the key tile's mask in ring slot `slot` (`Walk.stream`;
-    landed with K), as booleans in the WGMMA layout, or None without a mask."""
-    if mask_smem is None:
+    landed with K), as booleans in the WGMMA layout; None without a mask, or in a tile
+    its rows see whole (masked False: `core.run_tile_loops`)."""
+    if mask_smem is None or masked is False:
         return None
     rows = mask_smem.at[slot, lax.axis_index("wg")]
     return plgpu.load(rows, layout=plgpu.Layout.WGMMA) != 0
@@ -474,22 +490,27 @@ def mask_tile(mask_smem, slot) -> jax.Array | None:
 def own_band(ctx: TileRanges, tiles: Band, row0, stop, block_k: int,
              segments: Segments | None = None) -> Band:
     """A consumer's key tiles (its 64 rows from row0, within their segments' keys; full
-    only inside the keys all of them see), clipped into the item's [tiles.first, stop)
-    (they agree except at the band's ends)."""
-    limits = inner = None
-    if segments is not None:
+    ones those all of them see whole where there is one, `core.whole_tiles`), clipped
+    into the item's [tiles.first, stop) (they agree except at the band's ends)."""
+    rows_stop = row0 + ROWS_PER_CONSUMER
+    if segments is None:
+        own, whole = ctx.key_tiles(row0, rows_stop, block_k), None
+    else:
         limits = segments.span(ctx.b, row0, ROWS_PER_CONSUMER)
-        inner = segments.common(ctx.b, row0, ROWS_PER_CONSUMER)
-    own = Band(*ctx.key_tiles(row0, row0 + ROWS_PER_CONSUMER, block_k, limits, inner))
-    first = jnp.clip(own.first, tiles.first, stop)
-    last = jnp.clip(own.stop, first, stop)
-    full_first = jnp.clip(own.full_first, first, last)
-    return Band(first, last, full_first, jnp.clip(own.full_stop, full_first, last))
+        own, whole = whole_tiles(
+            ctx.key_tiles(row0, rows_stop, block_k, limits),
+            ctx.key_tiles(row0, rows_stop, block_k, limits,
+                          segments.common(ctx.b, row0, ROWS_PER_CONSUMER)))
+    first = jnp.clip(own[0], tiles.first, stop)
+    last = jnp.clip(own[1], first, stop)
+    full_first = jnp.clip(own[2], first, last)
+    return Band(first, last, full_first, jnp.clip(own[3], full_first, last), whole)
 
 
 def run_band(first, stop, own: Band, release, step, carry) -> Any:
     """A consumer's pass over the item's key tiles [first, stop): step(t, carry, masked)
-    on its own tiles (band masks only where `own` says), release(t) on the others.
+    on its own tiles (masked as `core.run_tile_loops` gives it), release(t) on the
+    others.
 
     Every key tile is two turns of the consumers' alternation for each consumer,
     skipped tiles included (`release_slot`), so the turns stay paired."""
@@ -499,7 +520,8 @@ def run_band(first, stop, own: Band, release, step, carry) -> Any:
             release(t)
 
     skip(first, own.first)
-    carry = run_tile_loops(own.first, own.stop, own.full_first, own.full_stop, step, carry)
+    carry = run_tile_loops(own.first, own.stop, own.full_first, own.full_stop, step, carry,
+                           own.whole)
     skip(own.stop, stop)
     return carry
 
@@ -578,6 +600,15 @@ def tile_scores(problem: Problem, s: jax.Array, row0, k0, masked: bool, *,
     return s, cap_tanh
 
 
+def band_may_hide(problem: Problem, kv_length: Any = None, q_length: Any = None) -> bool:
+    """Whether a band rule (causal, window, lengths, padding) can hide an entry of a
+    masked tile: a tile that only the mask or the ids keep from being whole has none."""
+    spec = problem.spec
+    return (spec.is_causal or spec.local_window is not None or kv_length is not None
+            or q_length is not None or problem.q_pad != problem.q_len
+            or problem.kv_pad != problem.kv_len)
+
+
 def same_segment(segments: tuple[jax.Array, jax.Array], shape: tuple[int, ...],
                  query_dim: int = 0) -> jax.Array:
     """Whether each entry's query and key share a segment, from the rows' and the keys'
@@ -637,8 +668,8 @@ def tile_gradient(problem: Problem, s: jax.Array, dp: jax.Array, bias: jax.Array
     if log2_units:
         dp = dp - rows_of(delta)
     ds = prob * dp
-    if masked:  # a key the band hides gives exact zeros, NaN values of its included
-        ds = jnp.where(prob == 0.0, 0.0, ds)
+    if masked and band_may_hide(problem, kv_length, q_length):
+        ds = jnp.where(prob == 0.0, 0.0, ds)  # a key the band hides: exact zeros, NaN dP too
     if keep is not None:
         prob = jnp.where(keep, prob * problem.dropout_scale, 0.0)
     # A row may carry NaN residuals (a visible key of its was NaN): the entries another

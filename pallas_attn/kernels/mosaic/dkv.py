@@ -59,13 +59,14 @@ programs add to one tile), the only places where it differs from the compiled
 kernel.
 
 With segment ids (or a mask: its ranges), a unit's query tiles narrow to the rows that
-see its keys, and with ids the steps outside the rows that see every key of the unit
-compare them; entries of other segments give exact zeros (`common.tile_gradient`).
+see its keys, and the steps outside the rows that see every key of the unit whole
+(sorted ids, runs of whole mask chunks) compare ids and read the mask; entries of
+other segments give exact zeros (`common.tile_gradient`).
 With sequence lengths, keys past the length are masked and units past it have no steps
 (positions past the lengths are zeroed in q, k, v and dO before the call). With a
 boolean mask, each step's slot also holds each consumer's tile of the mask (int8, queries
-by keys: the tiles stay queries by keys, as with a bias), and the entries it clears give
-P = dS = 0.
+by keys: the tiles stay queries by keys, as with a bias) unless the unit's keys are seen
+whole there, and the entries it clears give P = dS = 0.
 
 Scope: the Mosaic kernels' (`config.unsupported`; a mask not in the wide kernel), and a
 bias gradient only for a bias of shape [B, N, T, S] or [1, N, T, S] in the inputs' dtype
@@ -84,7 +85,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_attn.kernels import cast_varying_like
-from pallas_attn.kernels.core import Problem, TileRanges, run_tile_loops
+from pallas_attn.kernels.core import Problem, TileRanges, run_tile_loops, whole_tiles
 from pallas_attn.kernels.mosaic.common import (
     Dropout,
     Segments,
@@ -158,10 +159,11 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, bias_ref, mask_ref, slopes_r
     pid, wg = lax.axis_index("program"), lax.axis_index("wg")
 
     def unit_of(u):
-        """(valid, b, kh, k0, first, stop, full_first, full_stop, ranges) of unit u of
-        this program (its item's pass u % passes): query tiles [first, stop) of the
-        band, [full_first, full_stop) without band masks; the batch entry's TileRanges
-        (its key length and offset)."""
+        """(valid, b, kh, k0, (first, stop, full_first, full_stop), whole, ranges) of
+        unit u of this program (its item's pass u % passes): query tiles [first, stop)
+        of the band, [full_first, full_stop) without band masks, and where whole
+        (`core.whole_tiles`; None: always) without ids or mask either; the batch entry's
+        TileRanges (its key length and offset)."""
         # Key tiles run fastest, so concurrent programs read the same Q and dO and
         # neighbouring bias columns; then batch entries, so the programs running one
         # (KV head, key tile) for several batch entries read a shared bias tile at
@@ -180,15 +182,20 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, bias_ref, mask_ref, slopes_r
                          q_length=None if q_lengths is None else q_lengths[b],
                          kv_length=None if kv_lengths is None else kv_lengths[b],
                          origin=origin_pair(origin))
-        limits = inner = None
-        if segments is not None:
-            limits, inner = segments.span(b, k0, unit_n), segments.common(b, k0, unit_n)
-        first, stop, full_first, full_stop = ctx.query_tiles(k0, k0 + unit_n, rows_n, limits,
-                                                             inner)
+        whole = None
+        if segments is None:
+            tiles = ctx.query_tiles(k0, k0 + unit_n, rows_n)
+        else:
+            limits = segments.span(b, k0, unit_n)
+            tiles, whole = whole_tiles(
+                ctx.query_tiles(k0, k0 + unit_n, rows_n, limits),
+                ctx.query_tiles(k0, k0 + unit_n, rows_n, limits,
+                                segments.common(b, k0, unit_n)))
+        first, stop, full_first, full_stop = tiles
         # An invalid unit (past the last item) gets an empty band.
         stop, full_first, full_stop = (jnp.where(valid, x, first)
                                        for x in (stop, full_first, full_stop))
-        return valid, b, kh, k0, first, stop, full_first, full_stop, ctx
+        return valid, b, kh, k0, (first, stop, full_first, full_stop), whole, ctx
 
     @pl.when(wg == CONSUMERS)
     def _producer():
@@ -199,7 +206,7 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, bias_ref, mask_ref, slopes_r
 
         def stream(u, carry):
             step, loaded_units = carry
-            valid, b, kh, k0, first, stop, _, _, _ = unit_of(u)
+            valid, b, kh, k0, (first, stop, full_first, full_stop), whole, _ = unit_of(u)
             tiles = stop - first
             steps = tiles * group
             if zero_tile is not None:
@@ -232,15 +239,28 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, bias_ref, mask_ref, slopes_r
                 plgpu.copy_gmem_to_smem(do_ref.at[b, rows, n], do_smem.at[slot], loaded)
                 plgpu.copy_gmem_to_smem(stats_ref.at[b, n, :, rows], stats_smem.at[slot],
                                         loaded)
-                for ref, tiles_smem in ((bias_ref, bias_smem), (mask_ref, mask_smem)):
+                masked = None
+                if mask_ref is not None:  # a tile the unit's keys see whole reads no mask
+                    tile = first + lax.rem(i, tiles)
+                    masked = (tile < full_first) | (tile >= full_stop) | ~whole
+                for ref, tiles_smem, needed in ((bias_ref, bias_smem, None),
+                                                (mask_ref, mask_smem, masked)):
                     if ref is None:
                         continue
                     bb = b if ref.shape[0] > 1 else 0
                     nb = n if ref.shape[1] > 1 else 0  # one shared by the heads
                     for c in range(CONSUMERS):
                         keys = pl.ds(k0 + c * keys_n, keys_n)
-                        plgpu.copy_gmem_to_smem(ref.at[bb, nb, rows, keys],
-                                                tiles_smem.at[slot, c], loaded)
+
+                        def copy(ref=ref, tiles_smem=tiles_smem, nb=nb, bb=bb, c=c, keys=keys):
+                            plgpu.copy_gmem_to_smem(ref.at[bb, nb, rows, keys],
+                                                    tiles_smem.at[slot, c], loaded)
+
+                        if needed is None:
+                            copy()
+                        else:
+                            pl.when(needed)(copy)
+                            pl.when(~needed)(lambda: plgpu.barrier_arrive(loaded))
 
             return step + steps, loaded_units + jnp.where(steps > 0, 1, 0)
 
@@ -309,7 +329,7 @@ def _consume(problem: Problem, tiles_of: _Tiles, wg, unit_of, units, add_dbias: 
         return ref.at[:, pl.ds(wg * keys_n, keys_n)] if wide else ref
 
     def unit(u, step):
-        valid, b, kh, k0, first, stop, full_first, full_stop, ranges = unit_of(u)
+        valid, b, kh, k0, (first, stop, full_first, full_stop), whole, ranges = unit_of(u)
         k_own = k0 + wg * keys_n
         tiles = stop - first
         bb = b if dbias_ref is not None and dbias_ref.shape[0] > 1 else 0
@@ -330,13 +350,13 @@ def _consume(problem: Problem, tiles_of: _Tiles, wg, unit_of, units, add_dbias: 
             unit_in = jnp.minimum(lax.div(k0, tiles_of.unit), problem.kv_pad // tiles_of.unit - 1)
             ds_scale, unscale = scale_ref[b, kh_in, 0, unit_in], scale_ref[b, kh_in, 1, unit_in]
 
-        def step_fn(i, carry, masked: bool, slope):
+        def step_fn(i, carry, masked: bool | None, slope):
             """Query tile i of head h (ring step `at`), the head's ALiBi slope."""
             dk, dv, at, h = carry
             slot = lax.rem(at, jnp.int32(stages))
             n = kh * group + h
             row0 = i * rows_n
-            ids = (None if key_ids is None or not masked
+            ids = (None if key_ids is None or masked is False
                    else (segments.rows(b, row0, query_dim), key_ids))
             keep = (None if dropout is None
                     else dropout.keep(dropout.row_keys(b, n, row0, rows_n, query_dim),
@@ -359,7 +379,7 @@ def _consume(problem: Problem, tiles_of: _Tiles, wg, unit_of, units, add_dbias: 
                 if bias_smem is not None:
                     bias = plgpu.load(bias_smem.at[slot, wg],
                                       layout=plgpu.Layout.WGMMA).astype(jnp.float32)
-                if mask_smem is not None:
+                if mask_smem is not None and masked is not False:
                     mask = plgpu.load(mask_smem.at[slot, wg], layout=plgpu.Layout.WGMMA) != 0
                 # NOTE: both read here: ptxas places the wait for dP itself, whatever
                 # the source order (docs/decisions.md, "Soft cap tanh during dP").
@@ -412,7 +432,7 @@ def _consume(problem: Problem, tiles_of: _Tiles, wg, unit_of, units, add_dbias: 
             slope = head_slope(slopes_ref, valid, b, kh * group + h)
             dk, dv, at, _ = run_tile_loops(
                 first, stop, full_first, full_stop,
-                lambda i, c, masked: step_fn(i, c, masked, slope), (*carry, h))
+                lambda i, c, masked: step_fn(i, c, masked, slope), (*carry, h), whole)
             return dk, dv, at
 
         acc_rows = tiles_of.unit if wide else keys_n

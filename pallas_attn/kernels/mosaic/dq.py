@@ -32,12 +32,13 @@ before its rows' buffers are refilled.
 
 dQ (times the softmax scale) is stored from registers. Rows that see no key get
 zeros. With segment ids (or a mask: its ranges), items and consumers narrow their key
-tiles to what their rows see, and with ids every tile compares them
-(`common.Segments`); with sequence lengths, bands stop at the key length (positions
+tiles to what their rows see, and the tiles outside what they see whole compare ids
+and read the mask (`common.Segments`, `common.own_band`); with sequence lengths, bands stop at the key length (positions
 past the lengths are zeroed in q, k, v and dO before the call); with dropout, dS takes
 the kept dP (`common.Dropout`); with a boolean mask,
 the producer copies each consumer's rows of the key tile's mask (int8) into the ring slot
-with K (`Walk.stream`), and the entries it clears give dS = 0 (`common.mask_tile`). Scope:
+with K where a consumer reads it (`Walk.stream`), and the entries it clears give dS = 0
+(`common.mask_tile`). Scope:
 the Mosaic kernels' (`config.unsupported`; a mask not in the wide kernel).
 
 `dq_and_dbias` also starts the gradient of a bias shared by the batch entries: the
@@ -56,6 +57,7 @@ and the Triton kernel `triton/dq.py` repair recomputes the tiles holding a mark.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import jax
@@ -66,7 +68,6 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_attn.kernels.core import Problem
 from pallas_attn.kernels.mosaic.common import (
-    Band,
     Dropout,
     Segments,
     Walk,
@@ -248,12 +249,11 @@ def _consume(problem: Problem, ctx, tiles, step_of, row0, stop, mine: dict, ds_t
     key0 = wg * keys_n if wide else 0
     copier = wg == 0 if wide else True  # of the dbias tiles
     own = own_band(ctx, tiles, row0, stop, block_k, segments)
-    own = Band(*(jnp.where(active, x, tiles.first)
-                 for x in (own.first, own.stop, own.full_first, own.full_stop)))
+    own = own.idle_unless(active, tiles.first)
     if dbias is not None:
         whole = dbias[0]
-        own = Band(jnp.where(whole, tiles.first, own.first), jnp.where(whole, stop, own.stop),
-                   own.full_first, own.full_stop)
+        own = dataclasses.replace(own, first=jnp.where(whole, tiles.first, own.first),
+                                  stop=jnp.where(whole, stop, own.stop))
     shape = (rows_n, keys_n)
     row_ids = None if segments is None else segments.rows(b, row0)
     row_keys = None if dropout is None else dropout.row_keys(b, n, row0)
@@ -262,14 +262,15 @@ def _consume(problem: Problem, ctx, tiles, step_of, row0, stop, mine: dict, ds_t
     def slot_of(t):
         return lax.rem(step_of(t), jnp.int32(stages))
 
-    def step(t, dq, masked: bool):
+    def step(t, dq, masked: bool | None):
         slot = slot_of(t)
         k0 = t * block_k + key0
         tile_bias = None if bias is None else bias.take(t, own.stop)
-        ids = None if row_ids is None or not masked else (row_ids, segments.cols(b, k0, keys_n))
+        ids = (None if row_ids is None or masked is False
+               else (row_ids, segments.cols(b, k0, keys_n)))
         plgpu.barrier_wait(k_loaded.at[slot])
         plgpu.barrier_wait(v_loaded.at[slot])
-        tile_mask = mask_tile(mask_smem, slot)
+        tile_mask = mask_tile(mask_smem, slot, masked)
         keys = pl.ds(key0, keys_n)
 
         def products(s_ref, dp_ref):

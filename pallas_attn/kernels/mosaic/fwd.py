@@ -32,9 +32,9 @@ slots) with a producer warpgroup and the consumers:
   the next Q loads once it has left.
 * With segment ids (or a mask), each item's and each consumer's band narrows to the
   keys its rows see (`common.Segments`: chunk limits from core.segment_ranges or
-  core.mask_ranges); with ids the tiles at the edges of the keys every row of a
-  consumer sees compare the rows' ids (read once per item) with the key tile's, and
-  the tiles inside run like unmasked ones (without a mask, sorted ids).
+  core.mask_ranges); the tiles inside what every row of a consumer sees whole (sorted
+  ids, runs of whole mask chunks) run like unmasked ones, and the others compare the
+  rows' ids (read once per item) with the key tile's and apply the mask.
 * With dropout, P V takes the kept probabilities (`common.Dropout`: the keep hash
   of semantics/dropout.py on each tile) while the row sum takes all of them; the
   output is scaled by 1 / (1 - rate) once per row.
@@ -43,7 +43,8 @@ slots) with a producer warpgroup and the consumers:
   scores stay in natural units, as in the Triton forward.
 * With a boolean mask, the producer copies each consumer's rows of the key tile's
   mask, as int8 (`config.MASK_DTYPE`: the mask is converted once per call), into the
-  ring slot with K, and every tile hides the entries the mask clears.
+  ring slot with K, except in the tiles every row of the item sees whole, and the
+  other tiles hide the entries the mask clears.
 
 It writes the same outputs as the Triton forward: the output and the per-row
 residuals (row reference, +inf for rows that see no key, and log2 of the row
@@ -249,19 +250,18 @@ def _consume(problem: Problem, ctx: TileRanges, tiles: Band, slot_of, row0, stop
     rows_n = ROWS_PER_CONSUMER
     dtype = q_smem.dtype
     own = own_band(ctx, tiles, row0, stop, block_k, segments)
-    own = Band(*(jnp.where(active, x, tiles.first)
-                 for x in (own.first, own.stop, own.full_first, own.full_stop)))
+    own = own.idle_unless(active, tiles.first)
     row_ids = None if segments is None else segments.rows(b, row0)
     row_keys = None if dropout is None else dropout.row_keys(b, n, row0)
 
-    def step(t, carry, masked: bool):
+    def step(t, carry, masked: bool | None):
         acc, m_prev, l_prev = carry
         slot = slot_of(t)
         tile_bias = None if bias is None else bias.take(t, own.stop)
-        ids = (None if row_ids is None or not masked
+        ids = (None if row_ids is None or masked is False
                else (row_ids, segments.cols(b, t * block_k, block_k)))
         plgpu.barrier_wait(k_loaded.at[slot])
-        tile_mask = mask_tile(mask_smem, slot)
+        tile_mask = mask_tile(mask_smem, slot, masked)
 
         def qk(acc_ref):
             plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
@@ -325,7 +325,7 @@ def forward(problem: Problem, q: jax.Array, k: jax.Array, v: jax.Array,
     out_type = (jax.ShapeDtypeStruct((B, Tp, N, hvp), dtype), row, row)
     bias, slopes, sinks = (optional.get(x) for x in ("bias", "alibi_slopes", "sinks"))
     mask = mask_of(optional)
-    segments = segments_of(optional, "key_ranges", problem.kv_len)
+    segments = segments_of(optional, "key_ranges")
     lengths = lengths_of(optional)
     origin = origin_of(optional)
     keys = optional.get("dropout_keys")

@@ -24,8 +24,8 @@ from pallas_attn.kernels.core import (
     KERNEL_INPUTS,
     Problem,
     TileRanges,
-    exact_stop,
     logit_scores,
+    whole_tiles,
 )
 from pallas_attn.semantics import dropout as dropout_lib
 from pallas_attn.semantics import scores
@@ -85,11 +85,10 @@ class TileContext(TileRanges):
                        if problem.has("key_value_seq_lengths") else None),
             origin=((refs["origin"][0], refs["origin"][1]) if problem.has("origin") else None))
         self.refs = refs
-        # Segment ids without a mask bound the key tiles that a block of query rows sees
+        # Segment ids and a mask bound the key tiles that a block of query rows sees
         # whole (`key_tiles`): the kernels that loop key tiles (folds_segments) compare
-        # ids only in the others, the tiles they run with masked=True.
-        self.folds_segments = (folds_segments and problem.has("q_segment_ids")
-                               and not problem.has("mask"))
+        # ids and read the mask only in the others, the tiles they run with masked=True.
+        self.folds_segments = folds_segments and problem.has("key_ranges")
         spec = problem.spec
         self.slope = refs["alibi_slopes"][b, n] if "alibi_slopes" in refs else None
         self.drop_key = None
@@ -115,14 +114,16 @@ class TileContext(TileRanges):
         cols = pl.ds(k0, block_k) if shape[3] > 1 else pl.ds(0, 1)
         return self.refs[name][bb, nb, rows, cols]
 
-    def scores(self, q: jax.Array, k: jax.Array, q0: Any, k0: Any, masked: bool,
+    def scores(self, q: jax.Array, k: jax.Array, q0: Any, k0: Any, masked: bool | None,
                poison: jax.Array | None = None
                ) -> tuple[jax.Array, jax.Array | None, jax.Array | None]:
         """Float32 scores [bq, bk] in the problem's units, invisible entries at -inf.
 
         Returns (scores, visible or None, tanh(logits / cap) or None).
-        masked=False skips the band masks (causal, window, lengths), for tiles the
-        caller proved fully inside the band. poison: [bk] added to the score columns
+        masked (`core.run_tile_loops`): True applies the band masks (causal, window,
+        lengths), the ids and the mask; None (inside the band) the ids and the mask;
+        False, for tiles the rows see whole, nothing where folds_segments (else the ids
+        and the mask still). poison: [bk] added to the score columns
         before the visibility rules (core.nonfinite_rows), or None.
         """
         p, spec = self.p, self.p.spec
@@ -139,12 +140,13 @@ class TileContext(TileRanges):
                                    tanh=self.tanh, offset=self.offset)
         if poison is not None:
             s = s + poison[None, :]
+        hidden = masked is not False or not self.folds_segments  # ids and mask apply
         mask = (self._load_broadcast("mask", spec.mask_shape, q0, k0, block_q, block_k)
-                if p.has("mask") else None)
+                if p.has("mask") and hidden else None)
         if mask is not None and mask.dtype != jnp.bool_:  # int8 where Mosaic roles run too
             mask = mask != 0
         q_seg = kv_seg = None
-        if p.has("q_segment_ids") and (masked or not self.folds_segments):
+        if p.has("q_segment_ids") and hidden:
             q_seg = self.refs["q_segment_ids"][self.b, pl.ds(q0, block_q)][:, None]
             kv_seg = self.refs["kv_segment_ids"][self.b, pl.ds(k0, block_k)][None, :]
         band_spec = spec if masked else dataclasses.replace(spec, is_causal=False,
@@ -176,21 +178,23 @@ class TileContext(TileRanges):
         """The keys that query rows [q0, q0 + block_q) can see (their segments, the mask)."""
         return self._limits("key_ranges", q0, block_q)
 
-    def key_tiles_of(self, q0: Any, block_q: int, block_k: int) -> tuple[Any, Any, Any, Any]:
-        """`key_tiles` of query rows [q0, q0 + block_q), with their segments folded into
-        the full tiles where folds_segments."""
-        inner = None
-        if self.folds_segments:
-            rows = pl.ds(q0, block_q)
-            inner = (jnp.max(self.refs["key_ranges"][self.b, 0, rows]),
-                     exact_stop(jnp.min(self.refs["key_ranges"][self.b, 1, rows]),
-                                self.p.kv_len))
-        return self.key_tiles(q0, q0 + block_q, block_k, self.key_limits(q0, block_q), inner)
+    def key_tiles_of(self, q0: Any, block_q: int, block_k: int
+                     ) -> tuple[tuple[Any, Any, Any, Any], Any]:
+        """(`key_tiles` of query rows [q0, q0 + block_q), whole): where folds_segments,
+        the full tiles are those the rows see whole (`core.whole_tiles`), else whole
+        is None."""
+        limits = self.key_limits(q0, block_q)
+        band = self.key_tiles(q0, q0 + block_q, block_k, limits)
+        if not self.folds_segments:
+            return band, None
+        rows = pl.ds(q0, block_q)
+        inner = (jnp.max(self.refs["key_ranges"][self.b, 2, rows]),
+                 jnp.min(self.refs["key_ranges"][self.b, 3, rows]))
+        return whole_tiles(band, self.key_tiles(q0, q0 + block_q, block_k, limits, inner))
 
-    def hides_in_tile(self, masked: bool) -> bool:
+    def hides_in_tile(self, masked: bool | None) -> bool:
         """Whether a key tile run with `masked` may hide a key from one of its rows."""
-        return masked or self.p.has("mask") or (self.p.has("q_segment_ids")
-                                                 and not self.folds_segments)
+        return masked is not False or (self.p.has("key_ranges") and not self.folds_segments)
 
     def query_limits(self, k0: Any, block_k: int) -> tuple[Any, Any] | None:
         """The query rows that see keys [k0, k0 + block_k) (their segments, the mask)."""

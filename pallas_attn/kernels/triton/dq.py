@@ -53,8 +53,9 @@ def _dq_tile(problem: Problem, r: dict, i, b, n) -> None:
         _, ds = ctx.score_gradient(q, k, v, do, residuals, q0, k0, masked)
         return dq + plgpu.dot(ds.astype(k.dtype), k, precision=problem.precision)
 
-    tiles = ctx.key_tiles_of(q0, block_q, block_k)
-    dq = run_tile_loops(*tiles, body, jnp.zeros((block_q, q.shape[-1]), jnp.float32))
+    tiles, whole = ctx.key_tiles_of(q0, block_q, block_k)
+    dq = run_tile_loops(*tiles, body, jnp.zeros((block_q, q.shape[-1]), jnp.float32),
+                        whole=whole)
     if "row_scales" in r:  # times 2^e (core.ds_scales)
         dq = dq * r["row_scales"][b, n, 1, pl.ds(q0, block_q)][:, None]
     dq = dq * (problem.spec.scale * problem.dropout_scale)  # score_gradient leaves it out

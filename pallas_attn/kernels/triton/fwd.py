@@ -3,13 +3,11 @@
 Grid (query tile, batch, head); under causal masking each program takes a query
 tile and its mirror (common.schedule_query_tiles), so every program does the same
 work. A program keeps its query tile resident and loops over key/value tiles with
-an online softmax in float32: row reference m, running sum l, unnormalised
-accumulator acc. The row reference is the running maximum, or, for soft-capped
-scores, the cap's bound (common.py's module doc): no maximum, no rescaling. Key
-tiles outside the causal/window band or past the key length are skipped; tiles
-crossing the band edge are masked. Writes the output and the per-row residuals:
-the reference (+inf for rows that see no key) and log2 of the row sum (common.py
-says why not the lse).
+an online softmax in float32: row reference m (the running maximum), running sum
+l, unnormalised accumulator acc. Key tiles outside the causal/window band or past
+the key length are skipped; tiles crossing the band edge are masked. Writes the
+output and the per-row residuals: the reference (+inf for rows that see no key)
+and log2 of the row sum (common.py says why not the lse).
 
 In a tile that may hide a key from one of its rows (`TileContext.hides_in_tile`), a
 key whose K or V row holds a NaN or inf gets a NaN score column before the visibility
@@ -95,8 +93,8 @@ def _forward_tile(problem: Problem, r: dict, ctx: TileContext, i) -> None:
         jnp.full((block_q,), MAX_FLOOR, jnp.float32),
         jnp.zeros((block_q,), jnp.float32),
     )
-    tiles = ctx.key_tiles_of(q0, block_q, block_k)
-    acc, m, l_sum = run_tile_loops(*tiles, body, init)
+    tiles, whole = ctx.key_tiles_of(q0, block_q, block_k)
+    acc, m, l_sum = run_tile_loops(*tiles, body, init, whole=whole)
     if problem.has("sinks"):
         alpha, m, l_sum = merge_sink(problem, r["sinks"][n], m, l_sum)
         acc = acc * alpha[:, None]
