@@ -63,11 +63,12 @@ BIAS_CASES = [
     ((B, N, T, S), {}),
     ((1, N, T, S), dict(is_causal=True)),
     ((B, 1, T, S), dict(is_causal=True, causal_alignment="bottom_right")),
-    ((1, 1, T, S), dict(local_window_size=(4, 3))),
     ((B, N, 1, S), dict(is_causal=True)),
     ((1, 1, 1, S), dict(is_causal=True, causal_alignment="bottom_right")),
     ((1, N, T, 1), {}),
-    ((T, S), dict(is_causal=True)),  # 2-D: leading dims broadcast
+    # 2-D: leading dims broadcast, the same (1, 1, T, S) bias to the kernels; under a
+    # causal window.
+    ((T, S), dict(local_window_size=(4, 3), is_causal=True)),
 ]
 
 
