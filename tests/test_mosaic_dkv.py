@@ -137,13 +137,13 @@ def test_mosaic_dkv_matches_the_triton_kernels(dtype, shapes, bias_shape, kwargs
 
 
 @pytest.mark.parametrize("shapes,kwargs", [
-    (dict(B=3, T=100, S=140, N=2), dict(is_causal=True)),
-    (dict(B=2, T=100, S=260, N=2, K=1), dict(local_window_size=(40, 10),
+    (dict(B=3, T=100, S=260, N=2, K=1), dict(is_causal=True, local_window_size=(40, 10),
                                             logits_soft_cap=5.0)),
-], ids=["causal_three_entries", "gqa_window_soft_cap"])
+], ids=["causal_three_entries_gqa_window_soft_cap"])
 def test_mosaic_dkv_adds_the_other_entries_to_dbias_first(shapes, kwargs):
     """dbias_first (batch entry 0's dbias, here the Triton dbias kernel's): the kernel
-    adds entries 1.. to it, giving the whole batch's dbias, and the same dk and dv."""
+    adds entries 1.. (two of them) to it, giving the whole batch's dbias, and the same
+    dk and dv; under a causal window and a soft cap (GQA)."""
     x = kernel_backward("bfloat16", shapes, (1, shapes["N"]), kwargs, MOSAIC_DKV)
     bias = x.operands["bias"]
     tiles = dict(block_q_dbias=32, block_k_dbias=32)
@@ -174,11 +174,12 @@ def test_dbias_first_only_starts_a_batch_shared_sum_of_its_shape(bias_shape, fir
 
 
 @pytest.mark.parametrize("shapes,bias_shape,kwargs", [
-    (dict(B=2, T=150, S=140, N=2, K=1, H=64), (1, 2), dict(is_causal=True)),
     (dict(B=2, T=70, S=200, N=2, H=48), (2, 2), dict(logits_soft_cap=8.0,
                                                      local_window_size=(60, 20))),
     (dict(B=1, T=100, S=130, N=2, H=80, Hv=64), None, {}),
-    (dict(B=2, T=90, S=150, N=2, H=64), (1, 2),
+    # A batch-shared bias under MQA, ALiBi and bottom-right causal masking, T > S: rows
+    # that see no key.
+    (dict(B=2, T=150, S=140, N=2, K=1, H=64), (1, 2),
      dict(alibi_slopes=jnp.array([0.2, 0.04]), is_causal=True,
           causal_alignment="bottom_right")),
     (dict(B=1, T=200, S=260, N=2, H=64), None,
@@ -187,8 +188,8 @@ def test_dbias_first_only_starts_a_batch_shared_sum_of_its_shape(bias_shape, fir
     (dict(B=2, T=200, S=260, N=2, K=1, H=256), (1, 2),
      dict(is_causal=True, q_segment_ids=np.repeat(np.arange(4), 50)[None].repeat(2, 0),
           kv_segment_ids=np.repeat(np.arange(4), 65)[None].repeat(2, 0))),
-], ids=["batch_shared_causal_mqa", "per_batch_window_soft_cap_H48", "no_bias_H80_Hv64",
-        "alibi_batch_shared_bias_bottom_right", "packed_cross_attention",
+], ids=["per_batch_window_soft_cap_H48", "no_bias_H80_Hv64",
+        "alibi_batch_shared_bias_bottom_right_mqa", "packed_cross_attention",
         "wide_H256_packed_gqa_shared_bias"])
 def test_gradients_with_the_mosaic_dkv_against_reference_and_float64(shapes, bias_shape,
                                                                      kwargs):

@@ -129,9 +129,9 @@ def test_mosaic_dq_matches_the_triton_dq_kernel(dtype, shapes, bias_shape, kwarg
 
 @pytest.mark.parametrize("shapes,kwargs", [
     (dict(B=2, T=200, S=150, N=2, K=1),
-     dict(is_causal=True, alibi_slopes=jnp.array([[0.5, 0.125], [0.03, 0.7]]))),
-    (dict(B=2, T=200, S=100, N=1), dict(is_causal=True, causal_alignment="bottom_right")),
-], ids=["causal_gqa_alibi_per_batch", "bottom_right_T>S_empty_rows"])
+     dict(is_causal=True, causal_alignment="bottom_right",
+          alibi_slopes=jnp.array([[0.5, 0.125], [0.03, 0.7]]))),
+], ids=["causal_gqa_alibi_per_batch_bottom_right_T>S_empty_rows"])
 def test_dq_and_dbias_stores_batch_entry_0s_dbias(shapes, kwargs):
     """dq_and_dbias: the same dq as dq, and a dbias of the shared bias's shape that
     matches the Triton dbias kernel's for batch entry 0 alone, with every tile written
@@ -190,10 +190,8 @@ MOSAIC_ALL_WIDE = dataclasses.replace(MOSAIC_DQ_DKV_WIDE, block_q=128, block_k=6
 
 
 @pytest.mark.parametrize("shapes,bias_shape,kwargs,blocks", [
-    (dict(B=2, T=150, S=140, N=2, K=1, H=64), (1, 2), dict(is_causal=True,
-                                                           logits_soft_cap=8.0), MOSAIC_DQ),
-    (dict(B=1, T=200, S=100, N=2, H=80, Hv=64), None,
-     dict(is_causal=True, causal_alignment="bottom_right",
+    (dict(B=2, T=200, S=100, N=2, K=1, H=80, Hv=64), (1, 2),
+     dict(is_causal=True, causal_alignment="bottom_right", logits_soft_cap=8.0,
           alibi_slopes=jnp.array([0.2, 0.04])), MOSAIC_DQ),
     (dict(B=3, T=150, S=200, N=2, H=64), (1, 2),
      dict(local_window_size=(60, 20), alibi_slopes=jnp.array([0.2, 0.04])), MOSAIC_DQ_DKV),
@@ -201,7 +199,7 @@ MOSAIC_ALL_WIDE = dataclasses.replace(MOSAIC_DQ_DKV_WIDE, block_q=128, block_k=6
      dict(is_causal=True, logits_soft_cap=8.0), MOSAIC_DQ_DKV_WIDE),
     (dict(B=2, T=100, S=150, N=2, K=1, H=160, Hv=136), (1, 2),
      dict(is_causal=True, logits_soft_cap=8.0), MOSAIC_ALL_WIDE),
-], ids=["shared_bias_causal_soft_cap_mqa", "alibi_bottom_right_empty_rows_H80_Hv64",
+], ids=["shared_bias_soft_cap_alibi_mqa_bottom_right_empty_rows_H80_Hv64",
         "with_mosaic_dkv_shared_bias_window_alibi",
         "wide_H256_with_mosaic_dkv_shared_bias", "all_mosaic_H160_Hv136_padded_to_160"])
 def test_gradients_with_the_mosaic_dq_against_reference_and_float64(shapes, bias_shape,
