@@ -51,7 +51,12 @@ WIDE = dict(block_k_dkv=64)  # the wide kernel's (64, 64) tiles at a head dim of
 
 # (id, shapes, bias shape as (Bb, Nb) or None, kwargs, tiles)
 CASES = [
-    ("batch_shared_bias_three_passes", dict(B=3, T=100, S=140, N=2), (1, 2), {}, {}),
+    # A batch-shared bias's gradient in three passes, with a boolean mask (int8 tiles per
+    # step and consumer, queries by keys at d64 too), one per batch entry hiding whole rows
+    # under causal GQA.
+    ("batch_shared_bias_three_passes_mask_per_batch_causal_gqa_empty_rows",
+     dict(B=3, T=200, S=260, N=4, K=2), (1, 4),
+     dict(is_causal=True, mask=random_mask(8, (3, 1, 200, 260), hidden_rows=(3, 130))), {}),
     # One slot (num_stages_dkv=1).
     ("bottom_right_T>S_H128_no_grad_bias_one_slot", dict(B=2, T=200, S=100, N=2, H=128),
      (1, 2), dict(is_causal=True, causal_alignment="bottom_right"),
@@ -60,10 +65,10 @@ CASES = [
     # per-batch bias's gradient (tiles outside them zero) under causal masking, ragged.
     ("segments_packed_causal_bias", dict(B=2, T=330, S=330, N=2), (2, 2),
      dict(is_causal=True, q_segment_ids=np.repeat(np.arange(5), 66)[None].repeat(2, 0)), {}),
-    # A boolean mask (int8 tiles per step and consumer, queries by keys at d64 too):
-    # one per batch entry hiding whole rows under causal GQA.
-    ("mask_per_batch_causal_gqa_empty_rows", dict(B=2, T=200, S=260, N=4, K=2), None,
-     dict(is_causal=True, mask=random_mask(8, (2, 1, 200, 260), hidden_rows=(3, 130))), {}),
+    ("wide_Hv256_lengths_dropout_alibi", dict(B=2, T=130, S=200, N=2, H=64, Hv=256), None,
+     dict(is_causal=True, query_seq_lengths=np.array([130, 70]),
+          key_value_seq_lengths=np.array([150, 200]), dropout_rate=0.2,
+          dropout_rng=jax.random.key(5), alibi_slopes=jnp.array([0.3, 0.05])), WIDE),
     # Head dim 64 without a bias or ALiBi: every tile computed keys by queries (S^T =
     # K Q^T, `config.dkv_keys_major`): windows, a soft cap, ragged lengths (a batch
     # entry with no key: its dK and dV zero) and dropout (per (batch entry, head) masks)
@@ -81,10 +86,6 @@ CASES = [
     ("wide_H192_Hv64_gqa_window_soft_cap_shared_bias",
      dict(B=2, T=100, S=140, N=4, K=2, H=192, Hv=64), (1, 4),
      dict(local_window_size=(40, 10), logits_soft_cap=5.0), WIDE),
-    ("wide_Hv256_lengths_dropout_alibi", dict(B=2, T=130, S=200, N=2, H=64, Hv=256), None,
-     dict(is_causal=True, query_seq_lengths=np.array([130, 70]),
-          key_value_seq_lengths=np.array([150, 200]), dropout_rate=0.2,
-          dropout_rng=jax.random.key(5), alibi_slopes=jnp.array([0.3, 0.05])), WIDE),
 ]
 
 
