@@ -110,7 +110,8 @@ def test_row_maxima_jumping_between_key_tiles(step, with_bias):
     assert_results_close(kernel, exact, jnp.float32, factor=4.0, label="vs float64: ")
 
 
-HEAD_DIMS = [(8, 8), (40, 40), (80, 24), (96, 96), (160, 160), (192, 64), (256, 256)]
+# Head dims 8, 40 (Hv 24), 80 (Hv 96) and 256 run forward and backward in FLOAT32_CASES.
+HEAD_DIMS = [(80, 24), (96, 96), (160, 160), (192, 64)]
 
 
 @pytest.mark.parametrize("head_dim,value_head_dim", HEAD_DIMS,
@@ -123,7 +124,7 @@ def test_forward_head_dims(head_dim, value_head_dim):
     out, lse = jax.jit(lambda q, k, v: pallas_attn.dot_product_attention(
         q, k, v, **kwargs, **PALLAS))(q, k, v)
     # The float64 oracle stands in for the reference here (they agree to 1e-6 in every
-    # test that runs both); this keeps the seven head dims cheap.
+    # test that runs both); this keeps the head dims cheap.
     exact = oracle(inputs, is_causal=True, causal_alignment="bottom_right")
     assert out.shape == (1, 20, 2, value_head_dim) and lse.shape == (1, 20, 2)
     assert out.dtype == jnp.float32
