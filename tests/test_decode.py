@@ -68,8 +68,7 @@ def test_decode_matches_the_reference(case):
     kw = features(shapes["B"])
     plan = pallas_attn.explain(q, k, v, interpret=True, **kw)
     assert plan.forward.backend == "decode"
-    (_, (out, lse)), grads = _both(q, k, v, ct, **kw)[0]
-    (_, (out_ref, lse_ref)), grads_ref = _both(q, k, v, ct, **kw)[1]
+    ((_, (out, lse)), grads), ((_, (out_ref, lse_ref)), grads_ref) = _both(q, k, v, ct, **kw)
     np.testing.assert_allclose(out, out_ref, atol=2e-5, rtol=2e-5)
     np.testing.assert_array_equal(np.isinf(lse), np.isinf(lse_ref))
     np.testing.assert_allclose(np.where(np.isinf(lse), 0, lse),
@@ -154,8 +153,7 @@ def test_splits_merged_in_chunks_with_a_partial_last_chunk(monkeypatch):
               sinks=jnp.array([0.5, -1.0, 2.0, 0.0]))
     plan = pallas_attn.explain(q, k, v, interpret=True, **kw)
     assert (plan.forward.backend, plan.forward.splits) == ("decode", 3)
-    (_, (out, lse)), grads = _both(q, k, v, ct, **kw)[0]
-    (_, (out_ref, lse_ref)), grads_ref = _both(q, k, v, ct, **kw)[1]
+    ((_, (out, lse)), grads), ((_, (out_ref, lse_ref)), grads_ref) = _both(q, k, v, ct, **kw)
     np.testing.assert_allclose(out, out_ref, atol=2e-5, rtol=2e-5)
     np.testing.assert_allclose(lse, lse_ref, atol=2e-5, rtol=2e-5)
     for got, want in zip(grads, grads_ref, strict=True):

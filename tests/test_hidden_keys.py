@@ -29,7 +29,7 @@ MOSAIC = pallas_attn.BlockSizes(forward_backend="mosaic", dq_backend="mosaic",
 
 def _hiding(case: str, B: int, T: int, S: int) -> tuple[dict, int]:
     """(the call's arguments, the key they hide from every row, or from all rows but
-    the last for "causal_last_row")."""
+    the last for "causal_last_row"; a tuple of keys where several are hidden)."""
     middle = S // 2 - 4  # inside a tile, away from its edges
     return {
         "mask": (dict(mask=jnp.ones((B, 1, T, S), bool).at[..., middle].set(False)), middle),
@@ -57,6 +57,11 @@ def _hiding(case: str, B: int, T: int, S: int) -> tuple[dict, int]:
                                                              jnp.int32)), S - 20),
         # Bottom-right causal: the last key is hidden from every row but the last.
         "causal_last_row": (dict(is_causal=True, causal_alignment="bottom_right"), S - 1),
+        # Both at once: the masked key lies inside the causal band of most rows (tiles
+        # that run without band masks), the last key is hidden from all rows but the last.
+        "mask_causal_last_row": (dict(mask=jnp.ones((B, 1, T, S), bool).at[..., middle].set(False),
+                                      is_causal=True, causal_alignment="bottom_right"),
+                                 (S - 1, middle)),
     }[case]
 
 
@@ -86,11 +91,12 @@ def _check(case: str, shapes: tuple, dtype, exact: bool = True, **kwargs) -> Non
                for shape in ((B, T, N, H), (B, S, N, H), (B, S, N, H)))
     ct = jnp.asarray(rng.standard_normal((B, T, N, H)), jnp.float32)
     hiding, key = _hiding(case, B, T, S)
+    key = np.atleast_1d(key)
     clean = _results(q, k, v, ct, **hiding, **kwargs)
     dirty = _results(q, k.at[:, key, 0].set(jnp.nan), v.at[:, key, 0].set(jnp.inf), ct,
                      **hiding, **kwargs)
     names = ("out", "lse", "dq", "dk", "dv")
-    if case != "causal_last_row":
+    if not case.endswith("causal_last_row"):
         for name, got, want in zip(names, dirty, clean, strict=True):
             _assert_same(got, want, name, exact)
         return
@@ -111,9 +117,10 @@ def test_triton_kernels(case):
            block_sizes=SMALL_BLOCKS)
 
 
-@pytest.mark.parametrize("case", ["mask", "causal_future", "query_lengths", "causal_last_row"])
+@pytest.mark.parametrize("case", ["causal_future", "query_lengths", "mask_causal_last_row"])
 def test_mosaic_kernels(case):
-    """The Mosaic forward, dQ and dK/dV kernels, T=100 (padded rows), S=128, head dim 64."""
+    """The Mosaic forward, dQ and dK/dV kernels, T=100 (padded rows), S=128, head dim 64.
+    The mask and bottom-right causal masking each hide a key in one run."""
     _check(case, (1, 100, 128, 1, 64), jnp.bfloat16, exact=False, implementation="pallas",
            interpret=True, block_sizes=MOSAIC)
 

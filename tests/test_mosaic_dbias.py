@@ -40,7 +40,11 @@ MOSAIC_DBIAS = pallas_attn.BlockSizes(32, 32, 32, 32, 32, 32, block_q_dbias=128,
 
 # (id, shapes, bias shape as (Bb, Nb), kwargs, tiles)
 CASES = [
-    ("batch_shared_ragged", dict(B=2, T=130, S=200, N=2), (1, 2), {}, {}),
+    # A batch-shared bias over ragged lengths without causal masking (a soft cap far
+    # above the logits: the running row maximum).
+    ("batch_shared_ragged_soft_cap_running_max_H80_Hv64", dict(B=2, T=150, S=120, N=2, H=80,
+                                                               Hv=64), (1, 2),
+     dict(logits_soft_cap=100.0, scale=0.3), {}),
     ("causal_bottom_right_T>S_skipped_items", dict(B=2, T=200, S=100, N=2), (1, 2),
      dict(is_causal=True, causal_alignment="bottom_right"), {}),
     # ALiBi: each member's own slope (per batch entry and head), with a soft cap, over a
@@ -51,8 +55,6 @@ CASES = [
                   logits_soft_cap=5.0), dict(num_stages_dbias=1)),
     ("shared_by_all_soft_cap_block_k128_H128", dict(B=2, T=128, S=256, N=2, H=128), (1, 1),
      dict(logits_soft_cap=5.0, is_causal=True), dict(block_k_dbias=128)),
-    ("soft_cap_running_max_H80_Hv64", dict(B=1, T=150, S=120, N=2, H=80, Hv=64), (1, 2),
-     dict(logits_soft_cap=100.0, scale=0.3), {}),
 ]
 
 

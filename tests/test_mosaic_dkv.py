@@ -51,7 +51,12 @@ WIDE = dict(block_k_dkv=64)  # the wide kernel's (64, 64) tiles at a head dim of
 
 # (id, shapes, bias shape as (Bb, Nb) or None, kwargs, tiles)
 CASES = [
-    ("batch_shared_bias_three_passes", dict(B=3, T=100, S=140, N=2), (1, 2), {}, {}),
+    # A batch-shared bias's gradient in three passes, with a boolean mask (int8 tiles per
+    # step and consumer, queries by keys at d64 too), one per batch entry hiding whole rows
+    # under causal GQA.
+    ("batch_shared_bias_three_passes_mask_per_batch_causal_gqa_empty_rows",
+     dict(B=3, T=200, S=260, N=4, K=2), (1, 4),
+     dict(is_causal=True, mask=random_mask(8, (3, 1, 200, 260), hidden_rows=(3, 130))), {}),
     # One slot (num_stages_dkv=1).
     ("bottom_right_T>S_H128_no_grad_bias_one_slot", dict(B=2, T=200, S=100, N=2, H=128),
      (1, 2), dict(is_causal=True, causal_alignment="bottom_right"),
@@ -60,10 +65,10 @@ CASES = [
     # per-batch bias's gradient (tiles outside them zero) under causal masking, ragged.
     ("segments_packed_causal_bias", dict(B=2, T=330, S=330, N=2), (2, 2),
      dict(is_causal=True, q_segment_ids=np.repeat(np.arange(5), 66)[None].repeat(2, 0)), {}),
-    # A boolean mask (int8 tiles per step and consumer, queries by keys at d64 too):
-    # one per batch entry hiding whole rows under causal GQA.
-    ("mask_per_batch_causal_gqa_empty_rows", dict(B=2, T=200, S=260, N=4, K=2), None,
-     dict(is_causal=True, mask=random_mask(8, (2, 1, 200, 260), hidden_rows=(3, 130))), {}),
+    ("wide_Hv256_lengths_dropout_alibi", dict(B=2, T=130, S=200, N=2, H=64, Hv=256), None,
+     dict(is_causal=True, query_seq_lengths=np.array([130, 70]),
+          key_value_seq_lengths=np.array([150, 200]), dropout_rate=0.2,
+          dropout_rng=jax.random.key(5), alibi_slopes=jnp.array([0.3, 0.05])), WIDE),
     # Head dim 64 without a bias or ALiBi: every tile computed keys by queries (S^T =
     # K Q^T, `config.dkv_keys_major`): windows, a soft cap, ragged lengths (a batch
     # entry with no key: its dK and dV zero) and dropout (per (batch entry, head) masks)
@@ -81,10 +86,6 @@ CASES = [
     ("wide_H192_Hv64_gqa_window_soft_cap_shared_bias",
      dict(B=2, T=100, S=140, N=4, K=2, H=192, Hv=64), (1, 4),
      dict(local_window_size=(40, 10), logits_soft_cap=5.0), WIDE),
-    ("wide_Hv256_lengths_dropout_alibi", dict(B=2, T=130, S=200, N=2, H=64, Hv=256), None,
-     dict(is_causal=True, query_seq_lengths=np.array([130, 70]),
-          key_value_seq_lengths=np.array([150, 200]), dropout_rate=0.2,
-          dropout_rng=jax.random.key(5), alibi_slopes=jnp.array([0.3, 0.05])), WIDE),
 ]
 
 
@@ -137,13 +138,13 @@ def test_mosaic_dkv_matches_the_triton_kernels(dtype, shapes, bias_shape, kwargs
 
 
 @pytest.mark.parametrize("shapes,kwargs", [
-    (dict(B=3, T=100, S=140, N=2), dict(is_causal=True)),
-    (dict(B=2, T=100, S=260, N=2, K=1), dict(local_window_size=(40, 10),
+    (dict(B=3, T=100, S=260, N=2, K=1), dict(is_causal=True, local_window_size=(40, 10),
                                             logits_soft_cap=5.0)),
-], ids=["causal_three_entries", "gqa_window_soft_cap"])
+], ids=["causal_three_entries_gqa_window_soft_cap"])
 def test_mosaic_dkv_adds_the_other_entries_to_dbias_first(shapes, kwargs):
     """dbias_first (batch entry 0's dbias, here the Triton dbias kernel's): the kernel
-    adds entries 1.. to it, giving the whole batch's dbias, and the same dk and dv."""
+    adds entries 1.. (two of them) to it, giving the whole batch's dbias, and the same
+    dk and dv; under a causal window and a soft cap (GQA)."""
     x = kernel_backward("bfloat16", shapes, (1, shapes["N"]), kwargs, MOSAIC_DKV)
     bias = x.operands["bias"]
     tiles = dict(block_q_dbias=32, block_k_dbias=32)
@@ -174,11 +175,12 @@ def test_dbias_first_only_starts_a_batch_shared_sum_of_its_shape(bias_shape, fir
 
 
 @pytest.mark.parametrize("shapes,bias_shape,kwargs", [
-    (dict(B=2, T=150, S=140, N=2, K=1, H=64), (1, 2), dict(is_causal=True)),
     (dict(B=2, T=70, S=200, N=2, H=48), (2, 2), dict(logits_soft_cap=8.0,
                                                      local_window_size=(60, 20))),
     (dict(B=1, T=100, S=130, N=2, H=80, Hv=64), None, {}),
-    (dict(B=2, T=90, S=150, N=2, H=64), (1, 2),
+    # A batch-shared bias under MQA, ALiBi and bottom-right causal masking, T > S: rows
+    # that see no key.
+    (dict(B=2, T=150, S=140, N=2, K=1, H=64), (1, 2),
      dict(alibi_slopes=jnp.array([0.2, 0.04]), is_causal=True,
           causal_alignment="bottom_right")),
     (dict(B=1, T=200, S=260, N=2, H=64), None,
@@ -187,8 +189,8 @@ def test_dbias_first_only_starts_a_batch_shared_sum_of_its_shape(bias_shape, fir
     (dict(B=2, T=200, S=260, N=2, K=1, H=256), (1, 2),
      dict(is_causal=True, q_segment_ids=np.repeat(np.arange(4), 50)[None].repeat(2, 0),
           kv_segment_ids=np.repeat(np.arange(4), 65)[None].repeat(2, 0))),
-], ids=["batch_shared_causal_mqa", "per_batch_window_soft_cap_H48", "no_bias_H80_Hv64",
-        "alibi_batch_shared_bias_bottom_right", "packed_cross_attention",
+], ids=["per_batch_window_soft_cap_H48", "no_bias_H80_Hv64",
+        "alibi_batch_shared_bias_bottom_right_mqa", "packed_cross_attention",
         "wide_H256_packed_gqa_shared_bias"])
 def test_gradients_with_the_mosaic_dkv_against_reference_and_float64(shapes, bias_shape,
                                                                      kwargs):

@@ -49,13 +49,20 @@ WIDE = dict(block_q_dq=64)  # the wide kernel's (64, 64) tiles at a head dim of 
 
 # (id, shapes, bias shape as (Bb, Nb) or None, kwargs, tiles)
 CASES = [
-    # A boolean mask (int8 tiles per consumer): one per batch entry hiding whole rows
-    # under causal masking (three consumers); one per head with a bias and a soft cap
-    # at d128 (two consumers, turns).
-    ("mask_per_batch_causal_empty_rows", dict(B=2, T=200, S=260, N=1), None,
-     dict(is_causal=True, mask=random_mask(8, (2, 1, 200, 260), hidden_rows=(3, 130))), {}),
-    ("mask_per_head_bias_soft_cap_H128", dict(B=1, T=140, S=200, N=2, H=128), (1, 2),
-     dict(mask=random_mask(9, (1, 2, 140, 200), hidden_rows=(70,)), logits_soft_cap=5.0),
+    # A boolean mask (int8 tiles per consumer): one per head with a per-batch bias and a
+    # soft cap at d128 (two consumers, turns), Hv 64, under bottom-right causal masking
+    # with T > S; one per batch entry hiding whole rows under bottom-right causal masking
+    # with ragged sequence lengths (one batch entry with no query, one whose keys end
+    # inside the first tile; three consumers).
+    ("mask_per_head_per_batch_bias_soft_cap_bottom_right_T>S_H128_Hv64",
+     dict(B=2, T=200, S=100, N=2, H=128, Hv=64), (2, 2),
+     dict(mask=random_mask(9, (1, 2, 200, 100), hidden_rows=(170,)), logits_soft_cap=5.0,
+          is_causal=True, causal_alignment="bottom_right"), {}),
+    ("mask_per_batch_lengths_causal_bottom_right_T>S_empty_rows", dict(B=3, T=200, S=150, N=1),
+     None,
+     dict(is_causal=True, causal_alignment="bottom_right",
+          mask=random_mask(8, (3, 1, 200, 150), hidden_rows=(3, 130)),
+          query_seq_lengths=np.array([200, 0, 77]), key_value_seq_lengths=np.array([5, 150, 99])),
      {}),
     # Dropout: per (batch entry, head) masks under causal GQA with ALiBi slopes per batch
     # entry and head (three consumers); one shared mask with a bias under a soft cap and
@@ -66,18 +73,10 @@ CASES = [
     ("dropout_shared_bias_soft_cap_window_3_slots", dict(B=1, T=140, S=260, N=2), (1, 2),
      dict(logits_soft_cap=5.0, local_window_size=(90, 30), dropout_rate=0.3,
           dropout_rng=jax.random.key(4), broadcast_dropout=True), dict(num_stages_dq=3)),
-    ("bottom_right_T>S_per_batch_bias_H128_Hv64", dict(B=2, T=200, S=100, N=2, H=128, Hv=64),
-     (2, 2), dict(is_causal=True, causal_alignment="bottom_right"), {}),
     # Packed documents (each consumer's key tiles narrow to its rows' documents) with
     # three consumers, the first item starting before row 0.
     ("segments_packed_causal", dict(B=2, T=250, S=250, N=2), None,
      dict(is_causal=True, q_segment_ids=np.repeat(np.arange(5), 50)[None].repeat(2, 0)), {}),
-    # Sequence lengths: ragged, one batch entry with no query and one whose keys end
-    # inside the first tile.
-    ("lengths_causal_bottom_right", dict(B=3, T=200, S=150, N=2), None,
-     dict(is_causal=True, causal_alignment="bottom_right",
-          query_seq_lengths=np.array([200, 0, 77]), key_value_seq_lengths=np.array([5, 150, 99])),
-     {}),
     # Head dim 192 (Hv 64), the wide kernel: items of 64 rows that both consumers share
     # (`config.is_wide`), each with half of every tile's keys and half of dQ's columns;
     # with packed documents, lengths, dropout and ALiBi. (Head dim 256 with a bias tile
@@ -129,9 +128,9 @@ def test_mosaic_dq_matches_the_triton_dq_kernel(dtype, shapes, bias_shape, kwarg
 
 @pytest.mark.parametrize("shapes,kwargs", [
     (dict(B=2, T=200, S=150, N=2, K=1),
-     dict(is_causal=True, alibi_slopes=jnp.array([[0.5, 0.125], [0.03, 0.7]]))),
-    (dict(B=2, T=200, S=100, N=1), dict(is_causal=True, causal_alignment="bottom_right")),
-], ids=["causal_gqa_alibi_per_batch", "bottom_right_T>S_empty_rows"])
+     dict(is_causal=True, causal_alignment="bottom_right",
+          alibi_slopes=jnp.array([[0.5, 0.125], [0.03, 0.7]]))),
+], ids=["causal_gqa_alibi_per_batch_bottom_right_T>S_empty_rows"])
 def test_dq_and_dbias_stores_batch_entry_0s_dbias(shapes, kwargs):
     """dq_and_dbias: the same dq as dq, and a dbias of the shared bias's shape that
     matches the Triton dbias kernel's for batch entry 0 alone, with every tile written
@@ -190,10 +189,8 @@ MOSAIC_ALL_WIDE = dataclasses.replace(MOSAIC_DQ_DKV_WIDE, block_q=128, block_k=6
 
 
 @pytest.mark.parametrize("shapes,bias_shape,kwargs,blocks", [
-    (dict(B=2, T=150, S=140, N=2, K=1, H=64), (1, 2), dict(is_causal=True,
-                                                           logits_soft_cap=8.0), MOSAIC_DQ),
-    (dict(B=1, T=200, S=100, N=2, H=80, Hv=64), None,
-     dict(is_causal=True, causal_alignment="bottom_right",
+    (dict(B=2, T=200, S=100, N=2, K=1, H=80, Hv=64), (1, 2),
+     dict(is_causal=True, causal_alignment="bottom_right", logits_soft_cap=8.0,
           alibi_slopes=jnp.array([0.2, 0.04])), MOSAIC_DQ),
     (dict(B=3, T=150, S=200, N=2, H=64), (1, 2),
      dict(local_window_size=(60, 20), alibi_slopes=jnp.array([0.2, 0.04])), MOSAIC_DQ_DKV),
@@ -201,7 +198,7 @@ MOSAIC_ALL_WIDE = dataclasses.replace(MOSAIC_DQ_DKV_WIDE, block_q=128, block_k=6
      dict(is_causal=True, logits_soft_cap=8.0), MOSAIC_DQ_DKV_WIDE),
     (dict(B=2, T=100, S=150, N=2, K=1, H=160, Hv=136), (1, 2),
      dict(is_causal=True, logits_soft_cap=8.0), MOSAIC_ALL_WIDE),
-], ids=["shared_bias_causal_soft_cap_mqa", "alibi_bottom_right_empty_rows_H80_Hv64",
+], ids=["shared_bias_soft_cap_alibi_mqa_bottom_right_empty_rows_H80_Hv64",
         "with_mosaic_dkv_shared_bias_window_alibi",
         "wide_H256_with_mosaic_dkv_shared_bias", "all_mosaic_H160_Hv136_padded_to_160"])
 def test_gradients_with_the_mosaic_dq_against_reference_and_float64(shapes, bias_shape,

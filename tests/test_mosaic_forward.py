@@ -57,17 +57,26 @@ CASES = [
     ("causal_gqa_H80_Hv128_block_k128_3_slots", dict(B=1, T=256, S=256, N=4, K=2, H=80,
                                                     Hv=128),
      dict(is_causal=True), dict(block_k=128, num_stages=3)),
-    ("H128_Hv64_separate_output_buffer", dict(B=1, T=128, S=64, N=2, H=128, Hv=64),
-     dict(scale=0.05), {}),
+    # A boolean mask per head with a bias and a soft cap at d128 (two consumers, 64-key
+    # tiles), an explicit scale; Hv 64: the output in a buffer of its own.
+    ("mask_per_head_bias_soft_cap_scale_H128_Hv64_separate_output_buffer",
+     dict(B=1, T=140, S=200, N=2, H=128, Hv=64),
+     dict(mask=random_mask(9, (1, 2, 140, 200), hidden_rows=(70,)),
+          bias=((1, 2, 140, 200), None), logits_soft_cap=5.0, scale=0.1), {}),
     # Head dim 256: 64-key tiles, the output staged in Q's buffer (its own would not fit);
     # bottom-right causal with T > S (rows that see no key).
     ("H256_causal_output_staged_in_q", dict(B=1, T=260, S=200, N=2, H=200, Hv=256),
      dict(is_causal=True, causal_alignment="bottom_right"), {}),
-    # Soft cap: a large cap over a window, and a small one under causal masking.
+    # Soft cap: a large cap over a window (a small one under causal masking:
+    # three_consumers_..., below).
     ("soft_cap_large_window", dict(B=1, T=140, S=300, N=1, H=64),
      dict(logits_soft_cap=50.0, local_window_size=(60, 60)), dict(block_k=128)),
-    ("soft_cap_causal", dict(B=1, T=200, S=200, N=2, H=64), dict(is_causal=True,
-                                                                 logits_soft_cap=5.0), {}),
+    # Unsorted segment ids of their own for queries and keys (nothing skipped, every tile
+    # compared), T < S with a bias.
+    ("segments_unsorted_bias_T<S", dict(B=1, T=140, S=260, N=2, H=64),
+     dict(q_segment_ids=np.random.default_rng(1).integers(0, 3, (1, 140)),
+          kv_segment_ids=np.random.default_rng(2).integers(0, 3, (1, 260)),
+          bias=((1, 2, 140, 260), None)), dict(block_k=128)),
     # A bias (natural-unit scores, loaded into registers per key tile): one per batch
     # entry in the inputs' dtype, with causal masking and a soft cap on top; one per
     # head, shared by the batch entries, over ragged lengths; and rows with extreme
@@ -103,10 +112,12 @@ CASES = [
     # Three consumers (head dim 64, no bias: items of 192 rows): T = 200 pads to 256, so
     # each head's first item starts at row -128 and two of its consumers only release
     # the ring's slots; with sorted segments of their own for queries and keys (the idle
-    # consumers' bands), dropout and ALiBi under bottom-right causal masking.
-    ("three_consumers_first_item_before_row_0_segments_dropout_alibi",
+    # consumers' bands), dropout, ALiBi and a small soft cap under bottom-right causal
+    # masking.
+    ("three_consumers_first_item_before_row_0_segments_dropout_alibi_soft_cap",
      dict(B=1, T=200, S=230, N=2, H=64),
      dict(is_causal=True, causal_alignment="bottom_right", dropout_rate=0.2,
+          logits_soft_cap=5.0,
           dropout_rng=jax.random.key(6), alibi_slopes=jnp.array([0.3, 0.05]),
           q_segment_ids=np.repeat(np.arange(4), 50)[None],
           kv_segment_ids=np.concatenate([np.repeat(np.arange(4), 50), np.full(30, 3)])[None]),
@@ -118,17 +129,6 @@ CASES = [
      dict(dropout_rate=0.3, dropout_rng=jax.random.key(4), broadcast_dropout=True,
           bias=((1, 2, 260, 260), None), logits_soft_cap=5.0,
           q_segment_ids=np.repeat(np.arange(4), 65)[None]), dict(block_k=128)),
-    # A boolean mask per head with a bias and a soft cap at d128 (two consumers, 64-key
-    # tiles).
-    ("mask_per_head_bias_soft_cap", dict(B=1, T=140, S=200, N=2, H=128),
-     dict(mask=random_mask(9, (1, 2, 140, 200), hidden_rows=(70,)),
-          bias=((1, 2, 140, 200), None), logits_soft_cap=5.0), {}),
-    # Unsorted segment ids of their own for queries and keys (nothing skipped, every tile
-    # compared), T < S with a bias.
-    ("segments_unsorted_bias_T<S", dict(B=1, T=140, S=260, N=2, H=64),
-     dict(q_segment_ids=np.random.default_rng(1).integers(0, 3, (1, 140)),
-          kv_segment_ids=np.random.default_rng(2).integers(0, 3, (1, 260)),
-          bias=((1, 2, 140, 260), None)), dict(block_k=128)),
 ]
 
 

@@ -77,25 +77,31 @@ CASES = {
 
 
 # The jnp paths take the same gathered pages: the blockwise one on one case, the reference
-# on the others (the decode kernel on all).
-@pytest.mark.parametrize(("case", "implementation"), [
-    (case, implementation) for case in sorted(CASES) for implementation in IMPLEMENTATIONS
-    if implementation == "pallas"
-    or (implementation == "xla_chunked") == (case == "spec5_p80_straddling_tiles")])
-def test_paged_equals_the_op_on_the_gathered_cache(case, implementation):
+# on the others (the decode kernel on all). One test per case: the expected results are
+# computed once for its implementations.
+def _implementations(case):
+    return [implementation for implementation in IMPLEMENTATIONS
+            if implementation == "pallas"
+            or (implementation == "xla_chunked") == (case == "spec5_p80_straddling_tiles")]
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_paged_equals_the_op_on_the_gathered_cache(case):
     c = CASES[case]
     kw = c.get("kw", {})
     k_cache, v_cache, table = _cache(c["page_size"], c["pages"], c["B"], c["K"], 32)
     q = jax.random.normal(jax.random.key(5), (c["B"], c["T"], c["N"], 32))
     lengths = jnp.array(c["lengths"], jnp.int32)
-    out, lse = pallas_attn.paged_attention(
-        q, k_cache, v_cache, table, lengths, implementation=implementation,
-        interpret=implementation == "pallas", return_residual=True, **kw)
     want_out, want_lse = _expected(q, k_cache, v_cache, table, lengths, **kw)
-    np.testing.assert_allclose(out, want_out, atol=2e-5, rtol=2e-5)
-    np.testing.assert_array_equal(np.isinf(lse), np.isinf(want_lse))
-    np.testing.assert_allclose(np.where(np.isinf(lse), 0, lse),
-                               np.where(np.isinf(want_lse), 0, want_lse), atol=2e-5, rtol=2e-5)
+    for implementation in _implementations(case):
+        out, lse = pallas_attn.paged_attention(
+            q, k_cache, v_cache, table, lengths, implementation=implementation,
+            interpret=implementation == "pallas", return_residual=True, **kw)
+        np.testing.assert_allclose(out, want_out, atol=2e-5, rtol=2e-5, err_msg=implementation)
+        np.testing.assert_array_equal(np.isinf(lse), np.isinf(want_lse), err_msg=implementation)
+        np.testing.assert_allclose(np.where(np.isinf(lse), 0, lse),
+                                   np.where(np.isinf(want_lse), 0, want_lse), atol=2e-5,
+                                   rtol=2e-5, err_msg=implementation)
 
 
 def test_cache_update_then_attention_equals_contiguous_decoding():

@@ -35,7 +35,6 @@ def _inputs(B=2, T=64, N=4, K=2, H=16, Hv=16, seed=0):
 
 
 FEATURES = {
-    "causal": lambda B, T: dict(is_causal=True),
     "plain_softcap": lambda B, T: dict(logits_soft_cap=3.0, scale=0.5),
     "window_alibi": lambda B, T: dict(local_window_size=(13, 4), alibi_slopes=jnp.array(
         [0.3, 0.1, 0.05, 0.2])),
@@ -111,11 +110,14 @@ def _check(layout, implementation, feature, devices=DEVICES, atol=3e-5, **shape)
 
 
 # Every feature in the zigzag layout (four blocks per step, two origins per device): all
-# of them at once around four devices (test_ring_hlo_sends_blocks_around_and_gathers_nothing),
-# each of the others alone around two (causal alone: test_mqa_and_separate_value_head_dim);
-# the contiguous layout with all of them at once.
+# of them at once around four devices (test_ring_hlo_sends_blocks_around_and_gathers_nothing)
+# and around two with MQA and a separate value head dim under x64
+# (test_ring_under_x64_with_mqa_and_separate_value_head_dim), each of the others alone
+# around two (causal alone: the forward in test_causally_hidden_blocks_are_never_read and
+# the README snippet, with sinks in test_sinks.py); the contiguous layout with all of
+# them at once.
 LAYOUT_FEATURES = [("zigzag", feature) for feature in sorted(FEATURES)
-                   if feature not in ("causal", "causal_everything")] + [
+                   if feature != "causal_everything"] + [
     ("contiguous", "causal_everything")]
 
 
@@ -138,10 +140,6 @@ def test_ring_hlo_sends_blocks_around_and_gathers_nothing():
     hlo = ring.lower(*args).compile().as_text()
     ops = set(re.findall(r"(all-gather|all-to-all|collective-permute|reduce-scatter)", hlo))
     assert ops == {"collective-permute"}
-
-
-def test_mqa_and_separate_value_head_dim():
-    _check("zigzag", "xla_chunked", "causal", devices=2, T=32, N=4, K=1, Hv=8)
 
 
 def test_ring_of_one_device_is_the_op():
@@ -241,11 +239,12 @@ def test_readme_snippet_runs_and_equals_the_op():
     np.testing.assert_allclose(scope["out"], want, atol=3e-5, rtol=3e-5)
 
 
-def test_ring_under_x64():
+def test_ring_under_x64_with_mqa_and_separate_value_head_dim():
     """jax_enable_x64 (Python ints become int64) changes nothing in ring attention (its
-    step's indices are the implementations'; the kernels under x64: test_parity.py)."""
+    step's indices are the implementations'; the kernels under x64: test_parity.py);
+    one key head for four query heads, value head dim 8."""
     with jax.enable_x64(True):
-        _check("zigzag", "xla_chunked", "causal_everything", devices=2, T=32)
+        _check("zigzag", "xla_chunked", "causal_everything", devices=2, T=32, N=4, K=1, Hv=8)
 
 
 @pytest.mark.parametrize("origin,features,H", [
