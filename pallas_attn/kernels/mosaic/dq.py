@@ -33,9 +33,10 @@ before its rows' buffers are refilled.
 dQ (times the softmax scale) is stored from registers. Rows that see no key get
 zeros. With segment ids (or a mask: its ranges), items and consumers narrow their key
 tiles to what their rows see, and the tiles outside what they see whole compare ids
-and read the mask (`common.Segments`, `common.own_band`); with sequence lengths, bands stop at the key length (positions
-past the lengths are zeroed in q, k, v and dO before the call); with dropout, dS takes
-the kept dP (`common.Dropout`); with a boolean mask,
+and read the mask (`common.Segments`, `common.own_band`); with sequence lengths,
+bands stop at the key length (positions past the lengths are zeroed in q, k, v and dO
+before the call); with dropout, dS takes the kept dP (`common.Dropout`); with a
+boolean mask,
 the producer copies each consumer's rows of the key tile's mask (int8) into the ring slot
 with K where a consumer reads it (`Walk.stream`), and the entries it clears give dS = 0
 (`common.mask_tile`). Scope:
