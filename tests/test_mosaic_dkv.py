@@ -62,9 +62,12 @@ CASES = [
      (1, 2), dict(is_causal=True, causal_alignment="bottom_right"),
      dict(bias_grad=False, num_stages_dkv=1)),
     # Packed documents (each unit's query tiles narrow to its keys' documents) with a
-    # per-batch bias's gradient (tiles outside them zero) under causal masking, ragged.
-    ("segments_packed_causal_bias", dict(B=2, T=330, S=330, N=2), (2, 2),
-     dict(is_causal=True, q_segment_ids=np.repeat(np.arange(5), 66)[None].repeat(2, 0)), {}),
+    # per-batch bias's gradient (tiles outside them zero) under causal masking, ragged;
+    # a per-batch mask on top (tiles inside the band but not seen whole compare ids and
+    # read the mask).
+    ("segments_packed_causal_bias_mask", dict(B=2, T=330, S=330, N=2), (2, 2),
+     dict(is_causal=True, q_segment_ids=np.repeat(np.arange(5), 66)[None].repeat(2, 0),
+          mask=random_mask(8, (2, 1, 330, 330), hidden_rows=(3, 130))), {}),
     ("wide_Hv256_lengths_dropout_alibi", dict(B=2, T=130, S=200, N=2, H=64, Hv=256), None,
      dict(is_causal=True, query_seq_lengths=np.array([130, 70]),
           key_value_seq_lengths=np.array([150, 200]), dropout_rate=0.2,

@@ -74,9 +74,11 @@ CASES = [
      dict(logits_soft_cap=5.0, local_window_size=(90, 30), dropout_rate=0.3,
           dropout_rng=jax.random.key(4), broadcast_dropout=True), dict(num_stages_dq=3)),
     # Packed documents (each consumer's key tiles narrow to its rows' documents) with
-    # three consumers, the first item starting before row 0.
-    ("segments_packed_causal", dict(B=2, T=250, S=250, N=2), None,
-     dict(is_causal=True, q_segment_ids=np.repeat(np.arange(5), 50)[None].repeat(2, 0)), {}),
+    # three consumers, the first item starting before row 0; a per-batch mask on top
+    # (tiles inside the band but not seen whole compare ids and read the mask).
+    ("segments_packed_causal_mask", dict(B=2, T=250, S=250, N=2), None,
+     dict(is_causal=True, q_segment_ids=np.repeat(np.arange(5), 50)[None].repeat(2, 0),
+          mask=random_mask(6, (2, 1, 250, 250), hidden_rows=(3, 130))), {}),
     # Head dim 192 (Hv 64), the wide kernel: items of 64 rows that both consumers share
     # (`config.is_wide`), each with half of every tile's keys and half of dQ's columns;
     # with packed documents, lengths, dropout and ALiBi. (Head dim 256 with a bias tile

@@ -124,11 +124,13 @@ CASES = [
      {}),
     # Dropout with one mask shared by every head, a bias, a soft cap and packed documents
     # (sorted, one array for queries and keys: the item's and each consumer's key tiles
-    # narrow to their documents).
-    ("dropout_shared_bias_soft_cap_segments", dict(B=1, T=260, S=260, N=2, H=64),
+    # narrow to their documents) under a boolean mask (tiles not seen whole compare ids
+    # and read the mask).
+    ("dropout_shared_bias_soft_cap_segments_mask", dict(B=1, T=260, S=260, N=2, H=64),
      dict(dropout_rate=0.3, dropout_rng=jax.random.key(4), broadcast_dropout=True,
           bias=((1, 2, 260, 260), None), logits_soft_cap=5.0,
-          q_segment_ids=np.repeat(np.arange(4), 65)[None]), dict(block_k=128)),
+          q_segment_ids=np.repeat(np.arange(4), 65)[None],
+          mask=random_mask(7, (1, 1, 260, 260))), dict(block_k=128)),
 ]
 
 
