@@ -335,8 +335,9 @@ class Walk:
                     lax.rem(batch_head, self.problem.batch),
                     lax.div(batch_head, self.problem.batch))
 
-    def band(self, item: Item) -> tuple[TileRanges, Band, Any]:
-        """(context, key tiles, ring steps) of an item; no steps for an invalid one."""
+    def band(self, item: Item, whole: bool = False) -> tuple[TileRanges, Band, Any]:
+        """(context, key tiles, ring steps) of an item; no steps for an invalid one.
+        whole: its full tiles are only those every row of the item sees whole."""
         q_lengths, kv_lengths = self.lengths
         ctx = TileRanges(self.problem, item.b, item.n,
                          q_length=None if q_lengths is None else q_lengths[item.b],
@@ -345,7 +346,8 @@ class Walk:
         limits = inner = None
         if self.segments is not None:
             limits = self.segments.span(item.b, item.q0, self.item_rows)
-            inner = self.segments.common(item.b, item.q0, self.item_rows)
+            if whole:
+                inner = self.segments.common(item.b, item.q0, self.item_rows)
         tiles = Band(*ctx.key_tiles(jnp.maximum(item.q0, 0), item.q0 + self.item_rows,
                                     self.block_k, limits, inner))
         steps = jnp.where(item.valid, jnp.maximum(tiles.stop - tiles.first, 0), 0)
@@ -373,18 +375,13 @@ class Walk:
             for c in range(self.consumers):
                 # Rows before 0 (an idle consumer's): any in range, never read.
                 row0 = jnp.maximum(item.q0 + c * ROWS_PER_CONSUMER, 0)
-
-                @pl.when(needed)
-                def _copy(row0=row0, c=c):
-                    plgpu.copy_gmem_to_smem(heads.at[pl.ds(row0, ROWS_PER_CONSUMER), rows],
-                                            mask_smem.at[slot, c], k_loaded.at[slot])
-
-                # A tile the item sees whole: the slot's arrival without the copy.
-                pl.when(~needed)(lambda: plgpu.barrier_arrive(k_loaded.at[slot]))
+                copy_where(needed, heads.at[pl.ds(row0, ROWS_PER_CONSUMER), rows],
+                           mask_smem.at[slot, c], k_loaded.at[slot])
 
         def stream(r, step):
             item = self.item(r)
-            _, tiles, steps = self.band(item)
+            # With a mask, the full tiles are those whose mask no consumer reads.
+            _, tiles, steps = self.band(item, whole=mask is not None)
             if on_item is not None:
                 on_item(item, tiles, steps)
             kh = lax.div(item.n, jnp.int32(problem.group))
@@ -470,6 +467,13 @@ class BiasTiles:
         plgpu.commit_smem()  # the reads are done before the next copy overwrites
         pl.when(t + 1 < stop)(lambda: self.start(t + 1))
         return bias
+
+
+def copy_where(needed, src, dst, barrier) -> None:
+    """Bulk-copies src into dst on barrier where needed; elsewhere only arrives on the
+    barrier, as the copy would have, so its arrivals stay what it expects."""
+    pl.when(needed)(lambda: plgpu.copy_gmem_to_smem(src, dst, barrier))
+    pl.when(~needed)(lambda: plgpu.barrier_arrive(barrier))
 
 
 def origin_pair(origin_ref) -> tuple[Any, Any] | None:

@@ -91,6 +91,7 @@ from pallas_attn.kernels.mosaic.common import (
     Segments,
     accumulate,
     along,
+    copy_where,
     head_slope,
     launch,
     optional_refs,
@@ -250,17 +251,11 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, bias_ref, mask_ref, slopes_r
                     bb = b if ref.shape[0] > 1 else 0
                     nb = n if ref.shape[1] > 1 else 0  # one shared by the heads
                     for c in range(CONSUMERS):
-                        keys = pl.ds(k0 + c * keys_n, keys_n)
-
-                        def copy(ref=ref, tiles_smem=tiles_smem, nb=nb, bb=bb, c=c, keys=keys):
-                            plgpu.copy_gmem_to_smem(ref.at[bb, nb, rows, keys],
-                                                    tiles_smem.at[slot, c], loaded)
-
+                        src = ref.at[bb, nb, rows, pl.ds(k0 + c * keys_n, keys_n)]
                         if needed is None:
-                            copy()
+                            plgpu.copy_gmem_to_smem(src, tiles_smem.at[slot, c], loaded)
                         else:
-                            pl.when(needed)(copy)
-                            pl.when(~needed)(lambda: plgpu.barrier_arrive(loaded))
+                            copy_where(needed, src, tiles_smem.at[slot, c], loaded)
 
             return step + steps, loaded_units + jnp.where(steps > 0, 1, 0)
 
