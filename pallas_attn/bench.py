@@ -222,7 +222,8 @@ def check(shapes: Sequence[Shape], *, interpret: bool = False,
     """Kernel vs float32-upcast reference, next to the same-dtype reference's error.
 
     Passes when the kernel's error is at most 2x the same-dtype reference's error
-    plus a floor (FlashAttention's rule), for the output, lse and every gradient.
+    plus a floor (FlashAttention's rule), for the output, lse and every gradient, and
+    a second call gives bitwise the same results (the default is deterministic).
     """
     def kernel(*a, **kw):
         return pallas_attn.dot_product_attention(*a, implementation="pallas",
@@ -242,6 +243,7 @@ def check(shapes: Sequence[Shape], *, interpret: bool = False,
         row: dict[str, Any] = {"shape": shape.label, "dtype": shape.dtype, "ok": True}
         try:
             got = _outputs_and_grads(kernel, q, k, v, ct, kw)
+            again = _outputs_and_grads(kernel, q, k, v, ct, kw)
             exact = _outputs_and_grads(ref, up(q), up(k), up(v), ct, up_kw)
             same = _outputs_and_grads(ref, q, k, v, ct, kw)
         except Exception as e:  # noqa: BLE001 - report every shape, failing ones included
@@ -254,9 +256,14 @@ def check(shapes: Sequence[Shape], *, interpret: bool = False,
             err, base = relative_error(x, e), relative_error(s, e)
             row[name] = (err, base)
             row["ok"] &= bool(np.isfinite(err) and err <= 2 * base + floor)
+        row["differs"] = [n for n, x, y in zip(names, got, again, strict=True)
+                          if np.asarray(x).tobytes() != np.asarray(y).tobytes()]
+        row["ok"] &= not row["differs"]
         results.append(row)
+        differ = [f"; differs between two calls: {', '.join(row['differs'])}"
+                  ] if row["differs"] else []
         log(" ".join([f"{'PASS' if row['ok'] else 'FAIL'} {shape.label} {shape.dtype}:"] +
-                     [f"{n} {row[n][0]:.1e} (ref {row[n][1]:.1e})" for n in names]))
+                     [f"{n} {row[n][0]:.1e} (ref {row[n][1]:.1e})" for n in names] + differ))
     return results
 
 

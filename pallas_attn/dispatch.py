@@ -501,7 +501,8 @@ def _dbias_route(call: Call, device: DeviceInfo, overrides: BlockSizes, interpre
     """dbias: written by the dK/dV kernel where it can (fused), else its own kernel.
 
     Automatic fusion: always where the Mosaic dK/dV kernel can (docs/decisions.md,
-    "dbias fused into the Mosaic dK/dV kernel"); with Triton's where it can and its grid has a
+    "dbias fused into the Mosaic dK/dV kernel"), a batch-shared bias's sum in a fixed
+    order unless BlockSizes.deterministic is False; with Triton's where it can and its grid has a
     program per multiprocessor (summing a broadcast bias's dS inside it measured
     slower than the dbias kernel)."""
     shape = call.spec.bias_shape
@@ -529,7 +530,11 @@ def _dbias_route(call: Call, device: DeviceInfo, overrides: BlockSizes, interpre
             declined.append(("fused", f"the dK/dV grid ({programs} programs) has fewer "
                              f"programs than the device's {device.num_multiprocessors} SMs"))
     if fused:
-        return dataclasses.replace(dkdv, fused=True, declined=())
+        # Concurrent programs summing a batch-shared bias's dS by reduce-add copies:
+        # only when asked (docs/decisions.md, "Batch-shared dbias summed in turn").
+        any_order = (not overrides.deterministic and dkdv.backend == "mosaic"
+                     and shape[0] == 1 and call.batch > 1)
+        return dataclasses.replace(dkdv, fused=True, any_order=any_order, declined=())
     if not fusable and overrides.fuse_dbias is None:
         declined.append(("fused", f"the {dkdv.backend} dK/dV kernel cannot write the gradient "
                          f"of a bias of shape {shape}, {call.bias_dtype}"))

@@ -56,8 +56,12 @@ class BlockSizes:
 
     fuse_dbias: True: the dK/dV kernel writes dbias from the dS tiles it computes
     anyway (Triton: a bias with its own entry per batch entry, head and key; Mosaic:
-    also one shared by the batch entries, summed with reduce-add copies in no fixed
-    order, so not bit-reproducible); False: a separate, deterministic dbias kernel.
+    also one shared by the batch entries); False: a separate dbias kernel.
+
+    deterministic: True (the default): every gradient is bitwise the same from run to
+    run. False: the Mosaic dK/dV kernel may sum the fused gradient of a bias shared by
+    the batch entries with concurrent programs' reduce-add copies, in no fixed order
+    (faster; its roundings then vary from run to run).
     """
 
     block_q: int | None = None
@@ -77,6 +81,7 @@ class BlockSizes:
     num_warps_dbias: int | None = None
     num_stages_dbias: int | None = None
     fuse_dbias: bool | None = None
+    deterministic: bool = True
     forward_backend: str | None = None
     dbias_backend: str | None = None
     dkv_backend: str | None = None
@@ -106,6 +111,9 @@ class BlockSizes:
         if self.fuse_dbias is not None and not isinstance(self.fuse_dbias, bool):
             raise ValueError(
                 f"BlockSizes.fuse_dbias must be True, False or None, got {self.fuse_dbias!r}")
+        if not isinstance(self.deterministic, bool):
+            raise ValueError(
+                f"BlockSizes.deterministic must be True or False, got {self.deterministic!r}")
 
     def tiles(self, role: str) -> tuple[int | None, int | None, int | None, int | None]:
         """(block_q, block_k, warps, stages) overrides of one role (None: not given)."""
@@ -124,7 +132,9 @@ class Route:
     num_warps (Triton) and num_stages (Triton's pipelining depth, a Mosaic kernel's ring
     slots). consumers: a Mosaic kernel's consumer warpgroups (0 for Triton). splits: the
     decode kernel's programs per kv head along the keys. fused: dbias only, written by
-    the dK/dV kernel (its backend and tiles then). keys_major: the Mosaic dK/dV kernel
+    the dK/dV kernel (its backend and tiles then). any_order: a fused dbias only, of a
+    bias shared by the batch entries, summed by concurrent programs in no fixed order
+    (else each program adds an item's batch entries in turn). keys_major: the Mosaic dK/dV kernel
     computes its tiles keys by queries (S^T = K Q^T). declined: (backend, reason) for
     each backend preferred over this one that does not run it. repair: the Triton
     kernel that recomputes the rows of a Mosaic forward or dQ that a hidden non-finite
@@ -139,6 +149,7 @@ class Route:
     consumers: int = 0
     splits: int = 0
     fused: bool = False
+    any_order: bool = False
     keys_major: bool = False
     declined: tuple[tuple[str, str], ...] = ()
     repair: Route | None = None
@@ -153,7 +164,8 @@ class Route:
         if self.backend == "xla":
             return "xla"
         if self.fused:
-            return f"{self.backend} (written by the dK/dV kernel)"
+            order = "; batch entries summed in no fixed order" if self.any_order else ""
+            return f"{self.backend} (written by the dK/dV kernel{order})"
         text = f"{self.backend} {self.block_q}x{self.block_k}"
         if self.backend == "mosaic":
             slots = "1 slot" if self.num_stages == 1 else f"{self.num_stages} slots"

@@ -28,6 +28,23 @@ def test_check_runs_its_shapes_in_worker_processes(capsys, tmp_path):
     assert len(rows) == 1 and rows[0]["ok"]
 
 
+def test_check_fails_results_that_differ_between_two_calls(monkeypatch, capsys):
+    """check's second call of the kernel must give bitwise the same results."""
+    from pallas_attn import bench
+
+    outputs_and_grads, calls = bench._outputs_and_grads, []
+
+    def drifting(attention, q, k, v, ct, kw):
+        got = outputs_and_grads(attention, q, k, v, ct, kw)
+        calls.append(None)
+        return (*got[:2], got[2] * (1 + 1e-6 * (len(calls) == 2)), *got[3:])
+
+    monkeypatch.setattr(bench, "_outputs_and_grads", drifting)
+    [row] = bench.check(bench.check_shapes(on_device=False)[:1], interpret=True)
+    assert not row["ok"] and row["differs"] == ["dq"]
+    assert "differs between two calls: dq" in capsys.readouterr().out
+
+
 def test_tune_needs_a_gpu(capsys):
     assert main(["tune", "--head-dim", "64"]) == 2
     assert "NVIDIA GPU" in capsys.readouterr().err

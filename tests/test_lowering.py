@@ -105,13 +105,14 @@ CASES = {
     # tiles, the output staged in Q's buffer, P V accumulated in place; a bias tile per
     # consumer. The wide dQ and dK/dV kernels (64-byte swizzled tiles, consumers sharing
     # each item and unit): a batch-shared bias's dbias under a soft cap (GQA, ragged,
-    # causal: the dQ kernel stores entry 0's, the dK/dV kernel adds the others'); and
-    # H192/Hv64 with segments, lengths and dropout under causal masking.
+    # causal: the dQ kernel stores entry 0's, the dK/dV kernel adds the others', here
+    # by concurrent programs in no fixed order); and H192/Hv64 with segments, lengths
+    # and dropout under causal masking.
     "mosaic_all_h256_causal_shared_bias_softcap": dict(
         H=256, T=200, S=300, K=2, is_causal=True,
         bias=jnp.ones((1, 4, 200, 300), jnp.bfloat16), logits_soft_cap=20.0,
         block_sizes=pallas_attn.BlockSizes(forward_backend="mosaic", dq_backend="mosaic",
-                                           dkv_backend="mosaic")),
+                                           dkv_backend="mosaic", deterministic=False)),
     "mosaic_backward_wide_h192_features": dict(
         T=256, S=384, N=8, K=2, H=192, Hv=64, is_causal=True, dropout_rate=0.1,
         dropout_rng=jax.random.key(0), q_segment_ids=jnp.zeros((2, 256), jnp.int32),
@@ -129,18 +130,19 @@ CASES = {
     # Every role on a Mosaic kernel at head dims 160 / 136: padded to 160 (not 256), the
     # forward's 64-byte tiles five wide, the wide backward's halves 80 columns in 32-byte
     # tiles; the Triton repairs on a copy padded to 256; a batch-shared bias's gradient,
-    # causal.
+    # causal, summed in turn (the default).
     "mosaic_all_h160": dict(
         H=160, Hv=136, T=200, S=300, K=2, is_causal=True,
         bias=jnp.ones((1, 4, 200, 300), jnp.bfloat16),
         block_sizes=pallas_attn.BlockSizes(forward_backend="mosaic", dq_backend="mosaic",
                                            dkv_backend="mosaic")),
-    # Head dims 80 / 96 on every Mosaic role: 32-byte swizzled tiles (16 columns).
+    # Head dims 80 / 96 on every Mosaic role: 32-byte swizzled tiles (16 columns); a
+    # batch-shared bias's gradient summed in no fixed order.
     "mosaic_all_h80_hv96": dict(
         H=80, Hv=96, T=200, S=300, K=2, is_causal=True,
         bias=jnp.ones((1, 4, 200, 300), jnp.bfloat16), logits_soft_cap=20.0,
         block_sizes=pallas_attn.BlockSizes(forward_backend="mosaic", dq_backend="mosaic",
-                                           dkv_backend="mosaic")),
+                                           dkv_backend="mosaic", deterministic=False)),
     # A mask alone in every Mosaic role: its ranges without segment ids; a soft cap
     # (no bias), bottom-right causal.
     "mosaic_mask_ranges_softcap": dict(

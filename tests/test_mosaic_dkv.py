@@ -266,6 +266,11 @@ def test_the_mosaic_dkv_kernel_writes_the_dbias_it_can(bias_shape, bias_dtype, f
                              jnp.zeros((*bias_shape, 16, 16), bias_dtype))
     plan = plan_for(spec, ops, MOSAIC_DKV)
     assert plan.dbias.fused is fused
+    # A batch-shared sum in no fixed order only when asked, and only where there is one.
+    assert not plan.dbias.any_order
+    free = plan_for(spec, ops, dataclasses.replace(MOSAIC_DKV, deterministic=False))
+    assert free.dbias.any_order is (fused and bias_shape[0] == 1)
+    assert ("no fixed order" in str(free)) is free.dbias.any_order
 
 
 @pytest.mark.parametrize("fields,match", [

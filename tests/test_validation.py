@@ -429,6 +429,12 @@ def test_invalid_fuse_dbias(value):
         pallas_attn.BlockSizes(fuse_dbias=value)
 
 
+@pytest.mark.parametrize("value", ["yes", 1, None])
+def test_invalid_deterministic(value):
+    with pytest.raises(ValueError, match=r"BlockSizes\.deterministic must be True or False"):
+        pallas_attn.BlockSizes(deterministic=value)
+
+
 @pytest.mark.parametrize("bias_shape", [(2, 2, 8, 1), (1, 2, 8, 8), (2, 1, 8, 8), (8, 8)])
 def test_fuse_dbias_true_rejects_a_bias_it_cannot_fuse(bias_shape):
     """Fused dbias needs one entry per batch entry, head and key (no sum across programs)."""

@@ -35,28 +35,26 @@ running on across units) and each unit's K and V into one buffer per consumer.
 dbias. A bias with its own entry per batch entry ([B, N, T, S]) gets each dS tile
 stored once; tiles outside the causal/window band get zeros (the producer
 bulk-copies a zeroed tile). A bias shared by the batch entries ([1, N, T, S]) gets
-its batch sum in place: every unit adds its dS tiles into one buffer of the bias's
-shape with the bulk copy engine's reduce-add. The buffer starts as batch entry 0's
-dbias when the Mosaic dQ kernel has stored it (`dq.dq_and_dbias`,
-`dbias_first`; entry 0's units then add nothing), else as zeros. Units run key
-tiles fastest (concurrent programs read neighbouring bias columns), then batch
-entries, so the programs working on one (KV head, key tile) for several batch
-entries run at the same time: they read each bias tile once from memory and the
-rest from L2, and their additions meet in L2. Under causal masking the key tiles
-run in mirror pairs, so every program does the same work per pair. The sum never
-needs a [B, N, T, S] buffer or a second pass over S and dP; each addition rounds to the
-bias dtype (the bulk copy adds in it), in whatever order the programs reach a tile,
-so this dbias is not bit-reproducible from run to run (`BlockSizes(fuse_dbias=False)`
-gives the separate, deterministic dbias kernel). Measured faster than one program
-running an item's batch entries one after another (docs/decisions.md, "Batch-shared
-dbias summed by concurrent programs").
+its batch sum in place: units add their dS tiles into one buffer of the bias's
+shape with the bulk copy engine's reduce-add, each addition rounding to the bias
+dtype. The buffer starts as batch entry 0's dbias when the Mosaic dQ kernel has
+stored it (`dq.dq_and_dbias`, `dbias_first`; entry 0's units then add nothing), else
+as zeros. By default one program runs an item's batch entries as passes, each
+pass's additions landed before the next one's, so the sum is bitwise the same from
+run to run. With the route's any_order (`BlockSizes(deterministic=False)`) the
+batch entries are separate units, key tiles fastest, then batch entries, so the
+programs working on one (KV head, key tile) for several batch entries run at the
+same time: they read each bias tile once from memory and the rest from L2, and
+their additions meet there in whatever order the programs reach a tile. Under
+causal masking the key tiles run in mirror pairs, so every program does the same
+work per pair. The sum never needs a [B, N, T, S] buffer or a second pass over S
+and dP (docs/decisions.md, "Batch-shared dbias summed in turn").
 
 The Pallas interpreter has neither reduce-add copies nor accumulators initialised
 from registers: interpreted, the kernel adds dbias tiles and each step's dK/dV
-products through registers (`_add_dbias_in_registers`, `common.accumulate`), and one
-program runs an item's batch entries one after another as passes (so that no two
-programs add to one tile), the only places where it differs from the compiled
-kernel.
+products through registers (`_add_dbias_in_registers`, `common.accumulate`), and
+always runs an item's batch entries as passes (so that no two programs add to one
+tile), the only places where it differs from the compiled kernel.
 
 With segment ids (or a mask: its ranges), a unit's query tiles narrow to the rows that
 see its keys, and the steps outside the rows that see every key of the unit whole
@@ -276,7 +274,7 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, bias_ref, mask_ref, slopes_r
         # P and dS: the unit's tiles that both consumers fill (wide), else their own.
         p_tiles, ds_tiles = ((smem["p"], smem["ds"]) if tiles_of.wide
                              else (smem["p"].at[wg], smem["ds"].at[wg]))
-        _consume(problem, tiles_of, wg, unit_of, units, add_dbias, first_entry,
+        _consume(problem, tiles_of, wg, unit_of, units, add_dbias, first_entry, passes,
                  (slopes_ref, dk_ref, dv_ref, dbias_ref, segments, dropout, scale_ref),
                  (q_smem, do_smem, stats_smem, bias_smem, mask_smem,
                   k_smem.at[wg], v_smem.at[wg], p_tiles, ds_tiles),
@@ -284,10 +282,11 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, bias_ref, mask_ref, slopes_r
 
 
 def _consume(problem: Problem, tiles_of: _Tiles, wg, unit_of, units, add_dbias: bool,
-             first_entry: int, refs, buffers, barriers):
+             first_entry: int, passes: int, refs, buffers, barriers):
     """A consumer's loop over its program's units: dK and dV of its 64 keys per unit
     (wide: of the unit's 64 keys, its half of the head dims); dbias tiles from batch
-    entries first_entry on; scale_ref: float16 dS's powers of two (`core.DsScales`
+    entries first_entry on, each pass's additions landed before the next pass's;
+    scale_ref: float16 dS's powers of two (`core.DsScales`
     key_scales) or None."""
     slopes_ref, dk_ref, dv_ref, dbias_ref, segments, dropout, scale_ref = refs
     has_dbias = dbias_ref is not None
@@ -445,6 +444,8 @@ def _consume(problem: Problem, tiles_of: _Tiles, wg, unit_of, units, add_dbias: 
             dk_ref.at[b, keys, kh, dk_cols][...] = (dk * problem.spec.scale).astype(dk_ref.dtype)
             dv_ref.at[b, keys, kh, dv_cols][...] = dv.astype(dv_ref.dtype)
 
+        if copies_dbias and passes > 1:  # additions in the order of the passes
+            as_copier(lambda: plgpu.wait_smem_to_gmem(0))
         return step
 
     lax.fori_loop(0, units, unit, jnp.int32(0))
@@ -531,14 +532,16 @@ def dkdv(problem: Problem, q: jax.Array, k: jax.Array, v: jax.Array, do: jax.Arr
     if ds_scale is not None and bias_grad:
         raise AssertionError(f"{name} scales no dS that is also the bias's gradient")
     # A bias shared by the batch entries gets their dS tiles added into one buffer
-    # (dbias_first, else zeros), a mutable operand of the kernel; the interpreter (no
-    # reduce-add copies) runs an item's batch entries as passes of one program.
+    # (dbias_first, else zeros), a mutable operand of the kernel: by one program running
+    # an item's batch entries as passes (a fixed order of additions; the interpreter,
+    # without reduce-add copies, always), or by concurrent programs (the route's
+    # any_order).
     add_dbias = sums_batch(problem, bias, bias_grad)
     if dbias_first is not None and not (add_dbias and dbias_first.shape == bias.shape):
         raise AssertionError(f"{name} takes dbias_first only for a bias shared by "
                              f"{B} batch entries and of its shape, got {dbias_first.shape} "
                              f"for a bias of shape {bias.shape}")
-    passes = B if add_dbias and problem.interpret else 1
+    passes = B if add_dbias and (problem.interpret or not problem.plan.dbias.any_order) else 1
     first_entry = int(dbias_first is not None)
     dbias_sum = (jax.new_ref(jnp.zeros(bias.shape, bias.dtype) if dbias_first is None
                              else dbias_first) if add_dbias else None)
