@@ -6,7 +6,8 @@ its forward, dK/dV, dQ and (with --bias) dbias kernels, and of the dK/dV kernel
 writing dbias itself where it can (the Mosaic one for either bias, the Triton one
 for a bias per batch entry and head, --bias-per-batch); then one jitted
 forward+backward as `python -m pallas_attn bench` times it (for a per-batch bias
-both ways), so the kernels' sum can be checked against the whole.
+fused and not; for a batch-shared one summed in turn, in no fixed order and by the
+dbias kernel), so the kernels' sum can be checked against the whole.
 
     PYTHONPATH=. python benchmarks/kernel_times.py --head-dim 128 --bias
     PYTHONPATH=. python benchmarks/kernel_times.py --alibi   # or --soft-cap 30
@@ -86,15 +87,22 @@ def main(argv: list[str] | None = None) -> int:
     shape = bench.Shape(args.batch, args.seq_len, args.seq_len, args.heads, args.heads,
                         args.head_dim, args.causal, tuple(features))
     inputs = bench.make_inputs(shape)
-    for fuse in (False, True) if args.bias_per_batch else (None,):
+    # A per-batch bias's dbias both ways; a batch-shared one's summed in turn (the
+    # default), in no fixed order, and by the dbias kernel.
+    variants = {"": pallas_attn.BlockSizes()}
+    if args.bias_per_batch:
+        variants = {f", fuse_dbias={fuse}": pallas_attn.BlockSizes(fuse_dbias=fuse)
+                    for fuse in (False, True)}
+    elif args.bias:
+        variants.update({", deterministic=False": pallas_attn.BlockSizes(deterministic=False),
+                         ", fuse_dbias=False": pallas_attn.BlockSizes(fuse_dbias=False)})
+    for label, block_sizes in variants.items():
         attention = functools.partial(pallas_attn.dot_product_attention,
-                                      implementation="pallas",
-                                      block_sizes=pallas_attn.BlockSizes(fuse_dbias=fuse))
+                                      implementation="pallas", block_sizes=block_sizes)
         step = bench._loss_and_grad(attention, inputs)
         seconds = autotune.time_call(lambda step=step: step(
             inputs["query"], inputs["key"], inputs["value"], inputs["kwargs"].get("bias"),
             inputs["cotangent"]))
-        label = "" if fuse is None else f", fuse_dbias={fuse}"
         print(f"end to end forward+backward{label}: {seconds * 1e3:.3f} ms")
     return 0
 

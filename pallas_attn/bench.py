@@ -461,7 +461,8 @@ def check_shapes(on_device: bool) -> list[Shape]:
               dtype="bfloat16"),
         Shape(2, 1000, 1100, 8, 2, 256, False, (("lengths", 300), ("softcap", 20.0)),
               dtype="float16"),
-        Shape(2, 1024, 1024, 4, 4, 128, True, (("bias", None), ("alibi", None),
+        # Four batch entries sharing a bias: three additions to its gradient, in turn.
+        Shape(4, 1024, 1024, 4, 4, 128, True, (("bias", None), ("alibi", None),
                                                 ("softcap", 20.0)), dtype="bfloat16"),
         Shape(2, 1024, 1024, 4, 4, 64, False, (("dropout", 0.2), ("mask", None)),
               dtype="bfloat16"),
