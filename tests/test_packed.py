@@ -135,14 +135,19 @@ def test_a_document_mask_never_reads_a_poisoned_document(blocks, causal, length)
         np.testing.assert_allclose(got[1], ref[1], atol=scale, rtol=2e-2)
 
 
+DBIAS_BLOCKS = pallas_attn.BlockSizes(block_q=32, block_k=32, block_q_dkv=32,
+                                      block_k_dkv=32, block_q_dq=32, block_k_dq=32,
+                                      block_q_dbias=32, block_k_dbias=32, fuse_dbias=False)
+
+
 @pytest.mark.parametrize(("blocks", "argnums"), [(BLOCKS, (0,)), (MOSAIC, (0, 1, 2))],
                          ids=["triton", "mosaic"])
 def test_whole_tiles_read_no_mask(blocks, argnums, monkeypatch):
     """Tiles inside what a row sees whole (core.mask_ranges' second half) run without the
     mask: told that every row sees every key whole, the kernels ignore the mask's hidden
     entries, and the forward and the gradients give the unmasked result (dK/dV only on
-    Mosaic: the Triton dK/dV kernel reads the mask everywhere). A kernel that read the
-    mask there would hide the entries."""
+    Mosaic: the Triton dK/dV kernel reads the mask everywhere, measured faster). A
+    kernel that read the mask there would hide the entries."""
     from pallas_attn.kernels import core, vjp
 
     def whole(mask, batch, q_len, kv_len, q_pad, kv_pad):
@@ -168,6 +173,54 @@ def test_whole_tiles_read_no_mask(blocks, argnums, monkeypatch):
     for g, w in zip(got, want, strict=True):
         scale = 2e-2 * max(1.0, float(np.abs(w).max()))
         np.testing.assert_allclose(g, w, atol=scale, rtol=2e-2)
+
+
+@pytest.mark.parametrize("hide", ["segments", "mask"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal_ragged"])
+def test_the_dbias_kernel_never_reads_a_poisoned_document(hide, causal):
+    """A bias shared by the heads, its gradient from the Triton dbias kernel: documents of
+    64 given as segment ids or as a mask, NaN keys and values in the last document of
+    batch entry 0. Every other document's output and gradients, the bias's included,
+    equal the reference's: the kernel skips the tiles no row of a member sees (causal
+    ragged: T = 200, query lengths 180 and 150, NaN in the bias's rows past them)."""
+    T = 200 if causal else 256
+    inputs = make_inputs(14, dtype=jnp.float32, B=2, T=T, S=T, N=2, K=1, H=32)
+    q, k, v, ct = inputs["q"], inputs["k"], inputs["v"], inputs["ct"]
+    doc = jnp.arange(T) // 64
+    segments = jnp.broadcast_to(doc, (2, T)).astype(jnp.int32)
+    kw = dict(is_causal=causal)
+    if hide == "segments":
+        kw.update(q_segment_ids=segments)
+    else:
+        kw.update(mask=jnp.broadcast_to(doc[:, None] == doc[None, :], (2, 1, T, T)))
+    lengths = jnp.array([180, 150], jnp.int32) if causal else None
+    bias = jax.random.normal(jax.random.key(4), (2, 1, T, T), jnp.float32)
+    if causal:  # the bias's rows past the query lengths are hidden too
+        bias = bias.at[0, :, 180:].set(jnp.nan).at[1, :, 150:].set(jnp.nan)
+    poisoned = slice(192, T)
+
+    def run(k, v, implementation):
+        def loss(q, k, v, bias):
+            out = pallas_attn.dot_product_attention(
+                q, k, v, bias=bias, query_seq_lengths=lengths, implementation=implementation,
+                **(dict(interpret=True, block_sizes=DBIAS_BLOCKS)
+                   if implementation == "pallas" else {}), **kw)
+            return jnp.sum(out * ct), out
+
+        step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True))
+        (_, out), grads = step(q, k, v, bias)
+        return [np.asarray(x) for x in (out, *grads)]
+
+    plan = pallas_attn.explain(q, k, v, bias=bias, interpret=True, block_sizes=DBIAS_BLOCKS,
+                               query_seq_lengths=lengths, **kw)
+    assert plan.dbias.backend == "triton" and not plan.dbias.fused
+    bad = run(k.at[0, poisoned].set(jnp.nan), v.at[0, poisoned].set(jnp.nan), "pallas")
+    want = run(k, v, "xla")
+    for got, ref in zip(bad[:4], want[:4], strict=True):  # out, dq, dk, dv
+        np.testing.assert_allclose(got[0, :192], ref[0, :192], atol=2e-5, rtol=2e-5)
+        np.testing.assert_allclose(got[1], ref[1], atol=2e-5, rtol=2e-5)
+    np.testing.assert_allclose(bad[4][0, :, :192], want[4][0, :, :192], atol=2e-5, rtol=2e-5)
+    np.testing.assert_allclose(bad[4][1], want[4][1], atol=2e-5, rtol=2e-5)
 
 
 def test_segments_and_a_mask_skip_what_either_hides():

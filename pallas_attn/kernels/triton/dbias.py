@@ -2,7 +2,10 @@
 does not write (broadcast over batch entries, heads or keys: its gradient sums dS
 across programs). Grid over the bias's own tiles; each program recomputes dS for
 every (b, n) pair its entry is broadcast to and sums it over the broadcast axes, in a
-fixed order: bitwise deterministic.
+fixed order: bitwise deterministic. Only the tiles a member's rows can see run
+(`TileRanges.key_tiles`: the causal or window band, the lengths, segment ids and a
+mask's ranges), each with every rule (tiles run whole without ids or mask measured
+slower: docs/decisions.md, "Triton dbias skips the tiles no row sees").
 """
 
 from __future__ import annotations
@@ -28,8 +31,6 @@ def dbias_kernel(*refs, problem: Problem, names: tuple[str, ...]):
     # tiles (if Tb == 1) and key tiles (if Sb == 1) it is broadcast along.
     heads_per = problem.num_heads // Nb
     members = (problem.batch // Bb) * heads_per
-    q_tiles = problem.q_pad // block_q if Tb == 1 else 1
-    k_tiles = problem.kv_pad // block_k if Sb == 1 else 1
     out_q = block_q if Tb > 1 else 1
     out_k = block_k if Sb > 1 else 1
 
@@ -39,24 +40,36 @@ def dbias_kernel(*refs, problem: Problem, names: tuple[str, ...]):
         ctx = TileContext(problem, r, b, n)
         kh = lax.div(n, problem.group)
 
-        def tile_body(step, acc):
-            ti = qt if Tb > 1 else lax.div(step, k_tiles)
-            tj = kt if Sb > 1 else lax.rem(step, k_tiles)
-            q0, k0 = ti * block_q, tj * block_k
+        def row_tile(ti, acc):
+            q0 = ti * block_q
             # Rows and keys past the lengths are zeroed: hidden, they meet no product.
             q = ctx.hide_queries(r["q"][b, pl.ds(q0, block_q), n, :], q0)
             do = ctx.hide_queries(r["do"][b, pl.ds(q0, block_q), n, :], q0)
-            k = ctx.hide_keys(r["k"][b, pl.ds(k0, block_k), kh, :], k0)
-            v = ctx.hide_keys(r["v"][b, pl.ds(k0, block_k), kh, :], k0)
-            _, ds = ctx.score_gradient(q, k, v, do, ctx.row_residuals(q0, block_q), q0, k0,
-                                       True)
-            if Tb == 1:
-                ds = jnp.sum(ds, axis=0, keepdims=True)
-            if Sb == 1:
-                ds = jnp.sum(ds, axis=1, keepdims=True)
-            return acc + ds
+            residuals = ctx.row_residuals(q0, block_q)
 
-        return lax.fori_loop(0, q_tiles * k_tiles, tile_body, acc)
+            def tile_body(tj, acc):
+                k0 = tj * block_k
+                k = ctx.hide_keys(r["k"][b, pl.ds(k0, block_k), kh, :], k0)
+                v = ctx.hide_keys(r["v"][b, pl.ds(k0, block_k), kh, :], k0)
+                _, ds = ctx.score_gradient(q, k, v, do, residuals, q0, k0, True)
+                if Tb == 1:
+                    ds = jnp.sum(ds, axis=0, keepdims=True)
+                if Sb == 1:
+                    ds = jnp.sum(ds, axis=1, keepdims=True)
+                return acc + ds
+
+            # Only the key tiles these rows can see (their band, lengths, segments, the
+            # mask's ranges), every rule applied; a bias with its own keys: this
+            # program's tile, if they see it.
+            first, stop, _, _ = ctx.key_tiles(q0, q0 + block_q, block_k,
+                                              ctx.key_limits(q0, block_q))
+            if Sb > 1:
+                first, stop = jnp.clip(first, kt, kt + 1), jnp.clip(stop, kt, kt + 1)
+            return lax.fori_loop(first, stop, tile_body, acc)
+
+        if Tb > 1:
+            return row_tile(qt, acc)
+        return lax.fori_loop(0, problem.q_pad // block_q, row_tile, acc)
 
     acc = lax.fori_loop(0, members, member_body, jnp.zeros((out_q, out_k), jnp.float32))
     rows = pl.ds(qt * block_q, out_q)
