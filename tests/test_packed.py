@@ -175,8 +175,8 @@ def test_whole_tiles_read_no_mask(blocks, argnums, monkeypatch):
         np.testing.assert_allclose(g, w, atol=scale, rtol=2e-2)
 
 
-@pytest.mark.parametrize("hide", ["segments", "mask"])
-@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal_ragged"])
+@pytest.mark.parametrize(("hide", "causal"), [("segments", False), ("mask", True)],
+                         ids=["segments", "mask-causal_ragged"])
 def test_the_dbias_kernel_never_reads_a_poisoned_document(hide, causal):
     """A bias shared by the heads, its gradient from the Triton dbias kernel: documents of
     64 given as segment ids or as a mask, NaN keys and values in the last document of
