@@ -504,6 +504,10 @@ def check_shapes(on_device: bool) -> list[Shape]:
               dtype="bfloat16"),
         Shape(2, 1000, 1100, 4, 2, 64, False, (("bias_shared_by_heads", None),
                                                 ("softcap", 20.0)), dtype="float16"),
+        # With packed documents its gradient comes from the Triton dbias kernel, which
+        # runs only the tiles a member's rows can see (causal, GQA).
+        Shape(2, 1024, 1024, 8, 2, 128, True, (("bias_shared_by_heads", None),
+                                               ("packed", 4)), dtype="bfloat16"),
         # Attention sinks in the Mosaic forward (causal, d128) and in the Triton kernels
         # with lengths (rows past a query length keep lse = sink).
         Shape(2, 1024, 1024, 4, 4, 128, True, (("sinks", None),), dtype="bfloat16"),
