@@ -197,6 +197,8 @@ def explain(
     triton or xla) and tiles, each followed by the faster backends not taken and why.
     """
     _check_options(implementation, block_sizes, interpret, device)
+    if "return_residual" in kwargs:  # the same kernels either way
+        check_bool("return_residual", kwargs.pop("return_residual"))
     arrays = {"query": query, "key": key, "value": value, "bias": bias, "mask": mask}
     arrays.update({name: x for name, x in kwargs.items()
                    if name not in _STATIC and _is_array_like(x)})

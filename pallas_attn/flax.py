@@ -73,7 +73,7 @@ except ModuleNotFoundError as e:  # flax is an optional dependency
 
 from pallas_attn.api import dot_product_attention
 from pallas_attn.device import on_nvidia_gpu
-from pallas_attn.spec import MAX_KERNEL_HEAD_DIM
+from pallas_attn.spec import MAX_KERNEL_HEAD_DIM, check_bool, static_float, static_int
 
 __all__ = [
     "FlaxFallbackWarning",
@@ -223,7 +223,7 @@ def _fused_attention(
             extras["alibi_slopes"] = jnp.broadcast_to(
                 slopes, batch_shape + slopes.shape[-1:]).reshape(B, -1)
     out = dot_product_attention(
-        query, key, value, bias, mask, is_causal=bool(is_causal),
+        query, key, value, bias, mask, is_causal=is_causal,
         dropout_rate=dropout_rate, dropout_rng=dropout_rng,
         broadcast_dropout=bool(broadcast_dropout), implementation=implementation,
         interpret=interpret, block_sizes=block_sizes, **extras)
@@ -388,7 +388,9 @@ class MultiHeadAttention(nnx.Module):
     one or more new tokens [B, L, F]; their keys and values are appended to the cache
     and they attend causally to everything cached so far. One token attends through
     ``key_value_seq_lengths`` alone (no mask array); a chunk of L > 1 tokens adds an
-    [1, 1, L, max_length] boolean mask of explicit positions.
+    [1, 1, L, max_length] boolean mask of explicit positions. A call that raises leaves
+    the cache as it was; past max_length an eager call raises ValueError and, under jit,
+    the call and every later one return NaN (until init_cache).
 
     Example::
 
@@ -451,6 +453,13 @@ class MultiHeadAttention(nnx.Module):
             added to every row's softmax with no value (GPT-OSS, StreamingLLM).
           rngs: ``params`` for initialisation; ``dropout`` kept when dropout_rate > 0.
         """
+        num_heads = static_int("num_heads", num_heads, 1)
+        if num_kv_heads is not None:
+            num_kv_heads = static_int("num_kv_heads", num_kv_heads, 1)
+        dropout_rate = static_float("dropout_rate", dropout_rate)
+        if not 0.0 <= dropout_rate < 1.0:
+            raise ValueError(f"dropout_rate must be in [0, 1), got {dropout_rate!r}")
+        sinks = check_bool("sinks", sinks)
         self.num_heads = num_heads
         self.num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
         self.in_features = in_features
@@ -505,14 +514,15 @@ class MultiHeadAttention(nnx.Module):
             a bfloat16 model keeps a bfloat16 cache whatever its param_dtype).
           page_size: tokens per page, or None.
         """
+        batch_size = static_int("batch_size", batch_size, 1)
+        max_length = static_int("max_length", max_length, 1)
         self.cache_dtype = dtype
         dtype = dtype or self.dtype or self.param_dtype
         if page_size is None:
             shape = (batch_size, max_length, self.num_kv_heads, self.head_dim)
             self.page_table = nnx.data(None)
         else:
-            if not isinstance(page_size, int) or page_size < 1:
-                raise ValueError(f"page_size must be a positive int, got {page_size!r}")
+            page_size = static_int("page_size", page_size, 1)
             pages = -(-max_length // page_size)
             shape = (batch_size * pages, page_size, self.num_kv_heads, self.head_dim)
             self.page_table = nnx.Cache(
@@ -566,10 +576,12 @@ class MultiHeadAttention(nnx.Module):
         is_causal = self.is_causal
         sinks = None if self.sinks is None else self.sinks[...]
         if decode and self.page_table is not None:
-            return self.out(self._paged_decode(query, key, value, mask, key_value_seq_lengths,
-                                               dropout_rate, sinks))
+            out, state = self._paged_decode(query, key, value, mask, key_value_seq_lengths,
+                                            dropout_rate, sinks)
+            return self.out(self._commit(out, state))
+        state = None
         if decode:
-            key, value, mask, key_value_seq_lengths = self._append_to_cache(
+            key, value, mask, key_value_seq_lengths, state = self._append_to_cache(
                 key, value, mask, key_value_seq_lengths)
             is_causal = False  # causality is in the cache lengths and positions mask
         out = dot_product_attention(
@@ -578,7 +590,19 @@ class MultiHeadAttention(nnx.Module):
             dropout_rate=dropout_rate, dropout_rng=dropout_rng,
             broadcast_dropout=self.broadcast_dropout, implementation=self.implementation,
             interpret=self.interpret, sinks=sinks)
-        return self.out(out)
+        return self.out(out if state is None else self._commit(out, state))
+
+    def _commit(self, out: Array, state: tuple[Array, Array, Array, Any]) -> Array:
+        """Stores a decode call's cache once its attention has run (a call that raises
+        leaves the cache as it was); under jit, a call past the cache's end gives NaN
+        (its keys had nowhere to go), and so does every later one."""
+        keys, values, index, overflow = state
+        self.cached_key.set_value(keys)
+        self.cached_value.set_value(values)
+        self.cache_index[...] = index
+        if overflow is False:
+            return out
+        return jnp.where(overflow, jnp.asarray(jnp.nan, out.dtype), out)
 
     def _paged_decode(self, query: Array, key: Array, value: Array, mask: Array | None,
                       lengths: Array | None, dropout_rate: float, sinks: Array | None) -> Array:
@@ -591,36 +615,42 @@ class MultiHeadAttention(nnx.Module):
             if given:
                 raise ValueError(f"decoding with a paged cache takes no {name}: the cache "
                                  f"lengths say what each token sees")
-        self._follow_compute_dtype(key.dtype)
         table = self.page_table[...]
         B, L = key.shape[:2]
-        capacity = table.shape[1] * self.cached_key.shape[1]
-        lengths = jnp.broadcast_to(self._advance(L, capacity), (B,)).astype(jnp.int32)
-        keys, values = paged_cache_update(self.cached_key[...], self.cached_value[...], key,
-                                          value, table, lengths)
-        self.cached_key[...] = keys
-        self.cached_value[...] = values
-        return paged_attention(query, keys.astype(query.dtype), values.astype(query.dtype),
-                               table, lengths, sinks=sinks, implementation=self.implementation,
-                               interpret=self.interpret)
+        if B != table.shape[0]:
+            raise ValueError(f"decode inputs have batch {B}, the paged cache was made for "
+                             f"batch_size={table.shape[0]}")
+        cached_keys, cached_values = self._cache_in(key.dtype)
+        capacity = table.shape[1] * cached_keys.shape[1]
+        index, overflow = self._advance(L, capacity)
+        lengths = jnp.broadcast_to(index, (B,)).astype(jnp.int32)
+        keys, values = paged_cache_update(cached_keys, cached_values, key, value, table,
+                                          lengths)
+        out = paged_attention(query, keys.astype(query.dtype), values.astype(query.dtype),
+                              table, lengths, sinks=sinks, implementation=self.implementation,
+                              interpret=self.interpret)
+        return out, (keys, values, index, overflow)
 
-    def _follow_compute_dtype(self, dtype: Any) -> None:
-        """A cache whose dtype was not given takes the dtype of the keys it receives."""
-        if self.cache_dtype is None and self.cached_key[...].dtype != dtype:
-            self.cached_key.set_value(self.cached_key[...].astype(dtype))
-            self.cached_value.set_value(self.cached_value[...].astype(dtype))
+    def _cache_in(self, dtype: Any) -> tuple[Array, Array]:
+        """The cached keys and values; a cache whose dtype was not given takes the dtype
+        of the keys it receives."""
+        keys, values = self.cached_key[...], self.cached_value[...]
+        if self.cache_dtype is None and keys.dtype != dtype:
+            keys, values = keys.astype(dtype), values.astype(dtype)
+        return keys, values
 
-    def _advance(self, new: int, capacity: int) -> Array:
-        """Moves the cache index past `new` tokens; returns the new count."""
+    def _advance(self, new: int, capacity: int) -> tuple[Array, Any]:
+        """The cache index past `new` tokens, and whether they overflow the cache: a
+        concrete index (eager use) raises ValueError there, a traced one (under jit)
+        gives a traced flag (False: no overflow possible)."""
         index = self.cache_index[...]
-        try:  # a concrete index (eager use) is checked; under jit an overflow is unchecked
+        try:
             if int(index) + new > capacity:
                 raise ValueError(f"the KV cache holds {capacity} tokens: {int(index)} cached "
                                  f"+ {new} new do not fit")
+            return index + new, False
         except (jax.errors.ConcretizationTypeError, jax.errors.TracerIntegerConversionError):
-            pass
-        self.cache_index[...] = index + new
-        return index + new
+            return index + new, index + new > capacity
 
     def _dropout(self, deterministic: bool | None,
                  rngs: nnx.Rngs | nnx.RngStream | None) -> tuple[float, Array | None]:
@@ -640,8 +670,9 @@ class MultiHeadAttention(nnx.Module):
 
     def _append_to_cache(
         self, key: Array, value: Array, mask: Array | None, lengths: Array | None,
-    ) -> tuple[Array, Array, Array | None, Array]:
-        """Writes [B, L, K, D] keys/values at cache_index; returns what the queries see."""
+    ) -> tuple[Array, Array, Array | None, Array, tuple[Array, Array, Array, Any]]:
+        """[B, L, K, D] keys/values written at cache_index: what the queries see, and the
+        cache state to store (`_commit`)."""
         if self.cached_key is None or self.cached_value is None or self.cache_index is None:
             raise ValueError("the KV cache is not initialised: call init_cache(batch, max_len)")
         B, max_length, K, D = self.cached_key.shape
@@ -649,21 +680,18 @@ class MultiHeadAttention(nnx.Module):
         if key.shape != (B, L, K, D):
             raise ValueError(f"decode inputs give keys {key.shape}, the cache holds "
                              f"[{B}, {max_length}, {K}, {D}]")
-        self._follow_compute_dtype(key.dtype)
+        cached_keys, cached_values = self._cache_in(key.dtype)
         index = self.cache_index[...]
-        self._advance(L, max_length)
+        end, overflow = self._advance(L, max_length)
         zero = jnp.zeros_like(index)  # every start int32, under jax_enable_x64 too
         start = (zero, index, zero, zero)
-        keys = jax.lax.dynamic_update_slice(self.cached_key[...],
-                                            key.astype(self.cached_key[...].dtype), start)
-        values = jax.lax.dynamic_update_slice(self.cached_value[...],
-                                              value.astype(self.cached_value[...].dtype), start)
-        self.cached_key[...] = keys
-        self.cached_value[...] = values
+        keys = jax.lax.dynamic_update_slice(cached_keys, key.astype(cached_keys.dtype), start)
+        values = jax.lax.dynamic_update_slice(cached_values, value.astype(cached_values.dtype),
+                                              start)
         filled = jnp.broadcast_to(index + L, (B,)).astype(jnp.int32)
         lengths = filled if lengths is None else jnp.minimum(filled, lengths)
         if L > 1:  # new token i sits at position index + i and sees keys j <= index + i
             rows = index + jnp.arange(L, dtype=jnp.int32)[:, None]
             causal = (jnp.arange(max_length, dtype=jnp.int32)[None, :] <= rows)[None, None]
             mask = causal if mask is None else jnp.logical_and(mask, causal)
-        return keys, values, mask, lengths
+        return keys, values, mask, lengths, (keys, values, end, overflow)

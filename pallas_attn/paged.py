@@ -73,9 +73,7 @@ def paged_attention(
     q_shape, k_shape, v_shape = (tuple(np.shape(x)) for x in (query, key_cache, value_cache))
     if len(q_shape) != 4:
         raise ValueError(f"query must be [B, T, N, H], got shape {q_shape}")
-    if len(k_shape) != 4 or len(v_shape) != 4 or k_shape[:3] != v_shape[:3]:
-        raise ValueError(f"key_cache and value_cache must be [P, page_size, K, H] and "
-                         f"[P, page_size, K, Hv], got {k_shape} and {v_shape}")
+    _check_caches(k_shape, v_shape)
     B, T, N, H = q_shape
     P, page_size, K, Hk = k_shape
     if Hk != H:
@@ -187,10 +185,26 @@ def paged_cache_update(key_cache: jax.Array, value_cache: jax.Array, new_keys: j
     tokens too (as paged_attention takes it), so token t of sequence b goes to position
     cache_lengths[b] - T + t. Tokens at negative positions are dropped.
     """
+    k_shape, v_shape = tuple(np.shape(key_cache)), tuple(np.shape(value_cache))
+    _check_caches(k_shape, v_shape)
     table = _int_array("page_table", page_table, 2)
     lengths = _int_array("cache_lengths", cache_lengths, 1)
-    B, T = np.shape(new_keys)[:2]
-    page_size = key_cache.shape[1]
+    B = table.shape[0]
+    for name, x, dims, head_dim in (("new_keys", new_keys, "H", k_shape[3]),
+                                    ("new_values", new_values, "Hv", v_shape[3])):
+        shape = tuple(np.shape(x))
+        if len(shape) != 4 or shape[0] != B or shape[2:] != (k_shape[2], head_dim):
+            raise ValueError(f"{name} must be [B, T, K, {dims}] = [{B}, T, {k_shape[2]}, "
+                             f"{head_dim}] (the page table's rows, the cache's heads and head "
+                             f"dim), got shape {shape}")
+    T = np.shape(new_keys)[1]
+    if np.shape(new_values)[1] != T:
+        raise ValueError(f"new_keys and new_values must hold the same tokens, got shapes "
+                         f"{np.shape(new_keys)} and {np.shape(new_values)}")
+    if lengths.shape != (B,):
+        raise ValueError(f"cache_lengths must be [B] with B = {B} (the page table's rows), "
+                         f"got shape {lengths.shape}")
+    page_size = k_shape[1]
     check_concrete_range("page_table", table, 0, key_cache.shape[0] - 1)
     check_concrete_range("cache_lengths", lengths, 0, table.shape[1] * page_size)
     positions = lengths[:, None] - T + jnp.arange(T)[None, :]
@@ -204,6 +218,12 @@ def paged_cache_update(key_cache: jax.Array, value_cache: jax.Array, new_keys: j
     value_cache = value_cache.at[pages, slots].set(new_values.astype(value_cache.dtype),
                                                    mode="drop")
     return key_cache, value_cache
+
+
+def _check_caches(k_shape: tuple[int, ...], v_shape: tuple[int, ...]) -> None:
+    if len(k_shape) != 4 or len(v_shape) != 4 or k_shape[:3] != v_shape[:3]:
+        raise ValueError(f"key_cache and value_cache must be [P, page_size, K, H] and "
+                         f"[P, page_size, K, Hv], got {k_shape} and {v_shape}")
 
 
 def _int_array(name: str, x: Any, ndim: int) -> jax.Array:

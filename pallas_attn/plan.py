@@ -17,6 +17,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import numpy as np
+
 from pallas_attn.device import DeviceInfo
 
 ROLES = ("forward", "dq", "dkdv", "dbias")
@@ -88,6 +90,10 @@ class BlockSizes:
     dq_backend: str | None = None
 
     def __post_init__(self):
+        for field in dataclasses.fields(self):  # NumPy integers (e.g. from a sweep) as ints
+            value = getattr(self, field.name)
+            if isinstance(value, np.integer):
+                object.__setattr__(self, field.name, int(value))
         for role, (bq, bk, warps, stages) in TILE_FIELDS.items():
             for field in (bq, bk):
                 value = getattr(self, field)

@@ -164,6 +164,19 @@ def static_float(name: str, value: Any) -> float:
     return float(value)
 
 
+def static_int(name: str, value: Any, low: int | None = None) -> int:
+    """A Python, NumPy or concrete JAX integer (not a bool) of at least low, as an int,
+    else TypeError / ValueError naming the argument."""
+    _traced(name, value, "int")
+    if _concrete_scalar(value) and jnp.issubdtype(value.dtype, jnp.integer):
+        value = int(value)
+    if isinstance(value, bool | np.bool_) or not isinstance(value, int | np.integer):
+        raise TypeError(f"{name} must be a Python int, got {value!r}")
+    if low is not None and value < low:
+        raise ValueError(f"{name} must be at least {low}, got {value!r}")
+    return int(value)
+
+
 def _as_array(name: str, x: Any) -> jax.Array:
     if isinstance(x, jax.ShapeDtypeStruct):
         raise TypeError(f"{name} must be an array, got a jax.ShapeDtypeStruct (use "

@@ -609,6 +609,11 @@ def test_explain_validates_like_the_op():
         pallas_attn.explain(q, k[:, :, :3], v[:, :, :3])
     with pytest.raises(TypeError, match="block_sizes must be a pallas_attn.BlockSizes"):
         pallas_attn.explain(q, k, v, block_sizes={"block_q": 64})
+    # return_residual changes no kernel: the same plan, and checked as the op checks it.
+    assert str(pallas_attn.explain(q, k, v, return_residual=True)) == str(
+        pallas_attn.explain(q, k, v))
+    with pytest.raises(TypeError, match="return_residual must be a bool"):
+        pallas_attn.explain(q, k, v, return_residual="yes")
 
 
 def test_the_cli_explains_a_problem():

@@ -479,5 +479,116 @@ def test_decoding_contiguous_and_paged_caches_equal_the_causal_forward(page_size
     if page_size:
         with pytest.raises(ValueError, match="paged cache takes no mask"):
             layer(x[:, :1], decode=True, mask=jnp.ones((1, 1, 1, 40), bool))
-        with pytest.raises(ValueError, match="page_size must be a positive int, got 0"):
+        with pytest.raises(ValueError, match="page_size must be at least 1, got 0"):
             layer.init_cache(batch_size=2, max_length=40, page_size=0)
+
+
+# Decoding's edges and the layer's arguments.
+
+
+def _gqa_layer(**kwargs):
+    kwargs = dict(num_kv_heads=2, is_causal=True) | kwargs
+    return paf.MultiHeadAttention(HEADS, 16, rngs=nnx.Rngs(0), **kwargs)
+
+
+@pytest.mark.parametrize("page_size", [None, 4])
+def test_decoding_with_bfloat16_compute_keeps_a_bfloat16_cache(page_size):
+    """dtype=bfloat16 (GQA, sinks): the cache is bfloat16 and decoding (a chunk, then
+    single tokens) equals the full causal forward."""
+    layer = _gqa_layer(sinks=True, dtype=jnp.bfloat16, implementation="xla")
+    layer.sinks[...] = jnp.array([0.5, -1.0, 2.0, 0.0])
+    x = _normal(1, (B, 6, 16))
+    full = layer(x)
+    layer.init_cache(B, 8, page_size=page_size)
+    parts = [layer(x[:, :3], decode=True)] + [layer(x[:, t:t + 1], decode=True)
+                                              for t in range(3, 6)]
+    assert layer.cached_key[...].dtype == layer.cached_value[...].dtype == jnp.bfloat16
+    np.testing.assert_allclose(np.asarray(jnp.concatenate(parts, 1), np.float32),
+                               np.asarray(full, np.float32), atol=2e-2, rtol=2e-2)
+
+
+def test_decoding_keeps_an_explicit_cache_dtype():
+    layer = _gqa_layer(dtype=jnp.bfloat16, implementation="xla")
+    x = _normal(1, (B, 3, 16))
+    full = layer(x)
+    layer.init_cache(B, 4, dtype=jnp.float32)
+    parts = [layer(x[:, t:t + 1], decode=True) for t in range(3)]
+    assert layer.cached_key[...].dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(jnp.concatenate(parts, 1), np.float32),
+                               np.asarray(full, np.float32), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("page_size", [None, 2])
+def test_decoding_past_the_cache_raises_eagerly_and_gives_nan_under_jit(page_size):
+    """Eager: a ValueError. Under nnx.jit (no concrete index to check): NaN, for that
+    call and every later one, never a finite answer computed without the new keys."""
+    x = _normal(1, (B, 5, 16))
+    layer = _gqa_layer(implementation="xla")
+    layer.init_cache(B, 4, page_size=page_size)
+    for t in range(4):
+        layer(x[:, t:t + 1], decode=True)
+    with pytest.raises(ValueError, match="KV cache holds 4 tokens"):
+        layer(x[:, 4:5], decode=True)
+    layer.init_cache(B, 4, page_size=page_size)
+    step = nnx.jit(lambda m, t: m(t, decode=True))
+    for t in range(4):
+        assert np.isfinite(np.asarray(step(layer, x[:, t:t + 1]))).all()
+    assert np.isnan(np.asarray(step(layer, x[:, 4:5]))).all()
+    assert np.isnan(np.asarray(step(layer, x[:, 4:5]))).all()
+
+
+@pytest.mark.parametrize("case", ["contiguous_bad_mask", "paged_wrong_batch"])
+def test_a_decode_call_that_raises_leaves_the_cache_as_it_was(case):
+    """Nothing is written and the index does not move, so the next call decodes at the
+    right position."""
+    layer = _gqa_layer(implementation="xla")
+    x = _normal(1, (B, 2, 16))
+    full = layer(x)
+    if case == "contiguous_bad_mask":
+        layer.init_cache(B, 4)
+        bad, match = dict(inputs_q=x[:, :1], mask=jnp.ones((B, 3, 1, 4), bool)), "mask"
+    else:
+        layer.init_cache(B, 4, page_size=2)
+        bad, match = dict(inputs_q=x[:1, :1]), "decode inputs have batch 1"
+    keys = np.asarray(layer.cached_key[...])
+    with pytest.raises(ValueError, match=match):
+        layer(decode=True, **bad)
+    assert int(layer.cache_index[...]) == 0
+    np.testing.assert_array_equal(np.asarray(layer.cached_key[...]), keys)
+    np.testing.assert_allclose(layer(x[:, :1], decode=True), full[:, :1], atol=1e-5)
+
+
+@pytest.mark.parametrize("kwargs,error,match", [
+    (dict(dropout_rate=-0.5), ValueError, r"dropout_rate must be in \[0, 1\), got -0.5"),
+    (dict(dropout_rate=1.0), ValueError, r"dropout_rate must be in \[0, 1\), got 1.0"),
+    (dict(dropout_rate="0.1"), TypeError, "dropout_rate must be a Python float"),
+    (dict(sinks="no"), TypeError, "sinks must be a bool, got 'no'"),
+    (dict(num_kv_heads=0), ValueError, "num_kv_heads must be at least 1, got 0"),
+    (dict(num_kv_heads=2.0), TypeError, "num_kv_heads must be a Python int, got 2.0"),
+], ids=["negative_dropout", "dropout_one", "dropout_string", "sinks_string",
+        "zero_kv_heads", "float_kv_heads"])
+def test_the_layer_names_a_bad_argument(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        _gqa_layer(**kwargs)
+    with pytest.raises(ValueError, match="num_heads must be at least 1, got 0"):
+        paf.MultiHeadAttention(0, 16, rngs=nnx.Rngs(0))
+
+
+@pytest.mark.parametrize("kwargs,error,match", [
+    (dict(batch_size=B, max_length=8.0), TypeError, "max_length must be a Python int"),
+    (dict(batch_size=0, max_length=8), ValueError, "batch_size must be at least 1, got 0"),
+    (dict(batch_size=B, max_length=8, page_size=True), TypeError,
+     "page_size must be a Python int, got True"),
+], ids=["float_max_length", "zero_batch", "bool_page_size"])
+def test_init_cache_names_a_bad_size(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        _gqa_layer().init_cache(**kwargs)
+    _gqa_layer().init_cache(np.int64(2), np.int32(8), page_size=np.int64(4))  # NumPy ints
+
+
+def test_attention_fn_checks_is_causal_as_the_op_does():
+    q = _normal(0, (1, 4, 2, 8))
+    with pytest.raises(TypeError, match="is_causal must be a bool, got 'no'"):
+        paf.attention_fn(q, q, q, is_causal="no")
+    np.testing.assert_array_equal(paf.attention_fn(q, q, q, is_causal=np.bool_(True)),
+                                  paf.attention_fn(q, q, q, is_causal=True))

@@ -155,6 +155,21 @@ def test_paged_errors_name_the_argument():
     with pytest.raises(ValueError, match="cache_lengths must lie in"):
         pallas_attn.paged_cache_update(k_cache, v_cache, k_cache[:2, :1], v_cache[:2, :1],
                                        table, jnp.array([99, 1]))
+    # The cache update checks the new tokens against the table and the cache (a batch or
+    # head of 1 would otherwise broadcast into every sequence's or head's slots).
+    new = k_cache[:2, :1]  # [B, T=1, K, H]
+    for name, bad in (("new_keys", new[:1]), ("new_keys", jnp.tile(new, (1, 1, 2, 1))),
+                      ("new_keys", new[:, 0]), ("new_keys", new[..., :16]),
+                      ("new_values", v_cache[:2, :1, :, :8])):
+        keys, values = (bad, new) if name == "new_keys" else (new, bad)
+        with pytest.raises(ValueError, match=f"{name} must be \\[B, T, K, H"):
+            pallas_attn.paged_cache_update(k_cache, v_cache, keys, values, table, lengths)
+    with pytest.raises(ValueError, match="new_keys and new_values must hold the same tokens"):
+        pallas_attn.paged_cache_update(k_cache, v_cache, new, k_cache[:2, :2], table, lengths)
+    with pytest.raises(ValueError, match="cache_lengths must be \\[B\\] with B = 2"):
+        pallas_attn.paged_cache_update(k_cache, v_cache, new, new, table, lengths[:1])
+    with pytest.raises(ValueError, match="key_cache and value_cache must be"):
+        pallas_attn.paged_cache_update(k_cache, v_cache[:, :8], new, new, table, lengths)
     odd = jnp.zeros((8, 16, 1, 24))  # a head dim that is no power of two
     with pytest.raises(ValueError, match="needs power-of-two head dims >= 16, got query/key "
                                          "24; use implementation='xla'"):

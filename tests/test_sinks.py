@@ -41,6 +41,11 @@ CASES = {
                                        key_value_seq_lengths=np.array([100, 0]))),
     "decode": (dict(B=3, T=1, S=200, N=4, K=2, H=64),
                dict(key_value_seq_lengths=np.array([200, 50, 0]))),
+    "bottom_right_window_softcap_alibi_gqa": (
+        dict(B=2, T=24, S=40, N=4, K=2, H=64),
+        dict(is_causal=True, causal_alignment="bottom_right", local_window_size=(8, 0),
+             logits_soft_cap=2.0, alibi_slopes=np.array([0.1, 0.3, 0.02, 0.5]),
+             key_value_seq_lengths=np.array([40, 20]))),
 }
 
 

@@ -423,6 +423,15 @@ def test_invalid_block_sizes_fields(field, value):
         pallas_attn.BlockSizes(**{field: value})
 
 
+@pytest.mark.parametrize("field,value", [("block_q", np.int64(64)), ("num_warps", np.int32(4)),
+                                         ("num_stages", np.int64(2))], ids=str)
+def test_block_sizes_take_numpy_integers_as_ints(field, value):
+    blocks = pallas_attn.BlockSizes(**{field: value})
+    assert getattr(blocks, field) == value and type(getattr(blocks, field)) is int
+    with pytest.raises(ValueError, match=rf"BlockSizes\.{field} must be"):
+        pallas_attn.BlockSizes(**{field: value * 5})
+
+
 @pytest.mark.parametrize("value", ["yes", 1, 0.0])
 def test_invalid_fuse_dbias(value):
     with pytest.raises(ValueError, match=r"BlockSizes\.fuse_dbias must be True, False or None"):
