@@ -70,6 +70,9 @@ def paged_attention(
     if implementation is not None and implementation not in IMPLEMENTATIONS:
         raise ValueError(f"implementation must be None or one of {IMPLEMENTATIONS}, got "
                          f"{implementation!r}")
+    if interpret and implementation not in (None, "pallas"):
+        raise ValueError(f"interpret applies to implementation='pallas' (or None), got "
+                         f"{implementation!r}")
     q_shape, k_shape, v_shape = (tuple(np.shape(x)) for x in (query, key_cache, value_cache))
     if len(q_shape) != 4:
         raise ValueError(f"query must be [B, T, N, H], got shape {q_shape}")
@@ -78,14 +81,19 @@ def paged_attention(
     P, page_size, K, Hk = k_shape
     if Hk != H:
         raise ValueError(f"key_cache's head dim {Hk} differs from query's {H}")
-    table = _int_array("page_table", page_table, 2)
-    lengths = _int_array("cache_lengths", cache_lengths, 1)
+    dtypes = tuple(jnp.result_type(x) for x in (query, key_cache, value_cache))
+    if len(set(dtypes)) > 1:
+        raise ValueError(f"query, key_cache and value_cache must share one dtype, got "
+                         f"{', '.join(map(str, dtypes))}")
+    table, lengths = _table_and_lengths(page_table, cache_lengths, P, page_size)
     if table.shape[0] != B or lengths.shape != (B,):
         raise ValueError(f"page_table must be [B, pages_per_seq] and cache_lengths [B] with "
                          f"B = {B}, got {table.shape} and {lengths.shape}")
     capacity = table.shape[1] * page_size
-    check_concrete_range("page_table", table, 0, P - 1)
-    check_concrete_range("cache_lengths", lengths, 0, capacity)
+    if B == 0 or T == 0:  # no query row: nothing to read
+        out = jnp.zeros((B, T, N, v_shape[3]), query.dtype)
+        lse = jnp.full((B, T, N), -jnp.inf, jnp.float32)
+        return (out, lse) if return_residual else out
     # The spec and operands of the equivalent call on the gathered cache.
     gathered = jax.ShapeDtypeStruct((B, capacity, K, H), key_cache.dtype)
     gathered_v = jax.ShapeDtypeStruct((B, capacity, K, v_shape[3]), value_cache.dtype)
@@ -187,11 +195,13 @@ def paged_cache_update(key_cache: jax.Array, value_cache: jax.Array, new_keys: j
     """
     k_shape, v_shape = tuple(np.shape(key_cache)), tuple(np.shape(value_cache))
     _check_caches(k_shape, v_shape)
-    table = _int_array("page_table", page_table, 2)
-    lengths = _int_array("cache_lengths", cache_lengths, 1)
+    key_cache, value_cache = jnp.asarray(key_cache), jnp.asarray(value_cache)
+    table, lengths = _table_and_lengths(page_table, cache_lengths, *k_shape[:2])
     B = table.shape[0]
     for name, x, dims, head_dim in (("new_keys", new_keys, "H", k_shape[3]),
                                     ("new_values", new_values, "Hv", v_shape[3])):
+        if not jnp.issubdtype(jnp.result_type(x), jnp.floating):
+            raise TypeError(f"{name} must have a floating dtype, got {jnp.result_type(x)}")
         shape = tuple(np.shape(x))
         if len(shape) != 4 or shape[0] != B or shape[2:] != (k_shape[2], head_dim):
             raise ValueError(f"{name} must be [B, T, K, {dims}] = [{B}, T, {k_shape[2]}, "
@@ -205,8 +215,6 @@ def paged_cache_update(key_cache: jax.Array, value_cache: jax.Array, new_keys: j
         raise ValueError(f"cache_lengths must be [B] with B = {B} (the page table's rows), "
                          f"got shape {lengths.shape}")
     page_size = k_shape[1]
-    check_concrete_range("page_table", table, 0, key_cache.shape[0] - 1)
-    check_concrete_range("cache_lengths", lengths, 0, table.shape[1] * page_size)
     positions = lengths[:, None] - T + jnp.arange(T)[None, :]
     keep = positions >= 0
     safe = jnp.where(keep, positions, 0)
@@ -224,12 +232,26 @@ def _check_caches(k_shape: tuple[int, ...], v_shape: tuple[int, ...]) -> None:
     if len(k_shape) != 4 or len(v_shape) != 4 or k_shape[:3] != v_shape[:3]:
         raise ValueError(f"key_cache and value_cache must be [P, page_size, K, H] and "
                          f"[P, page_size, K, Hv], got {k_shape} and {v_shape}")
+    if k_shape[1] < 1:
+        raise ValueError(f"key_cache's pages must hold at least one token, got page_size "
+                         f"{k_shape[1]} (key_cache {k_shape})")
 
 
-def _int_array(name: str, x: Any, ndim: int) -> jax.Array:
-    if not hasattr(x, "dtype") or not jnp.issubdtype(x.dtype, jnp.integer):
-        raise TypeError(f"{name} must be an integer array, got {type(x).__name__} "
-                        f"{getattr(x, 'dtype', '')}")
-    if np.ndim(x) != ndim:
-        raise ValueError(f"{name} must have {ndim} dimensions, got shape {np.shape(x)}")
-    return jnp.asarray(x, jnp.int32)
+def _table_and_lengths(page_table: Any, cache_lengths: Any, pages: int, page_size: int
+                       ) -> tuple[jax.Array, jax.Array]:
+    """The page table and cache lengths as int32, their concrete values checked first
+    (page numbers below `pages`, lengths up to the table's tokens): a wider integer
+    converted first could wrap into range."""
+    for name, x, ndim in (("page_table", page_table, 2), ("cache_lengths", cache_lengths, 1)):
+        if not hasattr(x, "dtype") or not jnp.issubdtype(x.dtype, jnp.integer):
+            raise TypeError(f"{name} must be an integer array, got {type(x).__name__} "
+                            f"{getattr(x, 'dtype', '')}")
+        if np.ndim(x) != ndim:
+            raise ValueError(f"{name} must have {ndim} dimensions, got shape {np.shape(x)}")
+    per_sequence = np.shape(page_table)[1]
+    if per_sequence < 1:
+        raise ValueError(f"page_table must name at least one page per sequence, got shape "
+                         f"{np.shape(page_table)}")
+    check_concrete_range("page_table", page_table, 0, pages - 1)
+    check_concrete_range("cache_lengths", cache_lengths, 0, per_sequence * page_size)
+    return jnp.asarray(page_table, jnp.int32), jnp.asarray(cache_lengths, jnp.int32)

@@ -225,12 +225,16 @@ def _broadcast_shape_4d(name: str, x: Any, full: tuple[int, int, int, int]) -> t
 
 
 def _check_lengths(name: str, x: Any, batch: int, bound: int) -> jax.Array:
+    given = x  # checked before any conversion to 32 bits could wrap it
     x = _as_array(name, x)
     _check_int(name, x)
     if _shape(x) != (batch,):
         raise ValueError(f"{name} must have shape [batch] = ({batch},), got {_shape(x)}")
-    check_concrete_range(name, x, 0, bound)
+    check_concrete_range(name, given, 0, bound)
     return jnp.asarray(x, jnp.int32)
+
+
+INT32_RANGE = (-2**31, 2**31 - 1)
 
 
 def check_concrete_range(name: str, x: Any, low: int, high: int) -> None:
@@ -393,8 +397,11 @@ def normalize(
         segs = []
         for name, ids, length in (("q_segment_ids", q_segment_ids, T),
                                   ("kv_segment_ids", kv_segment_ids, S)):
+            given = ids
             ids = _as_array(name, ids)
             _check_int(name, ids)
+            # The kernels compare int32 ids: wider ones must fit, or distinct ids could meet.
+            check_concrete_range(name, given, *INT32_RANGE)
             want = (B, length) if batched else (length,)
             if _shape(ids) != want:
                 raise ValueError(f"{name} must have shape {list(want)}, got {_shape(ids)}")

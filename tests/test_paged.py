@@ -1,7 +1,8 @@
 """paged_attention and paged_cache_update against dot_product_attention on the
 gathered cache: random page orders, ragged lengths, page sizes 16 / 64 / 256, one and
 seven new tokens, GQA, the features it takes; every implementation (the decode kernel
-in the Pallas interpreter)."""
+in the Pallas interpreter). Hidden slots holding NaN change nothing, a visible NaN
+shows, and bad or empty input gets a clear error or an empty result."""
 
 from __future__ import annotations
 
@@ -152,6 +153,12 @@ def test_paged_errors_name_the_argument():
         pallas_attn.paged_attention(q, k_cache, v_cache, table[:1], lengths)
     with pytest.raises(ValueError, match="implementation must be None or one of"):
         pallas_attn.paged_attention(q, k_cache, v_cache, table, lengths, implementation="cudnn")
+    with pytest.raises(ValueError, match="interpret applies to implementation='pallas'"):
+        pallas_attn.paged_attention(q, k_cache, v_cache, table, lengths, implementation="xla",
+                                    interpret=True)
+    with pytest.raises(ValueError, match="query, key_cache and value_cache must share one "
+                                         "dtype, got bfloat16, float32, float32"):
+        pallas_attn.paged_attention(q.astype(jnp.bfloat16), k_cache, v_cache, table, lengths)
     with pytest.raises(ValueError, match="cache_lengths must lie in"):
         pallas_attn.paged_cache_update(k_cache, v_cache, k_cache[:2, :1], v_cache[:2, :1],
                                        table, jnp.array([99, 1]))
@@ -171,8 +178,8 @@ def test_paged_errors_name_the_argument():
     with pytest.raises(ValueError, match="key_cache and value_cache must be"):
         pallas_attn.paged_cache_update(k_cache, v_cache[:, :8], new, new, table, lengths)
     odd = jnp.zeros((8, 16, 1, 24))  # a head dim that is no power of two
-    with pytest.raises(ValueError, match="needs power-of-two head dims >= 16, got query/key "
-                                         "24; use implementation='xla'"):
+    with pytest.raises(ValueError, match="needs power-of-two head dims from 16 to 256, got "
+                                         "query/key 24; use implementation='xla'"):
         pallas_attn.paged_attention(q[..., :24], odd, odd, table, jnp.array([20, 5]),
                                     implementation="pallas", interpret=True)
     # Left to choose, it runs the reference where the kernel cannot.
@@ -181,3 +188,241 @@ def test_paged_errors_name_the_argument():
     with pytest.raises(NotImplementedError, match="forward only"):
         jax.grad(lambda q: jnp.sum(pallas_attn.paged_attention(
             q, k_cache, v_cache, table, lengths)))(q)
+
+
+def _numpy_paged(q, k_cache, v_cache, table, lengths, window=None, sinks=None, slopes=None):
+    """float64 paged attention written out key by key: query t of sequence b at position
+    lengths[b] - T + t sees the keys j <= its position (and inside the window); a key it
+    sees whose key or value is not finite makes its row NaN; hidden keys are never read."""
+    q, k_cache, v_cache = (np.asarray(x, np.float64) for x in (q, k_cache, v_cache))
+    B, T, N, H = q.shape
+    page_size, K, Hv = k_cache.shape[1], k_cache.shape[2], v_cache.shape[3]
+    out, lse = np.zeros((B, T, N, Hv)), np.full((B, T, N), -np.inf)
+    for b in range(B):
+        L = int(lengths[b])
+        for t in range(T):
+            pos = L - T + t
+            keys = [j for j in range(L) if j <= pos
+                    and (window is None or pos - window[0] <= j <= pos + window[1])]
+            for n in range(N):
+                kk = np.stack([k_cache[table[b, j // page_size], j % page_size, n // (N // K)]
+                               for j in keys]) if keys else np.zeros((0, H))
+                vv = np.stack([v_cache[table[b, j // page_size], j % page_size, n // (N // K)]
+                               for j in keys]) if keys else np.zeros((0, Hv))
+                s = kk @ q[b, t, n] / np.sqrt(H)
+                if slopes is not None:
+                    s = s - float(slopes[n]) * np.abs(pos - np.asarray(keys, np.float64))
+                s = np.where(np.isfinite(kk).all(1) & np.isfinite(vv).all(1), s, np.nan)
+                terms = np.append(s, [] if sinks is None else [float(sinks[n])])
+                if not terms.size:
+                    continue
+                m = terms.max()
+                e = np.exp(s - m)
+                total = np.exp(terms - m).sum()
+                out[b, t, n] = (e[:, None] * np.where(np.isfinite(vv), vv, 0)).sum(0) / total
+                if np.isnan(m):
+                    out[b, t, n] = np.nan
+                lse[b, t, n] = m + np.log(total)
+    return out, lse
+
+
+def _random_cache(B, pages, page_size, K, H, seed=0, spare=2):
+    rng = np.random.default_rng(seed)
+    P = B * pages + spare
+    k_cache = rng.standard_normal((P, page_size, K, H)).astype(np.float32)
+    v_cache = rng.standard_normal((P, page_size, K, H)).astype(np.float32)
+    table = rng.permutation(P)[:B * pages].reshape(B, pages).astype(np.int32)
+    return k_cache, v_cache, table
+
+
+def _assert_matches(got, want, atol=2e-5):
+    for g, w, name in zip(got, want, ("out", "lse"), strict=True):
+        g = np.asarray(g, np.float64)
+        np.testing.assert_array_equal(np.isnan(g), np.isnan(w), err_msg=f"{name}: NaN rows")
+        np.testing.assert_array_equal(np.isneginf(g), np.isneginf(w), err_msg=f"{name}: -inf")
+        keep = np.isfinite(w)
+        np.testing.assert_allclose(g[keep], w[keep], atol=atol, rtol=atol, err_msg=name)
+
+
+def _paged(implementation, *args, **kw):
+    return pallas_attn.paged_attention(
+        *(jnp.asarray(x) for x in args), implementation=implementation,
+        interpret=implementation == "pallas", return_residual=True, **kw)
+
+
+# Rules 1, 2 and 4 on a paged cache, against a float64 computation key by key.
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_hidden_nan_pages_and_future_tokens_never_change_a_result(implementation):
+    """Seven new tokens, pages of 16, GQA. NaN keys and inf values in every slot past each
+    sequence's length (the last page's tail and the table's unused pages), NaN in the
+    newest token (seen only by the last row), NaN in a key outside a window: each row
+    equals the float64 result that never reads a hidden key (rule 2), and a NaN that a row
+    sees makes that row NaN (rule 1)."""
+    k_cache, v_cache, table = _random_cache(2, 6, 16, 2, 16)
+    q = np.random.default_rng(1).standard_normal((2, 7, 4, 16)).astype(np.float32)
+    lengths = np.array([37, 5], np.int32)
+    for b in range(2):
+        for j in range(lengths[b], 6 * 16):
+            k_cache[table[b, j // 16], j % 16] = np.nan
+            v_cache[table[b, j // 16], j % 16] = np.inf
+    newest = k_cache.copy()
+    newest[table[0, 36 // 16], 36 % 16, 0] = np.nan  # sequence 0's last token, kv head 0
+    windowed = k_cache.copy()
+    windowed[table[0, 10 // 16], 10 % 16] = np.nan  # outside every row's 8-key window
+    for kc, kw in ((newest, {}), (windowed, {"local_window_size": (8, 0)})):
+        want = _numpy_paged(q, kc, v_cache, table, lengths,
+                            window=kw.get("local_window_size"))
+        got = _paged(implementation, q, kc, v_cache, table, lengths, **kw)
+        _assert_matches(got, want)
+    assert np.isnan(_numpy_paged(q, newest, v_cache, table, lengths)[0][0, -1, :2]).all()
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_nan_in_a_visible_query_sink_or_slope_shows(implementation):
+    """Rule 1 on a paged cache: a NaN query row, sink or ALiBi slope turns exactly the
+    rows that use it NaN; sequences shorter than T keep their empty rows."""
+    k_cache, v_cache, table = _random_cache(2, 3, 16, 1, 16, seed=2)
+    q = np.random.default_rng(3).standard_normal((2, 3, 2, 16)).astype(np.float32)
+    lengths = np.array([40, 2], np.int32)
+    q_nan = q.copy()
+    q_nan[0, 1, 1] = np.nan
+    sinks = np.array([np.nan, 0.5], np.float32)
+    slopes = np.array([0.1, np.nan], np.float32)
+    cases = ((q_nan, {}), (q, {"sinks": sinks}), (q, {"alibi_slopes": slopes}))
+    for query, kw in cases:
+        want = _numpy_paged(query, k_cache, v_cache, table, lengths, sinks=kw.get("sinks"),
+                            slopes=kw.get("alibi_slopes"))
+        assert np.isnan(want[0]).any()
+        _assert_matches(_paged(implementation, query, k_cache, v_cache, table, lengths, **kw),
+                        want)
+
+
+@pytest.mark.parametrize("page_size,pages", [(64, 8), (16, 32)])
+def test_paged_kernel_with_keys_split_over_programs(monkeypatch, page_size, pages):
+    """One sequence of one kv head: the decode kernel splits the 512-key cache over
+    several programs (test_paged's cases all run one); with sinks and a window, and an
+    empty sequence with NaN everywhere in its pages (every split empty: output 0,
+    logsumexp the sink)."""
+    from pallas_attn.kernels.triton import decode
+
+    splits = []
+    forward = decode.forward
+
+    def spy(problem, *args):
+        splits.append(problem.plan.forward.splits)
+        return forward(problem, *args)
+
+    monkeypatch.setattr(decode, "forward", spy)
+    k_cache, v_cache, table = _random_cache(1, pages, page_size, 1, 16, seed=4)
+    q = np.random.default_rng(5).standard_normal((1, 2, 4, 16)).astype(np.float32)
+    sinks = np.array([0.5, -1.0, 2.0, 0.0], np.float32)
+    for lengths, kw in ((np.array([450], np.int32), {"sinks": sinks}),
+                        (np.array([300], np.int32), {"local_window_size": (70, 0)})):
+        want = _numpy_paged(q, k_cache, v_cache, table, lengths,
+                            window=kw.get("local_window_size"), sinks=kw.get("sinks"))
+        _assert_matches(_paged("pallas", q, k_cache, v_cache, table, lengths, **kw), want)
+    poisoned = np.full_like(k_cache, np.nan)
+    out, lse = _paged("pallas", q, poisoned, poisoned, table, np.array([0], np.int32),
+                      sinks=sinks)
+    assert (np.asarray(out) == 0).all()
+    np.testing.assert_array_equal(np.asarray(lse), np.broadcast_to(sinks, (1, 2, 4)))
+    assert min(splits) > 1, splits
+
+
+def test_float16_large_logits_stay_finite():
+    """Rule 4: float16 queries and keys of size ~50 (logits ~1e4 after the scale, products
+    far past float16's 65504 before it) give the float32 reference's results."""
+    k_cache, v_cache, table = _random_cache(1, 4, 16, 1, 64, seed=6)
+    rng = np.random.default_rng(7)
+    q = (rng.standard_normal((1, 1, 2, 64)) * 50).astype(np.float16)
+    k16 = (k_cache * 50).astype(np.float16)
+    v16 = v_cache.astype(np.float16)
+    want = _numpy_paged(q, k16, v16, table, np.array([60]))
+    for implementation in IMPLEMENTATIONS:
+        got = _paged(implementation, q, k16, v16, table, np.array([60], np.int32))
+        assert np.isfinite(np.asarray(got[0], np.float32)).all(), implementation
+        np.testing.assert_allclose(np.asarray(got[0], np.float64), want[0], atol=2e-3,
+                                   err_msg=implementation)
+
+
+# Bad or empty input.
+def test_page_numbers_and_lengths_past_int32_raise():
+    """64-bit page numbers and lengths are range-checked before any conversion to int32,
+    which would wrap 2**32 + 3 to page 3 and a length of 2**32 + 20 to 20."""
+    k_cache, v_cache, table = _random_cache(2, 2, 16, 1, 16)
+    q = jnp.ones((2, 1, 2, 16))
+    lengths = np.array([20, 5], np.int32)
+    wide_table = table.astype(np.int64)
+    wide_table[0, 1] = 2**32 + 3
+    wide_lengths = np.array([2**32 + 20, 5], np.int64)
+    with pytest.raises(ValueError, match="page_table must lie in"):
+        pallas_attn.paged_attention(q, k_cache, v_cache, wide_table, lengths)
+    with pytest.raises(ValueError, match="cache_lengths must lie in"):
+        pallas_attn.paged_attention(q, k_cache, v_cache, table, wide_lengths)
+    new = jnp.ones((2, 1, 1, 16))
+    with pytest.raises(ValueError, match="page_table must lie in"):
+        pallas_attn.paged_cache_update(k_cache, v_cache, new, new, wide_table, lengths)
+    with pytest.raises(ValueError, match="key_value_seq_lengths must lie in"):
+        pallas_attn.dot_product_attention(
+            q[:1], jnp.ones((1, 40, 1, 16)), jnp.ones((1, 40, 1, 16)),
+            key_value_seq_lengths=np.array([2**32 + 5], np.int64))
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.mark.parametrize("empty", ["batch", "tokens"])
+def test_empty_batch_or_tokens_give_empty_results(implementation, empty):
+    """As dot_product_attention: no sequence or no new token gives empty results."""
+    k_cache, v_cache, table = _random_cache(2, 2, 16, 1, 16)
+    q = jnp.ones((2, 1, 2, 16))
+    lengths = np.array([20, 5], np.int32)
+    if empty == "batch":
+        q, table, lengths = q[:0], table[:0], lengths[:0]
+    else:
+        q = q[:, :0]
+    out, lse = _paged(implementation, q, k_cache, v_cache, table, lengths)
+    assert out.shape == q.shape and lse.shape == q.shape[:3]
+
+
+def test_empty_pages_or_tables_name_the_argument():
+    empty = jnp.zeros((4, 0, 1, 16))
+    with pytest.raises(ValueError, match="key_cache's pages must hold at least one token, "
+                                         "got page_size 0"):
+        pallas_attn.paged_attention(jnp.ones((1, 1, 2, 16)), empty, empty,
+                                    jnp.zeros((1, 2), jnp.int32), jnp.zeros((1,), jnp.int32),
+                                    implementation="xla")
+    cache = jnp.zeros((4, 16, 1, 16))
+    with pytest.raises(ValueError, match="page_table must name at least one page per sequence"):
+        pallas_attn.paged_attention(jnp.ones((1, 1, 2, 16)), cache, cache,
+                                    jnp.zeros((1, 0), jnp.int32), jnp.zeros((1,), jnp.int32))
+
+
+def test_the_default_falls_back_for_head_dims_past_the_kernels():
+    """Left to choose, paged_attention runs the reference where the decode kernel cannot
+    take the head dim: no power of two (24, above) or past the kernels' 256."""
+    rng = np.random.default_rng(8)
+    q = jnp.asarray(rng.standard_normal((1, 1, 1, 512)), jnp.float32)
+    cache = jnp.asarray(rng.standard_normal((2, 16, 1, 512)), jnp.float32)
+    table, lengths = jnp.array([[1]], jnp.int32), jnp.array([3], jnp.int32)
+    got = pallas_attn.paged_attention(q, cache, cache, table, lengths, interpret=True)
+    want = pallas_attn.paged_attention(q, cache, cache, table, lengths, implementation="xla")
+    np.testing.assert_allclose(got, want, atol=1e-5)
+
+
+def test_cache_update_takes_floating_new_tokens_only():
+    k_cache, v_cache, table = (jnp.asarray(x) for x in _random_cache(2, 2, 16, 1, 16))
+    new = jnp.ones((2, 1, 1, 16))
+    with pytest.raises(TypeError, match="new_keys must have a floating dtype, got int32"):
+        pallas_attn.paged_cache_update(k_cache, v_cache, new.astype(jnp.int32), new, table,
+                                       np.array([20, 5], np.int32))
+
+
+def test_cache_update_takes_numpy_caches():
+    """As paged_attention does."""
+    k_cache, v_cache, table = _random_cache(2, 2, 16, 1, 16)
+    new = jnp.ones((2, 1, 1, 16))
+    lengths = np.array([20, 5], np.int32)
+    want = pallas_attn.paged_cache_update(jnp.asarray(k_cache), jnp.asarray(v_cache), new, new,
+                                          table, lengths)
+    got = pallas_attn.paged_cache_update(k_cache, v_cache, new, new, table, lengths)
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_array_equal(g, w)

@@ -316,6 +316,9 @@ def test_seq_lengths_out_of_range(fn, name, bound, bad):
     values = [-1, 3] if bad == "negative" else [3, bound + 1]
     _bad(fn, ValueError, rf"{name} must lie in \[0, {bound}\]", Q, KEY, V,
          **{name: jnp.array(values, jnp.int32)})
+    # 64-bit lengths are checked before a conversion to int32 could wrap them into range.
+    _bad(fn, ValueError, rf"{name} must lie in \[0, {bound}\]", Q, KEY, V,
+         **{name: np.array([3, 2**32 + 1], np.int64)})
 
 
 # ----------------------------------------------------------------------------- segments
@@ -332,6 +335,17 @@ def test_q_segment_ids_wrong_shape(fn, shape):
 def test_kv_segment_ids_wrong_shape(fn):
     _bad(fn, ValueError, r"kv_segment_ids must have shape \[2, 12\]", Q, KEY, V,
          q_segment_ids=jnp.zeros((B, T), jnp.int32), kv_segment_ids=jnp.zeros((B, T), jnp.int32))
+
+
+@entry_points
+@pytest.mark.parametrize("which", ["q_segment_ids", "kv_segment_ids"])
+def test_segment_ids_past_int32_are_refused(fn, which):
+    """The kernels compare int32 ids: a 64-bit id converted first would wrap, and 2**32
+    would then meet id 0."""
+    ids = dict(q_segment_ids=np.zeros((B, T), np.int64), kv_segment_ids=np.zeros((B, S), np.int64))
+    ids[which][0, -1] = 2**32
+    _bad(fn, ValueError, rf"{which} must lie in \[-2147483648, 2147483647\], got values from "
+         r"0 to 4294967296", Q, KEY, V, **ids)
 
 
 @entry_points
