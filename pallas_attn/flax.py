@@ -460,6 +460,12 @@ class MultiHeadAttention(nnx.Module):
         if not 0.0 <= dropout_rate < 1.0:
             raise ValueError(f"dropout_rate must be in [0, 1), got {dropout_rate!r}")
         sinks = check_bool("sinks", sinks)
+        is_causal, broadcast_dropout, interpret = (
+            check_bool(name, x) for name, x in (("is_causal", is_causal), (
+                "broadcast_dropout", broadcast_dropout), ("interpret", interpret)))
+        deterministic, decode = (None if x is None else check_bool(name, x)
+                                 for name, x in (("deterministic", deterministic),
+                                                 ("decode", decode)))
         self.num_heads = num_heads
         self.num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
         self.in_features = in_features
@@ -534,9 +540,9 @@ class MultiHeadAttention(nnx.Module):
     def set_view(self, deterministic: bool | None = None, decode: bool | None = None) -> None:
         """For ``nnx.view``: sets the default ``deterministic`` / ``decode`` flags."""
         if deterministic is not None:
-            self.deterministic = deterministic
+            self.deterministic = check_bool("deterministic", deterministic)
         if decode is not None:
-            self.decode = decode
+            self.decode = check_bool("decode", decode)
 
     def __call__(
         self,
@@ -564,7 +570,9 @@ class MultiHeadAttention(nnx.Module):
         Returns:
           [B, L, out_features]. A query row that sees no key gives 0 before ``out``.
         """
-        decode = bool(self.decode) if decode is None else decode
+        decode = bool(self.decode) if decode is None else check_bool("decode", decode)
+        if deterministic is not None:
+            deterministic = check_bool("deterministic", deterministic)
         if decode and inputs_kv is not None:
             raise ValueError("decode=True is self-attention; inputs_kv must be None")
         kv_inputs = inputs_q if inputs_kv is None else inputs_kv

@@ -563,15 +563,19 @@ def test_a_decode_call_that_raises_leaves_the_cache_as_it_was(case):
     (dict(dropout_rate=1.0), ValueError, r"dropout_rate must be in \[0, 1\), got 1.0"),
     (dict(dropout_rate="0.1"), TypeError, "dropout_rate must be a Python float"),
     (dict(sinks="no"), TypeError, "sinks must be a bool, got 'no'"),
+    (dict(decode="no"), TypeError, "decode must be a bool, got 'no'"),
+    (dict(is_causal=1), TypeError, "is_causal must be a bool, got 1"),
     (dict(num_kv_heads=0), ValueError, "num_kv_heads must be at least 1, got 0"),
     (dict(num_kv_heads=2.0), TypeError, "num_kv_heads must be a Python int, got 2.0"),
 ], ids=["negative_dropout", "dropout_one", "dropout_string", "sinks_string",
-        "zero_kv_heads", "float_kv_heads"])
+        "decode_string", "is_causal_int", "zero_kv_heads", "float_kv_heads"])
 def test_the_layer_names_a_bad_argument(kwargs, error, match):
     with pytest.raises(error, match=match):
         _gqa_layer(**kwargs)
     with pytest.raises(ValueError, match="num_heads must be at least 1, got 0"):
         paf.MultiHeadAttention(0, 16, rngs=nnx.Rngs(0))
+    with pytest.raises(TypeError, match="deterministic must be a bool, got 'no'"):
+        _gqa_layer()(_normal(0, (B, 2, 16)), deterministic="no")
 
 
 @pytest.mark.parametrize("kwargs,error,match", [
