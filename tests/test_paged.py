@@ -277,7 +277,7 @@ def test_hidden_nan_pages_and_future_tokens_never_change_a_result(implementation
     assert np.isnan(_numpy_paged(q, newest, v_cache, table, lengths)[0][0, -1, :2]).all()
 
 
-@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.mark.parametrize("implementation", ["pallas", "xla"])  # xla_chunked: test_features
 def test_nan_in_a_visible_query_sink_or_slope_shows(implementation):
     """Rule 1 on a paged cache: a NaN query row, sink or ALiBi slope turns exactly the
     rows that use it NaN; sequences shorter than T keep their empty rows."""
@@ -338,7 +338,7 @@ def test_float16_large_logits_stay_finite():
     k16 = (k_cache * 50).astype(np.float16)
     v16 = v_cache.astype(np.float16)
     want = _numpy_paged(q, k16, v16, table, np.array([60]))
-    for implementation in IMPLEMENTATIONS:
+    for implementation in ("pallas", "xla"):
         got = _paged(implementation, q, k16, v16, table, np.array([60], np.int32))
         assert np.isfinite(np.asarray(got[0], np.float32)).all(), implementation
         np.testing.assert_allclose(np.asarray(got[0], np.float64), want[0], atol=2e-3,
