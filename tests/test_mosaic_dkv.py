@@ -55,8 +55,8 @@ CASES = [
     # step and consumer, queries by keys at d64 too), one per batch entry hiding whole rows
     # under causal GQA.
     ("batch_shared_bias_three_passes_mask_per_batch_causal_gqa_empty_rows",
-     dict(B=3, T=200, S=260, N=4, K=2), (1, 4),
-     dict(is_causal=True, mask=random_mask(8, (3, 1, 200, 260), hidden_rows=(3, 130))), {}),
+     dict(B=3, T=140, S=200, N=4, K=2), (1, 4),
+     dict(is_causal=True, mask=random_mask(8, (3, 1, 140, 200), hidden_rows=(3, 130))), {}),
     # One slot (num_stages_dkv=1).
     ("bottom_right_T>S_H128_no_grad_bias_one_slot", dict(B=2, T=200, S=100, N=2, H=128),
      (1, 2), dict(is_causal=True, causal_alignment="bottom_right"),
@@ -65,9 +65,9 @@ CASES = [
     # per-batch bias's gradient (tiles outside them zero) under causal masking, ragged;
     # a per-batch mask on top (tiles inside the band but not seen whole compare ids and
     # read the mask).
-    ("segments_packed_causal_bias_mask", dict(B=2, T=330, S=330, N=2), (2, 2),
-     dict(is_causal=True, q_segment_ids=np.repeat(np.arange(5), 66)[None].repeat(2, 0),
-          mask=random_mask(8, (2, 1, 330, 330), hidden_rows=(3, 130))), {}),
+    ("segments_packed_causal_bias_mask", dict(B=2, T=200, S=200, N=2), (2, 2),
+     dict(is_causal=True, q_segment_ids=np.repeat(np.arange(5), 40)[None].repeat(2, 0),
+          mask=random_mask(8, (2, 1, 200, 200), hidden_rows=(3, 130))), {}),
     ("wide_Hv256_lengths_dropout_alibi", dict(B=2, T=130, S=200, N=2, H=64, Hv=256), None,
      dict(is_causal=True, query_seq_lengths=np.array([130, 70]),
           key_value_seq_lengths=np.array([150, 200]), dropout_rate=0.2,

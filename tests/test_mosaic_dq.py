@@ -76,9 +76,9 @@ CASES = [
     # Packed documents (each consumer's key tiles narrow to its rows' documents) with
     # three consumers, the first item starting before row 0; a per-batch mask on top
     # (tiles inside the band but not seen whole compare ids and read the mask).
-    ("segments_packed_causal_mask", dict(B=2, T=250, S=250, N=2), None,
-     dict(is_causal=True, q_segment_ids=np.repeat(np.arange(5), 50)[None].repeat(2, 0),
-          mask=random_mask(6, (2, 1, 250, 250), hidden_rows=(3, 130))), {}),
+    ("segments_packed_causal_mask", dict(B=2, T=200, S=200, N=2), None,
+     dict(is_causal=True, q_segment_ids=np.repeat(np.arange(5), 40)[None].repeat(2, 0),
+          mask=random_mask(6, (2, 1, 200, 200), hidden_rows=(3, 130))), {}),
     # Head dim 192 (Hv 64), the wide kernel: items of 64 rows that both consumers share
     # (`config.is_wide`), each with half of every tile's keys and half of dQ's columns;
     # with packed documents, lengths, dropout and ALiBi. (Head dim 256 with a bias tile
