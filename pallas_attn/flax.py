@@ -613,8 +613,10 @@ class MultiHeadAttention(nnx.Module):
         return jnp.where(overflow, jnp.asarray(jnp.nan, out.dtype), out)
 
     def _paged_decode(self, query: Array, key: Array, value: Array, mask: Array | None,
-                      lengths: Array | None, dropout_rate: float, sinks: Array | None) -> Array:
-        """Writes the new keys/values into their pages and attends through the pages."""
+                      lengths: Array | None, dropout_rate: float, sinks: Array | None
+                      ) -> tuple[Array, tuple[Array, Array, Array, Any]]:
+        """Attends through the pages with the new keys/values written into them: the
+        output and the cache state to store (`_commit`)."""
         from pallas_attn.paged import paged_attention, paged_cache_update
 
         for name, given in (("mask", mask is not None), ("key_value_seq_lengths",
