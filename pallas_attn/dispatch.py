@@ -496,15 +496,32 @@ def _fusable(call: Call, dkdv: Route) -> bool:
     return triton.fusable_dbias(shape, batch=call.batch, num_heads=call.num_heads)
 
 
+def _in_turn_too_narrow(call: Call, device: DeviceInfo, overrides: BlockSizes,
+                        dims: tuple[int, int]) -> str:
+    """Why a batch-shared bias's gradient, summed in turn by the Mosaic dK/dV kernel (one
+    batch entry per pass), would leave SMs idle: each pass has fewer work items than the
+    device has SMs, and the separate dbias kernel measured faster there
+    (docs/decisions.md, "Batch-shared dbias summed in turn"); "" where it would not."""
+    if not overrides.deterministic or call.spec.bias_shape[0] != 1 or call.batch == 1:
+        return ""
+    unit = mosaic.dkv_tiles(*dims)[1]
+    items = -(-call.kv_len // unit) * call.num_kv_heads
+    if items >= device.num_multiprocessors:
+        return ""
+    return (f"summed in turn over {call.batch} batch entries, each pass has {items} dK/dV "
+            f"work items for the device's {device.num_multiprocessors} SMs")
+
+
 def _dbias_route(call: Call, device: DeviceInfo, overrides: BlockSizes, interpret: bool,
                  tiles: triton.Tiles, dkdv: Route, dims: tuple[int, int]) -> Route:
     """dbias: written by the dK/dV kernel where it can (fused), else its own kernel.
 
-    Automatic fusion: always where the Mosaic dK/dV kernel can (docs/decisions.md,
+    Automatic fusion: where the Mosaic dK/dV kernel can (docs/decisions.md,
     "dbias fused into the Mosaic dK/dV kernel"), a batch-shared bias's sum in a fixed
-    order unless BlockSizes.deterministic is False; with Triton's where it can and its grid has a
-    program per multiprocessor (summing a broadcast bias's dS inside it measured
-    slower than the dbias kernel)."""
+    order unless BlockSizes.deterministic is False, but for the separate Mosaic dbias
+    kernel where that order's passes are too narrow (`_in_turn_too_narrow`); with
+    Triton's where it can and its grid has a program per multiprocessor (summing a
+    broadcast bias's dS inside it measured slower than the dbias kernel)."""
     shape = call.spec.bias_shape
     fusable = _fusable(call, dkdv)
     if overrides.fuse_dbias and not fusable:
@@ -523,6 +540,11 @@ def _dbias_route(call: Call, device: DeviceInfo, overrides: BlockSizes, interpre
         fused = overrides.fuse_dbias
     elif dkdv.backend == "mosaic":
         fused = fusable
+        reason = _in_turn_too_narrow(call, device, overrides, dims) if fusable else ""
+        if reason and _route("dbias", call, device, overrides, interpret, tiles,
+                             dims).backend == "mosaic":
+            fused = False
+            declined.append(("fused", reason))
     else:
         programs = -(-call.kv_len // dkdv.block_k) * call.batch * call.num_kv_heads
         fused = fusable and programs >= device.num_multiprocessors

@@ -101,6 +101,11 @@ TABLE = {
     # gradient is written by the Mosaic dK/dV kernel.
     "bias_shared": (call(bias_shape=(1, 16, 4096, 4096)), "sm90",
                     ("mosaic", "mosaic", "mosaic", "mosaic-fused")),
+    # A batch-shared bias whose in-turn passes (8 key units x 8 heads) leave SMs idle:
+    # the separate Mosaic dbias kernel; deterministic=False keeps the fused sum.
+    "bias_shared_narrow_passes": (call(bias_shape=(1, 8, 1024, 1024), batch=32, heads=8,
+                                       kv_heads=8, q_len=1024, kv_len=1024), "sm90",
+                                  ("mosaic", "mosaic", "mosaic", "mosaic")),
     "bias_per_batch": (call(bias_shape=(4, 16, 4096, 4096)), "sm90",
                        ("mosaic", "mosaic", "mosaic", "mosaic-fused")),
     "bias_shared_by_heads": (call(bias_shape=(1, 1, 4096, 4096)), "sm90",
@@ -435,6 +440,22 @@ def test_oversized_overrides_are_rejected_before_compiling():
     with pytest.raises(ValueError, match=r"forward_backend='mosaic'.*over the device's 232448"):
         dispatch.plan(call(), device=H100,
                       block_sizes=BlockSizes(forward_backend="mosaic", num_stages=3))
+
+
+def test_narrow_in_turn_passes_take_the_dbias_kernel_unless_any_order():
+    narrow = TABLE["bias_shared_narrow_passes"][0]
+    why = dict(dispatch.plan(narrow, device=H100).dbias.declined)["fused"]
+    assert "32 batch entries, each pass has 64 dK/dV work items" in why
+    any_order = dispatch.plan(narrow, device=H100, block_sizes=BlockSizes(deterministic=False))
+    assert (any_order.dbias.fused, any_order.dbias.any_order) == (True, True)
+    forced = dispatch.plan(narrow, device=H100, block_sizes=BlockSizes(fuse_dbias=True))
+    assert (forced.dbias.fused, forced.dbias.any_order) == (True, False)
+    # Per-batch biases take no passes; one batch entry is one pass.
+    for other in (call(bias_shape=(32, 8, 1024, 1024), batch=32, heads=8, kv_heads=8,
+                       q_len=1024, kv_len=1024),
+                  call(bias_shape=(1, 8, 1024, 1024), batch=1, heads=8, kv_heads=8,
+                       q_len=1024, kv_len=1024)):
+        assert dispatch.plan(other, device=H100).dbias.fused
 
 
 @pytest.mark.parametrize("bias_shape,batch,kv_heads,kv_len,expected", [
