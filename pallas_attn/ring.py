@@ -31,7 +31,7 @@ from pallas_attn import dispatch
 from pallas_attn.plan import BlockSizes
 from pallas_attn.primals import first_order_only, is_perturbed, primal_values
 from pallas_attn.semantics import chunked, reference, scores
-from pallas_attn.spec import AttentionSpec, Operands, check_bool, normalize
+from pallas_attn.spec import AttentionSpec, Operands, check_bool, normalize, static_int
 
 LAYOUTS = ("contiguous", "zigzag")
 RING_IMPLEMENTATIONS = ("pallas", "xla_chunked")
@@ -54,8 +54,11 @@ def unzigzag(x: jax.Array, num_devices: int, axis: int = 1) -> jax.Array:
 
 
 def _chunks(x: jax.Array, num_devices: int, axis: int) -> list[jax.Array]:
-    if not isinstance(num_devices, int) or num_devices < 1:
-        raise ValueError(f"num_devices must be a positive int, got {num_devices!r}")
+    num_devices = static_int("num_devices", num_devices, low=1)
+    axis = static_int("axis", axis)
+    x = jnp.asarray(x)
+    if not -x.ndim <= axis < x.ndim:
+        raise ValueError(f"axis must name one of the array's {x.ndim} axes, got {axis}")
     length = x.shape[axis]
     if length % (2 * num_devices):
         raise ValueError(f"the zigzag layout splits axis {axis} of length {length} into "
@@ -112,8 +115,9 @@ def ring_attention(
     if implementation not in RING_IMPLEMENTATIONS:
         raise ValueError(f"ring_attention's implementation must be None or one of "
                          f"{RING_IMPLEMENTATIONS}, got {implementation!r}")
-    if block_sizes is not None and implementation != "pallas":
-        raise ValueError("block_sizes applies to implementation='pallas' only")
+    if (block_sizes is not None or interpret) and implementation != "pallas":
+        raise ValueError(f"block_sizes and interpret apply to implementation='pallas', "
+                         f"got {implementation!r}")
     try:
         devices = lax.axis_size(axis_name)
     except NameError:
@@ -139,7 +143,9 @@ def ring_attention(
     constants = {name: getattr(ops, name) for name in
                  ("alibi_slopes", "q_segment_ids", "kv_segment_ids", "query_seq_lengths",
                   "key_value_seq_lengths", "dropout_keys") if getattr(ops, name) is not None}
-    out, lse = _ring(ring, ops.query, ops.key, ops.value, ops.sinks, constants)
+    # Through jit: shard_map outside jit takes no custom_vjp with symbolic zeros.
+    out, lse = jax.jit(_ring, static_argnums=0)(ring, ops.query, ops.key, ops.value,
+                                                ops.sinks, constants)
     return reference.finish(out, lse, batched, return_residual)
 
 
@@ -358,10 +364,14 @@ def _ring_bwd(ring: _Ring, residuals, cotangents):
             dkv = _shift(dkv, ring)
     dq = jnp.concatenate(dq, axis=1) if parts > 1 else dq[0]
     dsinks = None
-    if sinks is not None:  # every device's rows, summed around the ring
+    if sinks is not None:
         delta = jnp.einsum("btnh,btnh->bnt", d_out.astype(jnp.float32),
                            out.astype(jnp.float32)) - d_lse
-        dsinks = lax.psum(scores.sink_gradient(sinks, lse, delta), ring.axis_name)
+        dsinks = scores.sink_gradient(sinks, lse, delta)
+        # Every device's rows, summed around the ring where shard_map types them (its
+        # check_vma); unchecked, shard_map's transpose sums a replicated input's part.
+        if ring.axis_name in jax.typeof(q).mat.varying:
+            dsinks = lax.psum(dsinks, ring.axis_name)
     return (dq.astype(q.dtype), dkv[0].astype(k.dtype), dkv[1].astype(v.dtype), dsinks,
             jax.tree.map(lambda _: None, constants))
 

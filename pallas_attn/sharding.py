@@ -77,8 +77,9 @@ def per_shard(fun: Callable[..., Any], labels: Callable[[Any], tuple[Any, Any]],
 
         def summed_over(label: str) -> tuple[str, ...]:
             held = {a for d in label.split() for a in (axes.get(d) or ())}
-            return tuple(a for d in ("b", "n", "k") for a in (axes.get(d) or ())
-                         if a not in held)
+            # KV heads share the query heads' axes: each axis once.
+            return tuple(dict.fromkeys(a for d in ("b", "n", "k") for a in (axes.get(d) or ())
+                                       if a not in held))
 
         def lower(*arrays):
             results = fun(localize(static, arrays), *arrays)

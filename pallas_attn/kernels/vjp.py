@@ -161,7 +161,14 @@ def prepare(spec: AttentionSpec, ops: Operands, plan: Plan):
 def attention(spec: AttentionSpec, ops: Operands, plan: Plan) -> tuple[jax.Array, jax.Array]:
     """Canonical-layout attention through the plan's kernels: (out [B,T,N,Hv], lse [B,N,T])."""
     problem, qp, kp, vp, differentiable, optional = prepare(spec, ops, plan)
-    out, lse = _fused(problem, qp, kp, vp, differentiable, optional)
+    try:
+        out, lse = _fused(problem, qp, kp, vp, differentiable, optional)
+    except NotImplementedError as error:
+        if "symbolic_zeros" not in str(error):
+            raise
+        raise ValueError(
+            "implementation='pallas' inside jax.shard_map needs the shard_map under "
+            "jax.jit (its custom_vjp does not run in shard_map's eager mode)") from None
     T, Hv = ops.query.shape[1], ops.value.shape[-1]
     # Public: -inf for rows that see no key; with sinks, the head's sink (the kernels mark
     # rows past a query length +inf even then, so that the backward skips them).
