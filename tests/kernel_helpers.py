@@ -92,6 +92,12 @@ def make_inputs(seed: int, *, B: int | None = 2, T: int = 17, S: int = 23, N: in
     }
 
 
+def keep_mask(rng: jax.Array, **kwargs: Any) -> np.ndarray:
+    """pallas_attn.dropout_keep_mask(rng, **kwargs) as one jitted program (eagerly, each
+    of its operations would compile on its own), as a NumPy array."""
+    return np.asarray(jax.jit(lambda rng: pallas_attn.dropout_keep_mask(rng, **kwargs))(rng))
+
+
 def random_bias(seed: int, shape: tuple[int, ...], dtype: Any = jnp.float32) -> jax.Array:
     return jnp.asarray(np.random.default_rng(seed).standard_normal(shape), dtype)
 
@@ -179,8 +185,8 @@ def run(implementation: str, inputs: dict, *, bias: jax.Array | None = None,
 
 
 def to_numpy(result: dict) -> dict[str, np.ndarray]:
-    return {name: np.asarray(jnp.asarray(x, jnp.float32), np.float64)
-            for name, x in result.items()}
+    # On the host: an eager conversion would compile a program per shape.
+    return {name: np.asarray(x).astype(np.float64) for name, x in result.items()}
 
 
 def pallas_and_reference(inputs: dict, dtypes: dict | None = None,
@@ -218,7 +224,7 @@ def numpy_attention(q, k, v, ct=None, ct_lse=None, *, bias=None, mask=None, scal
     dsinks with sinks).
     Unbatched [T, N, H] inputs are accepted and the results are unbatched likewise.
     """
-    q, k, v = (np.asarray(jnp.asarray(x, jnp.float32), np.float64) for x in (q, k, v))
+    q, k, v = (np.asarray(x).astype(np.float64) for x in (q, k, v))
     batched = q.ndim == 4
     if not batched:
         q, k, v = q[None], k[None], v[None]
@@ -232,7 +238,7 @@ def numpy_attention(q, k, v, ct=None, ct_lse=None, *, bias=None, mask=None, scal
     x = scale * np.einsum("btnh,bsnh->bnts", q, kq)
     full = (B, N, T, S)
     if bias is not None:
-        x = x + _broadcast_4d(np.asarray(jnp.asarray(bias, jnp.float32), np.float64), full)
+        x = x + _broadcast_4d(np.asarray(bias).astype(np.float64), full)
     off = S - T if causal_alignment == "bottom_right" else 0
     i = np.arange(T)[:, None]
     j = np.arange(S)[None, :]
@@ -282,7 +288,7 @@ def numpy_attention(q, k, v, ct=None, ct_lse=None, *, bias=None, mask=None, scal
     out = np.einsum("bnts,bsnh->btnh", pd, vq)
     result = {"out": out, "lse": np.swapaxes(lse[..., 0], 1, 2)}
     if ct is not None:
-        do = np.asarray(jnp.asarray(ct, jnp.float32), np.float64).reshape(out.shape)
+        do = np.asarray(ct).astype(np.float64).reshape(out.shape)
         dlse = np.zeros((B, N, T, 1))
         if ct_lse is not None:
             dlse = np.swapaxes(np.asarray(ct_lse, np.float64).reshape(B, T, N), 1, 2)[..., None]
@@ -517,16 +523,32 @@ def kernel_backward(dtype: str, shapes: dict, bias_shape: tuple | None, kwargs: 
     bias = (random_bias(3, (*bias_shape, T, S), DTYPES[bias_dtype or dtype])
             if bias_shape is not None else None)
     spec, ops, _ = normalize(inputs["q"], inputs["k"], inputs["v"], bias, **kwargs)
-    problem, q, k, v, differentiable, optional = vjp.prepare(
-        spec, ops, plan_for(spec, ops, block_sizes))
-    operands = {**optional, **differentiable}
-    forward = problem.plan.forward
-    triton_problem = dataclasses.replace(problem, plan=dataclasses.replace(
-        problem.plan, forward=Route("triton", forward.block_q, forward.block_k, 4, 2)))
-    out, row_stats = triton_fwd.forward(triton_problem, q, k, v, operands)
-    do = jax.random.normal(jax.random.key(11), out.shape, out.dtype)
-    delta = jnp.einsum("btnh,btnh->bnt", do.astype(jnp.float32), out.astype(jnp.float32))
-    return KernelBackward(problem, q, k, v, operands, row_stats, do, delta, T, S)
+    plan = plan_for(spec, ops, block_sizes)
+    problems = []
+
+    # One jitted program (the padding, the Triton forward, dO and delta): op by op, every
+    # small operation would compile on its own. The problem depends on shapes alone.
+    # One array for query and key segment ids (self-attention) stays one inside.
+    same_ids = ops.kv_segment_ids is not None and ops.kv_segment_ids is ops.q_segment_ids
+
+    @jax.jit
+    def arrays(ops):
+        if same_ids:
+            ops = ops._replace(kv_segment_ids=ops.q_segment_ids)
+        problem, q, k, v, differentiable, optional = vjp.prepare(spec, ops, plan)
+        problems.append(problem)
+        operands = {**optional, **differentiable}
+        forward = problem.plan.forward
+        triton_problem = dataclasses.replace(problem, plan=dataclasses.replace(
+            problem.plan, forward=Route("triton", forward.block_q, forward.block_k, 4, 2)))
+        out, row_stats = triton_fwd.forward(triton_problem, q, k, v, operands)
+        do = jax.random.normal(jax.random.key(11), out.shape, out.dtype)
+        delta = jnp.einsum("btnh,btnh->bnt", do.astype(jnp.float32), out.astype(jnp.float32))
+        return q, k, v, operands, row_stats, do, delta
+
+    q, k, v, operands, row_stats, do, delta = arrays(
+        ops._replace(kv_segment_ids=None) if same_ids else ops)
+    return KernelBackward(problems[0], q, k, v, operands, row_stats, do, delta, T, S)
 
 
 def check_kernel_gradients(dtype: Any, shapes: dict, bias_shape: tuple | None, kwargs: dict,

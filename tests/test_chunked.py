@@ -215,8 +215,8 @@ def test_dropout_mask_is_the_reference_mask():
     q = jnp.asarray(np.random.default_rng(0).standard_normal((B, T, N, 8)), jnp.float32)
     k = jnp.asarray(np.random.default_rng(1).standard_normal((B, S, N, 8)), jnp.float32)
     v = jnp.broadcast_to(jnp.eye(S)[None, :, None, :], (B, S, N, S))
-    out = pallas_attn.dot_product_attention(q, k, v, implementation="xla_chunked",
-                                            dropout_rate=rate, dropout_rng=key)
+    out = jax.jit(lambda q, k, v, key: pallas_attn.dot_product_attention(
+        q, k, v, implementation="xla_chunked", dropout_rate=rate, dropout_rng=key))(q, k, v, key)
     keep = pallas_attn.dropout_keep_mask(key, batch=B, num_heads=N, q_len=T, kv_len=S,
                                          rate=rate)
     np.testing.assert_array_equal(np.asarray(out).transpose(0, 2, 1, 3) > 0, np.asarray(keep))
@@ -317,10 +317,9 @@ def test_vmap_jit_grad():
 def test_public_api_unbatched_and_residual():
     x = make_inputs(9, B=1, T=300, S=700, N=2, K=2, H=8)
     q, k, v = x["q"][0], x["k"][0], x["v"][0]
-    want = pallas_attn.dot_product_attention(q, k, v, implementation="xla", is_causal=True,
-                                             return_residual=True)
-    got = pallas_attn.dot_product_attention(q, k, v, implementation="xla_chunked",
-                                            is_causal=True, return_residual=True)
+    want, got = (jax.jit(lambda q, k, v, impl=impl: pallas_attn.dot_product_attention(
+        q, k, v, implementation=impl, is_causal=True, return_residual=True))(q, k, v)
+        for impl in ("xla", "xla_chunked"))
     for g, w in zip(got, want, strict=True):
         assert g.shape == w.shape
         np.testing.assert_allclose(g, w, **TOL)

@@ -18,8 +18,6 @@ same dtype; rows that see no key must give output 0, logsumexp -inf and dq 0.
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -31,11 +29,14 @@ from kernel_helpers import (  # no_mosaic_races: an autouse fixture
     assert_fa_rule,
     assert_results_close,
     empty_rows,
+    keep_mask,
     make_inputs,
+    make_runner,
     no_mosaic_races,  # noqa: F401
     oracle,
     random_bias,
     run,
+    to_numpy,
 )
 
 import pallas_attn
@@ -67,8 +68,6 @@ CASES = {
                      dict(mask=True, dropout_rate=0.2)),
     "segments_lengths": ("bfloat16", dict(B=2, T=130, S=130, N=2), None,
                          dict(segments=True, lengths=True)),
-    "float32_mqa": ("float32", dict(B=2, T=70, S=90, N=4, K=1, H=40), None,
-                    dict(is_causal=True)),
 }
 
 
@@ -92,9 +91,7 @@ def _arrays(seed: int, shapes: dict, kwargs: dict) -> tuple[dict, dict]:
 
 
 def _block_sizes(backend: str):
-    return {"triton": TRITON, "mosaic": MOSAIC,
-            "mosaic_forward": dataclasses.replace(TRITON, block_q=128, block_k=64,
-                                                  forward_backend="mosaic")}.get(backend)
+    return {"triton": TRITON, "mosaic": MOSAIC}.get(backend)
 
 
 # The cases the Mosaic backend runs: every feature is in its kernels' own suites
@@ -104,14 +101,14 @@ MOSAIC_CASES = ("bias_shared_by_heads", "mask_dropout")
 
 
 # The cases the blockwise path runs here: test_chunked.py checks its scores, biases, GQA,
-# windows and everything at once against the reference.
-CHUNKED_CASES = ("bottom_right_T>S_empty_rows", "mask_dropout", "segments_lengths",
-                 "float32_mqa")
+# MQA, windows, segment ids and lengths and everything at once against the reference.
+CHUNKED_CASES = ("bottom_right_T>S_empty_rows", "mask_dropout")
 
 
 # The cases the Triton kernels leave to test_kernels.py's bfloat16 and float16 cases
-# against the float64 oracle (test_low_precision_flash_attention_rule: causal, and causal
-# GQA): no feature but the causal mask and the head groups. Every other case runs them.
+# against the float64 oracle (test_low_precision_flash_attention_rule: causal in bfloat16,
+# causal GQA in float16; GQA in bfloat16: test_kernel_features.py's fused dbias case): no
+# feature but the causal mask and the head groups. Every other case runs them.
 TRITON_ELSEWHERE = ("plain_ragged", "causal_gqa")
 
 
@@ -145,9 +142,8 @@ def test_feature(case, backend):
     reference = run("xla", inputs, bias=bias, arrays=arrays, **static)
     keep = None
     if static.get("dropout_rate"):
-        keep = np.asarray(pallas_attn.dropout_keep_mask(
-            arrays["dropout_rng"], batch=shapes["B"], num_heads=shapes["N"],
-            q_len=shapes["T"], kv_len=shapes["S"], rate=static["dropout_rate"]))
+        keep = keep_mask(arrays["dropout_rng"], batch=shapes["B"], num_heads=shapes["N"],
+                         q_len=shapes["T"], kv_len=shapes["S"], rate=static["dropout_rate"])
     exact = oracle(inputs, bias=bias, arrays=arrays, keep=keep, **static)
     if bias is not None:
         assert got["dbias"].shape == bias.shape
@@ -185,22 +181,23 @@ def test_nan_in_a_visible_key_shows_in_every_row_that_sees_it(backend):
     k = inputs["k"].at[0, 3, 0, 5].set(jnp.nan)
     block_sizes = _block_sizes(backend)
     impl = "pallas" if block_sizes is not None else backend
-    out, lse = pallas_attn.dot_product_attention(
-        inputs["q"], k, inputs["v"], implementation=impl, block_sizes=block_sizes,
-        interpret=impl == "pallas", return_residual=True)
+    out, lse = jax.jit(lambda q, k, v: pallas_attn.dot_product_attention(
+        q, k, v, implementation=impl, block_sizes=block_sizes, interpret=impl == "pallas",
+        return_residual=True))(inputs["q"], k, inputs["v"])
     out, lse = np.asarray(out.astype(jnp.float32)), np.asarray(lse)
     assert np.isnan(out[0, :, 0]).all() and np.isnan(lse[0, :, 0]).all()
     assert np.isfinite(out[1]).all() and np.isfinite(lse[1]).all()
 
 
-@pytest.mark.parametrize("backend", ("xla", "xla_chunked", "triton", "mosaic_forward",
-                                     "mosaic"))
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_nan_past_the_lengths_never_reaches_a_result(backend):
     """Keys and values past key_value_seq_lengths and queries past query_seq_lengths
     hold NaN (unwritten cache memory): the output, logsumexp and every gradient equal
     those of clean inputs, bit for bit where nothing is hidden. The Mosaic kernels
     (16-bit inputs) read whole tiles: the positions past the lengths are zeroed
-    before them, dO's too."""
+    before them, dO's too. (The Mosaic forward ahead of the Triton backward kernels:
+    each kernel is checked here, the forward in the mosaic case, the backward kernels in
+    the triton case.)"""
     shapes = dict(B=2, T=100, S=140, N=1, H=64)
     dtype = jnp.bfloat16 if backend.startswith("mosaic") else jnp.float32
     inputs = make_inputs(12, dtype=dtype, **shapes)
@@ -213,8 +210,12 @@ def test_nan_past_the_lengths_never_reaches_a_result(backend):
     block_sizes = _block_sizes(backend)
     impl = "pallas" if block_sizes is not None else backend
     extra = {} if block_sizes is None else dict(block_sizes=block_sizes)
-    got = run(impl, dirty, arrays=arrays, is_causal=True, **extra)
-    clean = run(impl, inputs, arrays=arrays, is_causal=True, **extra)
+    step = make_runner(impl, is_causal=True, **extra)  # one program for both inputs
+
+    def results(x):
+        return to_numpy(step(x["q"], x["k"], x["v"], x["ct"], x["ct_lse"], arrays=arrays))
+
+    got, clean = results(dirty), results(inputs)
     for name in got:
         np.testing.assert_allclose(got[name], clean[name], atol=1e-6, rtol=1e-6,
                                    err_msg=f"{backend} {name}")

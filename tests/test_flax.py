@@ -218,13 +218,19 @@ def test_rope_matches_flax_dot_product_attention_with_rope():
     fused = nnx.MultiHeadAttention(**common, rngs=nnx.Rngs(0), attention_fn=functools.partial(
         paf.attention_fn, rope=rope))
     x = _normal(1, (B, T, F))
-    expected = ref(x, is_causal=True)
-    _assert_trees_close(fused(x, is_causal=True), expected)
-    # Explicit positions ([T] or [B, T]); flax 0.12.12's own function fails on both.
-    _assert_trees_close(fused(x, is_causal=True, input_positions=jnp.arange(T)), expected)
-    shifted = fused(x, is_causal=True, input_positions=jnp.arange(3, 3 + T))
-    per_batch = fused(x, is_causal=True,
-                      input_positions=jnp.broadcast_to(jnp.arange(3, 3 + T), (B, T)))
+
+    @nnx.jit  # one program (eagerly, each small operation would compile on its own)
+    def outputs(ref, fused):
+        # Explicit positions ([T] or [B, T]); flax 0.12.12's own function fails on both.
+        return (ref(x, is_causal=True), fused(x, is_causal=True),
+                fused(x, is_causal=True, input_positions=jnp.arange(T)),
+                fused(x, is_causal=True, input_positions=jnp.arange(3, 3 + T)),
+                fused(x, is_causal=True,
+                      input_positions=jnp.broadcast_to(jnp.arange(3, 3 + T), (B, T))))
+
+    expected, got, positioned, shifted, per_batch = outputs(ref, fused)
+    _assert_trees_close(got, expected)
+    _assert_trees_close(positioned, expected)
     _assert_trees_close(per_batch, shifted)
 
 
@@ -264,7 +270,8 @@ def test_module_padding_by_lengths_matches_mask():
     x = _normal(1, (B, T, F))
     lengths = jnp.array([T, 5])
     mask = (jnp.arange(T)[None, :] < lengths[:, None])[:, None, None, :]
-    _assert_trees_close(layer(x, key_value_seq_lengths=lengths), layer(x, mask=mask))
+    both = nnx.jit(lambda m: (m(x, key_value_seq_lengths=lengths), m(x, mask=mask)))
+    _assert_trees_close(*both(layer))
 
 
 class _TinyLM(nnx.Module):
@@ -311,7 +318,7 @@ def test_jitted_training_step_decreases_loss():
 def test_decode_with_cache_matches_full_causal_forward():
     layer = paf.MultiHeadAttention(4, F, num_kv_heads=2, is_causal=True, rngs=nnx.Rngs(0))
     x = _normal(1, (B, 12, F))
-    full = layer(x)
+    full = nnx.jit(lambda m, x: m(x))(layer, x)
     decode = nnx.jit(lambda m, t: m(t, decode=True))
     # Token by token.
     layer.init_cache(B, 12)
@@ -469,7 +476,7 @@ def test_decoding_contiguous_and_paged_caches_equal_the_causal_forward(page_size
                                                 sinks=True, param_dtype=jnp.bfloat16,
                                                 rngs=nnx.Rngs(0))
     x = jax.random.normal(jax.random.key(1), (2, 8, 32), jnp.float32)
-    full = layer(x)
+    full = nnx.jit(lambda m, x: m(x))(layer, x)
     layer.init_cache(batch_size=2, max_length=40, page_size=page_size)
     step = nnx.jit(lambda layer, x: layer(x, decode=True))
     parts = [step(layer, x[:, :5])] + [step(layer, x[:, t:t + 1]) for t in range(5, 8)]
@@ -498,10 +505,10 @@ def test_decoding_with_bfloat16_compute_keeps_a_bfloat16_cache(page_size):
     layer = _gqa_layer(sinks=True, dtype=jnp.bfloat16, implementation="xla")
     layer.sinks[...] = jnp.array([0.5, -1.0, 2.0, 0.0])
     x = _normal(1, (B, 6, 16))
-    full = layer(x)
+    full = nnx.jit(lambda m, x: m(x))(layer, x)
     layer.init_cache(B, 8, page_size=page_size)
-    parts = [layer(x[:, :3], decode=True)] + [layer(x[:, t:t + 1], decode=True)
-                                              for t in range(3, 6)]
+    step = nnx.jit(lambda m, t: m(t, decode=True))  # eager: test_decode_matches_flax_decode
+    parts = [step(layer, x[:, :3])] + [step(layer, x[:, t:t + 1]) for t in range(3, 6)]
     assert layer.cached_key[...].dtype == layer.cached_value[...].dtype == jnp.bfloat16
     np.testing.assert_allclose(np.asarray(jnp.concatenate(parts, 1), np.float32),
                                np.asarray(full, np.float32), atol=2e-2, rtol=2e-2)
@@ -510,9 +517,10 @@ def test_decoding_with_bfloat16_compute_keeps_a_bfloat16_cache(page_size):
 def test_decoding_keeps_an_explicit_cache_dtype():
     layer = _gqa_layer(dtype=jnp.bfloat16, implementation="xla")
     x = _normal(1, (B, 3, 16))
-    full = layer(x)
+    full = nnx.jit(lambda m, x: m(x))(layer, x)
     layer.init_cache(B, 4, dtype=jnp.float32)
-    parts = [layer(x[:, t:t + 1], decode=True) for t in range(3)]
+    step = nnx.jit(lambda m, t: m(t, decode=True))
+    parts = [step(layer, x[:, t:t + 1]) for t in range(3)]
     assert layer.cached_key[...].dtype == jnp.float32
     np.testing.assert_allclose(np.asarray(jnp.concatenate(parts, 1), np.float32),
                                np.asarray(full, np.float32), atol=2e-2, rtol=2e-2)

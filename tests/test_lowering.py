@@ -34,11 +34,11 @@ CASES = {
         query_seq_lengths=jnp.array([3, 4]), key_value_seq_lengths=jnp.array([100, 0]),
         q_segment_ids=jnp.zeros((2, 256), jnp.int32), mask=jnp.ones((2, 1, 256, 256), bool),
         dropout_rate=0.1, dropout_rng=jax.random.key(0), broadcast_dropout=True),
-    "bias_full": dict(bias=jnp.ones((2, 4, 256, 256), jnp.bfloat16)),
     "bias_heads_keys": dict(bias=jnp.ones((1, 4, 1, 256), jnp.float32), is_causal=True),
     "bias_queries": dict(bias=jnp.ones((1, 1, 256, 1), jnp.float32)),
     # dbias written by the dK/dV kernel: a bfloat16 bias per batch entry and head under
-    # causal masking with dropout, and a float32 per-key bias summed over rows (GQA).
+    # causal masking with dropout (on sm90 every role Mosaic, as for such a bias alone),
+    # and a float32 per-key bias summed over rows (GQA).
     "bias_fused_per_batch": dict(bias=jnp.ones((2, 4, 256, 256), jnp.bfloat16),
                                  is_causal=True, dropout_rate=0.1,
                                  dropout_rng=jax.random.key(0),
@@ -48,18 +48,14 @@ CASES = {
                                 block_sizes=pallas_attn.BlockSizes(fuse_dbias=True)),
     # With a bias: a float32 one per batch entry with float16 inputs and a boolean mask
     # per head (64-key tiles: the mask's int8 tiles in 64-byte rows; one bias per head
-    # under a soft cap: mosaic_dbias_softcap_gqa's forward).
+    # under a soft cap: mosaic_dq_bias_softcap_alibi's forward).
     "mosaic_float32_bias_float16_mask_block_k64": dict(
         dtype=jnp.float16, H=128, is_causal=True,
         bias=jnp.ones((2, 1, 256, 256), jnp.float32), mask=jnp.ones((1, 4, 256, 256), bool),
         block_sizes=dataclasses.replace(_MOSAIC, block_k=64)),
-    # The Hopper dbias kernel (a bias shared by batch entries or heads): with the Mosaic
-    # forward under a soft cap (GQA, ragged), and a float32 bias shared by every head
-    # and batch entry at d64 with float16 inputs, causal, behind the Triton forward.
-    "mosaic_dbias_softcap_gqa": dict(H=128, T=200, S=300, K=2,
-                                     bias=jnp.ones((1, 4, 200, 300), jnp.bfloat16),
-                                     logits_soft_cap=20.0,
-                                     block_sizes=dataclasses.replace(_MOSAIC, **_MOSAIC_DBIAS)),
+    # The Hopper dbias kernel: a float32 bias shared by every head and batch entry at d64
+    # with float16 inputs, causal. (A bfloat16 bias shared by the batch entries under a
+    # soft cap, GQA, ragged: mosaic_dq_bias_softcap_alibi, with ALiBi.)
     "mosaic_dbias_float32_bias_h64": dict(dtype=jnp.float16, is_causal=True,
                                           bias=jnp.ones((1, 1, 256, 256), jnp.float32),
                                           block_sizes=pallas_attn.BlockSizes(

@@ -128,13 +128,13 @@ def test_a_bias_without_the_mosaic_dbias_kernel_runs():
     """Without a bias, or with a per-batch bias whose dbias the dK/dV kernel writes,
     dbias_backend='mosaic' has nothing to do and is no error."""
     inputs = make_inputs(2, B=2, T=16, S=16, N=1, H=64, dtype=jnp.bfloat16)
-    out = pallas_attn.dot_product_attention(inputs["q"], inputs["k"], inputs["v"],
-                                            interpret=True, block_sizes=MOSAIC_DBIAS)
+    out = jax.jit(lambda q, k, v: pallas_attn.dot_product_attention(
+        q, k, v, interpret=True, block_sizes=MOSAIC_DBIAS))(inputs["q"], inputs["k"], inputs["v"])
     blocks = dataclasses.replace(MOSAIC_DBIAS, fuse_dbias=True)
     bias = jnp.zeros((2, 1, 16, 16), jnp.float32)
-    dbias = jax.grad(lambda b: pallas_attn.dot_product_attention(
+    dbias = jax.jit(jax.grad(lambda b: pallas_attn.dot_product_attention(
         inputs["q"], inputs["k"], inputs["v"], b, interpret=True, block_sizes=blocks,
-        mask=jnp.ones((1, 1, 16, 16), bool)).astype(jnp.float32).sum())(bias)
+        mask=jnp.ones((1, 1, 16, 16), bool)).astype(jnp.float32).sum()))(bias)
     assert out.shape == inputs["q"].shape and dbias.shape == bias.shape
 
 

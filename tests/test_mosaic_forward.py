@@ -29,6 +29,7 @@ from kernel_helpers import (  # no_mosaic_races: an autouse fixture
     assert_needs_hopper,
     assert_results_close,
     empty_rows,
+    keep_mask,
     make_inputs,
     no_mosaic_races,  # noqa: F401
     oracle,
@@ -67,25 +68,17 @@ CASES = [
     # bottom-right causal with T > S (rows that see no key).
     ("H256_causal_output_staged_in_q", dict(B=1, T=260, S=200, N=2, H=200, Hv=256),
      dict(is_causal=True, causal_alignment="bottom_right"), {}),
-    # Soft cap: a large cap over a window (a small one under causal masking:
-    # three_consumers_..., below).
-    ("soft_cap_large_window", dict(B=1, T=140, S=300, N=1, H=64),
-     dict(logits_soft_cap=50.0, local_window_size=(60, 60)), dict(block_k=128)),
     # Unsorted segment ids of their own for queries and keys (nothing skipped, every tile
     # compared), T < S with a bias.
     ("segments_unsorted_bias_T<S", dict(B=1, T=140, S=260, N=2, H=64),
      dict(q_segment_ids=np.random.default_rng(1).integers(0, 3, (1, 140)),
           kv_segment_ids=np.random.default_rng(2).integers(0, 3, (1, 260)),
           bias=((1, 2, 140, 260), None)), dict(block_k=128)),
-    # A bias (natural-unit scores, loaded into registers per key tile): one per batch
-    # entry in the inputs' dtype, with causal masking and a soft cap on top; one per
-    # head, shared by the batch entries, over ragged lengths; and rows with extreme
-    # biases: far below zero, -inf everywhere (no visible key) or every third key.
-    ("bias_per_batch_causal_soft_cap", dict(B=2, T=200, S=140, N=2, H=64),
-     dict(bias=((2, 1, 200, 140), None), is_causal=True, logits_soft_cap=5.0),
-     dict(block_k=128)),
-    ("bias_per_head_ragged", dict(B=2, T=130, S=200, N=2, H=64),
-     dict(bias=((1, 2, 130, 200), "float32")), {}),
+    # A bias (natural-unit scores, loaded into registers per key tile) in float32 with
+    # rows of extreme biases: far below zero, -inf everywhere (no visible key) or every
+    # third key. (One per batch entry, shared by the heads, under causal masking:
+    # test_features.py's bias_shared_by_heads on the Mosaic backend; one per head in the
+    # inputs' dtype with a soft cap on top: the cases above and below.)
     ("bias_extreme_rows", dict(B=1, T=140, S=150, N=2, H=64),
      dict(bias=((1, 2, 140, 150), "extreme")), {}),
     # ALiBi (an iota term with the head's slope, read from global memory per item):
@@ -155,11 +148,11 @@ def _with_keep_mask(kwargs: dict, shapes: dict) -> dict:
     if "dropout_rng" not in kwargs:
         return kwargs
     kwargs = dict(kwargs)
-    keep = pallas_attn.dropout_keep_mask(
+    keep = keep_mask(
         kwargs.pop("dropout_rng"), batch=shapes["B"], num_heads=shapes["N"],
         q_len=shapes["T"], kv_len=shapes["S"], rate=kwargs["dropout_rate"],
         broadcast_batch_heads=kwargs.get("broadcast_dropout", False))
-    return dict(kwargs, keep=np.asarray(keep))
+    return dict(kwargs, keep=keep)
 
 
 @pytest.mark.parametrize("dtype,shapes,kwargs,blocks", alternate_dtypes(CASES))

@@ -6,6 +6,8 @@ shows, and bad or empty input gets a clear error or an empty result."""
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -18,13 +20,18 @@ pytestmark = pytest.mark.timeout(300)
 IMPLEMENTATIONS = ("pallas", "xla", "xla_chunked")
 
 
+# One jitted program (eagerly, the sampler compiles for every new shape on its own).
+@functools.partial(jax.jit, static_argnames=("shape", "seed"))
+def _normal_pair(shape, seed):
+    ks = jax.random.split(jax.random.key(seed), 2)
+    return tuple(jax.random.normal(key, shape, jnp.float32) for key in ks)
+
+
 def _cache(page_size, pages_per_seq, B, K, H, seed=0, spare=3):
     """Caches of B * pages_per_seq + spare pages, each sequence's pages in random order."""
     rng = np.random.default_rng(seed)
     P = B * pages_per_seq + spare
-    ks = jax.random.split(jax.random.key(seed), 2)
-    k_cache = jax.random.normal(ks[0], (P, page_size, K, H), jnp.float32)
-    v_cache = jax.random.normal(ks[1], (P, page_size, K, H), jnp.float32)
+    k_cache, v_cache = _normal_pair((P, page_size, K, H), seed)
     table = jnp.asarray(rng.permutation(P)[:B * pages_per_seq].reshape(B, pages_per_seq),
                         jnp.int32)
     return k_cache, v_cache, table
@@ -95,9 +102,7 @@ def test_paged_equals_the_op_on_the_gathered_cache(case):
     lengths = jnp.array(c["lengths"], jnp.int32)
     want_out, want_lse = _expected(q, k_cache, v_cache, table, lengths, **kw)
     for implementation in _implementations(case):
-        out, lse = pallas_attn.paged_attention(
-            q, k_cache, v_cache, table, lengths, implementation=implementation,
-            interpret=implementation == "pallas", return_residual=True, **kw)
+        out, lse = _paged(implementation, q, k_cache, v_cache, table, lengths, **kw)
         np.testing.assert_allclose(out, want_out, atol=2e-5, rtol=2e-5, err_msg=implementation)
         np.testing.assert_array_equal(np.isinf(lse), np.isinf(want_lse), err_msg=implementation)
         np.testing.assert_allclose(np.where(np.isinf(lse), 0, lse),
@@ -244,10 +249,16 @@ def _assert_matches(got, want, atol=2e-5):
         np.testing.assert_allclose(g[keep], w[keep], atol=atol, rtol=atol, err_msg=name)
 
 
-def _paged(implementation, *args, **kw):
-    return pallas_attn.paged_attention(
-        *(jnp.asarray(x) for x in args), implementation=implementation,
-        interpret=implementation == "pallas", return_residual=True, **kw)
+def _paged(implementation, *args, eager=False, **kw):
+    """paged_attention, under jax.jit unless eager (op by op, every small operation
+    compiles on its own; eager calls of every implementation: test_empty_batch_or_tokens_
+    give_empty_results, test_paged_errors_name_the_argument, test_sinks.py)."""
+    def paged(*args):
+        return pallas_attn.paged_attention(
+            *args, implementation=implementation, interpret=implementation == "pallas",
+            return_residual=True, **kw)
+
+    return (paged if eager else jax.jit(paged))(*(jnp.asarray(x) for x in args))
 
 
 # Rules 1, 2 and 4 on a paged cache, against a float64 computation key by key.
@@ -379,7 +390,7 @@ def test_empty_batch_or_tokens_give_empty_results(implementation, empty):
         q, table, lengths = q[:0], table[:0], lengths[:0]
     else:
         q = q[:, :0]
-    out, lse = _paged(implementation, q, k_cache, v_cache, table, lengths)
+    out, lse = _paged(implementation, q, k_cache, v_cache, table, lengths, eager=True)
     assert out.shape == q.shape and lse.shape == q.shape[:3]
 
 
@@ -403,8 +414,9 @@ def test_the_default_falls_back_for_head_dims_past_the_kernels():
     q = jnp.asarray(rng.standard_normal((1, 1, 1, 512)), jnp.float32)
     cache = jnp.asarray(rng.standard_normal((2, 16, 1, 512)), jnp.float32)
     table, lengths = jnp.array([[1]], jnp.int32), jnp.array([3], jnp.int32)
-    got = pallas_attn.paged_attention(q, cache, cache, table, lengths, interpret=True)
-    want = pallas_attn.paged_attention(q, cache, cache, table, lengths, implementation="xla")
+    got = jax.jit(lambda *args: pallas_attn.paged_attention(*args, interpret=True))(
+        q, cache, cache, table, lengths)
+    want = _paged("xla", q, cache, cache, table, lengths)[0]
     np.testing.assert_allclose(got, want, atol=1e-5)
 
 

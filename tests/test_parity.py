@@ -312,7 +312,7 @@ def test_float64_under_x64_in_the_jnp_paths():
                                                         local_window_size=(9, 2),
                                                         implementation=impl)
                 return jnp.sum(out * ct)
-            return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+            return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
 
         for x, y in zip(grads("xla_chunked"), grads("xla"), strict=True):
             assert x.dtype == jnp.float64

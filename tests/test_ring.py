@@ -5,6 +5,7 @@ takes, four CPU devices (tests/conftest.py), the kernels in the Pallas interpret
 
 from __future__ import annotations
 
+import functools
 import re
 
 import jax
@@ -25,6 +26,8 @@ def _mesh(devices=DEVICES):
     return jax.make_mesh((devices,), ("sp",), axis_types=(AxisType.Auto,))
 
 
+# One jitted program (eagerly, the sampler compiles for every new shape on its own).
+@functools.partial(jax.jit, static_argnames=("B", "T", "N", "K", "H", "Hv", "seed"))
 def _inputs(B=2, T=64, N=4, K=2, H=16, Hv=16, seed=0):
     ks = jax.random.split(jax.random.key(seed), 4)
     q = jax.random.normal(ks[0], (B, T, N, H), jnp.float32)
@@ -35,8 +38,9 @@ def _inputs(B=2, T=64, N=4, K=2, H=16, Hv=16, seed=0):
 
 
 FEATURES = {
-    "plain_softcap": lambda B, T: dict(logits_soft_cap=3.0, scale=0.5),
-    "window_alibi": lambda B, T: dict(local_window_size=(13, 4), alibi_slopes=jnp.array(
+    # No causal mask and no window: every block visible, keys ahead of the queries too
+    # (ALiBi's distance from either side).
+    "softcap_alibi": lambda B, T: dict(logits_soft_cap=3.0, scale=0.5, alibi_slopes=jnp.array(
         [0.3, 0.1, 0.05, 0.2])),
     "causal_everything": lambda B, T: dict(
         is_causal=True, local_window_size=(40, 0), logits_soft_cap=20.0,
@@ -94,8 +98,10 @@ def _check(layout, implementation, feature, devices=DEVICES, atol=3e-5, **shape)
     reference = _reference_step(reference_options, reference_options.pop("q_segment_ids", None))
     (_, (out_ref, lse_ref)), grads_ref = reference(q, k, v, ct)
     if layout == "zigzag":
-        into = lambda x: None if x is None else pallas_attn.zigzag(x, devices, 1)  # noqa: E731
-        back = lambda x: pallas_attn.unzigzag(x, devices, 1)  # noqa: E731
+        # Jitted: eagerly, every small operation in them would compile on its own.
+        zig = jax.jit(lambda x: pallas_attn.zigzag(x, devices, 1))
+        into = lambda x: None if x is None else zig(x)  # noqa: E731
+        back = jax.jit(lambda x: pallas_attn.unzigzag(x, devices, 1))
     else:
         into = back = lambda x: x  # noqa: E731
     args = (into(q), into(k), into(v), into(ct), into(segments))
@@ -110,12 +116,11 @@ def _check(layout, implementation, feature, devices=DEVICES, atol=3e-5, **shape)
 
 
 # Every feature in the zigzag layout (four blocks per step, two origins per device): all
-# of them at once around four devices (test_ring_hlo_sends_blocks_around_and_gathers_nothing)
-# and around two with MQA and a separate value head dim under x64
-# (test_ring_under_x64_with_mqa_and_separate_value_head_dim), each of the others alone
-# around two (causal alone: the forward in test_causally_hidden_blocks_are_never_read and
-# the README snippet, with sinks in test_sinks.py); the contiguous layout with all of
-# them at once.
+# of them at once around four devices, under x64 with MQA and a separate value head dim
+# (test_ring_hlo_sends_blocks_around_and_gathers_nothing), and around two on the kernels
+# (test_ring_equals_the_op_kernels), the other set around two (causal alone: the forward
+# in test_causally_hidden_blocks_are_never_read and the README snippet, with sinks in
+# test_sinks.py); the contiguous layout with all of them at once.
 LAYOUT_FEATURES = [("zigzag", feature) for feature in sorted(FEATURES)
                    if feature != "causal_everything"] + [
     ("contiguous", "causal_everything")]
@@ -135,9 +140,13 @@ def test_ring_equals_the_op_kernels():
 
 def test_ring_hlo_sends_blocks_around_and_gathers_nothing():
     """Every feature at once around four devices in the zigzag layout equals the op, and
-    the compiled step moves blocks around the ring and gathers nothing."""
-    ring, args = _check("zigzag", "xla_chunked", "causal_everything")
-    hlo = ring.lower(*args).compile().as_text()
+    the compiled step moves blocks around the ring and gathers nothing. Under
+    jax_enable_x64 (Python ints become int64), which changes nothing in ring attention (its
+    step's indices are the implementations'; the kernels under x64: test_parity.py); one
+    key head for four query heads, value head dim 8."""
+    with jax.enable_x64(True):
+        ring, args = _check("zigzag", "xla_chunked", "causal_everything", N=4, K=1, Hv=8)
+        hlo = ring.lower(*args).compile().as_text()
     ops = set(re.findall(r"(all-gather|all-to-all|collective-permute|reduce-scatter)", hlo))
     assert ops == {"collective-permute"}
 
@@ -161,7 +170,8 @@ def test_causally_hidden_blocks_are_never_read():
                                                    implementation="xla_chunked"),
         mesh=mesh, in_specs=(seq,) * 3, out_specs=seq))
     out = run(q, k_bad, v_bad)
-    want = pallas_attn.dot_product_attention(q, k, v, is_causal=True, implementation="xla")
+    want = jax.jit(lambda q, k, v: pallas_attn.dot_product_attention(
+        q, k, v, is_causal=True, implementation="xla"))(q, k, v)
     head = slice(0, T - T // DEVICES)
     np.testing.assert_allclose(out[:, head], want[:, head], atol=3e-5, rtol=3e-5)
     assert np.isnan(np.asarray(out[:, tail])).all()
@@ -199,7 +209,8 @@ def test_ring_errors_name_the_argument():
                       mesh=mesh, in_specs=(seq,) * 3, out_specs=seq)(q, k, v)
     with pytest.raises(ValueError, match="key_value_seq_lengths must lie in"):
         call(axis_name="sp", key_value_seq_lengths=jnp.array([40, 3]))
-    with pytest.raises(ValueError, match="block_sizes applies to implementation='pallas'"):
+    with pytest.raises(ValueError,
+                       match="block_sizes and interpret apply to implementation='pallas'"):
         call(axis_name="sp", implementation="xla_chunked",
              block_sizes=pallas_attn.BlockSizes(block_k=32))
     with pytest.raises(TypeError, match="axis_name must be a mesh axis name"):
@@ -225,26 +236,22 @@ def test_ring_refuses_to_differentiate_alibi_slopes():
         jax.grad(loss)(jnp.ones(4))
 
 
-def test_readme_snippet_runs_and_equals_the_op():
-    """The README's multi-device snippet, run as written on the test's devices."""
+def test_readme_snippet_runs_and_equals_the_op(monkeypatch):
+    """The README's multi-device snippet, run as written on two of the test's devices (it
+    sizes its mesh and its sequence by jax.device_count(); around four devices and more
+    steps: the tests above)."""
     import pathlib
+
+    monkeypatch.setattr(jax, "device_count", lambda *args: 2)
 
     readme = (pathlib.Path(__file__).parent.parent / "README.md").read_text()
     block = readme.split("<!-- multi-device-snippet -->")[1].split("<!-- /multi-device-snippet")[0]
     code = block.split("```python")[1].split("```")[0]
     scope: dict = {}
     exec(compile(code, "README.md", "exec"), scope)
-    want = pallas_attn.dot_product_attention(scope["q"], scope["k"], scope["v"], is_causal=True,
-                                             implementation="xla")
+    want = jax.jit(lambda q, k, v: pallas_attn.dot_product_attention(
+        q, k, v, is_causal=True, implementation="xla"))(scope["q"], scope["k"], scope["v"])
     np.testing.assert_allclose(scope["out"], want, atol=3e-5, rtol=3e-5)
-
-
-def test_ring_under_x64_with_mqa_and_separate_value_head_dim():
-    """jax_enable_x64 (Python ints become int64) changes nothing in ring attention (its
-    step's indices are the implementations'; the kernels under x64: test_parity.py);
-    one key head for four query heads, value head dim 8."""
-    with jax.enable_x64(True):
-        _check("zigzag", "xla_chunked", "causal_everything", devices=2, T=32, N=4, K=1, Hv=8)
 
 
 @pytest.mark.parametrize("origin,features,H", [
@@ -303,9 +310,14 @@ def _mosaic_block(origin, features, H):
     def reference_results(q, k, v):
         return reference.attention(spec, ops._replace(query=q, key=k, value=v))
 
-    (out, lse), pullback = jax.vjp(reference_results, q, k, v)
-    d_lse = jnp.where(jnp.isinf(lse), 0.0, ct_lse)
-    expected = [out, lse, *pullback((ct, d_lse))]
+    @jax.jit  # the reference as one program (eagerly, each operation compiles on its own)
+    def reference_step(q, k, v, ct, ct_lse):
+        (out, lse), pullback = jax.vjp(reference_results, q, k, v)
+        d_lse = jnp.where(jnp.isinf(lse), 0.0, ct_lse)
+        return [out, lse, *pullback((ct, d_lse))], d_lse
+
+    expected, d_lse = reference_step(q, k, v, ct, ct_lse)
+    out, lse = expected[:2]
     # Jitted, except under x64: the interpreter's threads would lower the kernels without it.
     compiled = (lambda f: f) if features.endswith("x64") else jax.jit
     out_k, lse_k = compiled(lambda ops: vjp.attention(spec, ops, plan))(ops)

@@ -9,6 +9,7 @@ all-reduce aside), except the sums a shared bias or kv head needs.
 
 from __future__ import annotations
 
+import functools
 import re
 
 import jax
@@ -42,6 +43,8 @@ def _collectives(hlo: str) -> list[tuple[str, str]]:
     return found
 
 
+# One jitted program (eagerly, the sampler compiles for every new shape on its own).
+@functools.partial(jax.jit, static_argnames=("B", "T", "N", "K", "H", "seed"))
 def _inputs(B=4, T=32, N=4, K=2, H=16, seed=0):
     ks = jax.random.split(jax.random.key(seed), 4)
     q = jax.random.normal(ks[0], (B, T, N, H), jnp.float32)
@@ -292,8 +295,14 @@ def test_flax_layer_with_logical_axis_rules_gathers_nothing():
         assert got.sharding.is_equivalent_to(want, got.ndim)
 
 
-@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
-@pytest.mark.parametrize("kv_heads", (2, 1))
+# Explicit axes are made Auto in front of every implementation (sharding.in_auto_axes):
+# MQA's partial sums in each of them, kv heads sharded with the query heads on the
+# kernels (the jnp paths' partitioning of such a call under Auto axes:
+# test_batch_and_head_sharding_runs_per_shard).
+@pytest.mark.parametrize("kv_heads,implementation",
+                         [(1, implementation) for implementation in IMPLEMENTATIONS]
+                         + [(2, "pallas")],
+                         ids=lambda x: str(x))
 def test_explicit_sharding_in_types_runs_per_shard(implementation, kv_heads):
     """A mesh with Explicit axes (jax.make_mesh's default): the shardings live in the
     arrays' types and the rule runs through jax.shard_map; same numbers, no gather."""
