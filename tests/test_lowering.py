@@ -54,8 +54,8 @@ CASES = {
         bias=jnp.ones((2, 1, 256, 256), jnp.float32), mask=jnp.ones((1, 4, 256, 256), bool),
         block_sizes=dataclasses.replace(_MOSAIC, block_k=64)),
     # The Hopper dbias kernel: a float32 bias shared by every head and batch entry at d64
-    # with float16 inputs, causal. (A bfloat16 bias shared by the batch entries under a
-    # soft cap, GQA, ragged: mosaic_dq_bias_softcap_alibi, with ALiBi.)
+    # with float16 inputs, causal. (A head-shared bias under a soft cap, GQA, ragged:
+    # mosaic_alibi_dbias_head_shared.)
     "mosaic_dbias_float32_bias_h64": dict(dtype=jnp.float16, is_causal=True,
                                           bias=jnp.ones((1, 1, 256, 256), jnp.float32),
                                           block_sizes=pallas_attn.BlockSizes(
@@ -66,18 +66,20 @@ CASES = {
         dtype=jnp.float16, bias=jnp.ones((2, 4, 256, 256), jnp.float16), is_causal=True,
         local_window_size=(64, 32), block_sizes=pallas_attn.BlockSizes(**_MOSAIC_DKV)),
     # ALiBi in the Hopper kernels, per-batch slopes: a head-shared bias's dbias kernel
-    # (with a batch-shared bias under a soft cap: mosaic_dq_bias_softcap_alibi).
+    # under a soft cap (GQA, ragged).
     "mosaic_alibi_dbias_head_shared": dict(
-        T=200, S=300, K=2, alibi_slopes=jnp.ones((2, 4)),
+        T=200, S=300, K=2, alibi_slopes=jnp.ones((2, 4)), logits_soft_cap=20.0,
         bias=jnp.ones((2, 1, 200, 300), jnp.bfloat16),
         block_sizes=dataclasses.replace(_MOSAIC, **_MOSAIC_DBIAS)),
     # The Hopper dQ kernel: a batch-shared bias under a soft cap with ALiBi (GQA,
     # ragged, every other kernel Mosaic too: the dQ kernel stores batch entry 0's dbias
-    # and the dK/dV kernel adds the others').
+    # and the dK/dV kernel adds the others'; fused by request, since passes this narrow
+    # would take the separate dbias kernel).
     "mosaic_dq_bias_softcap_alibi": dict(
         T=200, S=300, K=2, H=128, alibi_slopes=jnp.ones(4), logits_soft_cap=20.0,
         bias=jnp.ones((1, 4, 200, 300), jnp.bfloat16),
-        block_sizes=dataclasses.replace(_MOSAIC, **_MOSAIC_DKV, **_MOSAIC_DQ)),
+        block_sizes=dataclasses.replace(_MOSAIC, **_MOSAIC_DKV, **_MOSAIC_DQ,
+                                        fuse_dbias=True)),
     # Segment ids, sequence lengths and dropout in every Mosaic role (GQA, causal under
     # a window): row and key ids read from global memory into the WGMMA layout's rows and
     # columns, chunk limits read as scalars; bands that stop at the key length; the keep
