@@ -535,16 +535,17 @@ def _dbias_route(call: Call, device: DeviceInfo, overrides: BlockSizes, interpre
             f"BlockSizes.fuse_dbias=True needs a bias with its own entry for every batch "
             f"entry, head and key ({call.batch}, {call.num_heads}, T or 1, S); this bias has "
             f"shape {shape}: use fuse_dbias=None or False")
-    declined = []
+    declined, separate = [], None
     if overrides.fuse_dbias is not None:
         fused = overrides.fuse_dbias
     elif dkdv.backend == "mosaic":
         fused = fusable
         reason = _in_turn_too_narrow(call, device, overrides, dims) if fusable else ""
-        if reason and _route("dbias", call, device, overrides, interpret, tiles,
-                             dims).backend == "mosaic":
-            fused = False
-            declined.append(("fused", reason))
+        if reason:
+            separate = _route("dbias", call, device, overrides, interpret, tiles, dims)
+            if separate.backend == "mosaic":
+                fused = False
+                declined.append(("fused", reason))
     else:
         programs = -(-call.kv_len // dkdv.block_k) * call.batch * call.num_kv_heads
         fused = fusable and programs >= device.num_multiprocessors
@@ -560,8 +561,9 @@ def _dbias_route(call: Call, device: DeviceInfo, overrides: BlockSizes, interpre
     if not fusable and overrides.fuse_dbias is None:
         declined.append(("fused", f"the {dkdv.backend} dK/dV kernel cannot write the gradient "
                          f"of a bias of shape {shape}, {call.bias_dtype}"))
-    route = _route("dbias", call, device, overrides, interpret, tiles, dims)
-    return dataclasses.replace(route, declined=(*declined, *route.declined))
+    if separate is None:
+        separate = _route("dbias", call, device, overrides, interpret, tiles, dims)
+    return dataclasses.replace(separate, declined=(*declined, *separate.declined))
 
 
 # ------------------------------------------------------------------ the matrix
