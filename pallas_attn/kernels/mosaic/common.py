@@ -11,7 +11,8 @@ that issues bulk copies. What they can run and what they allocate is config.py's
   batch entry and head) over the programs, each item's band of key tiles and the
   producer's K/V ring; `own_band`, `run_band` and `release_slot` give each consumer
   its part of a band while keeping the ring's barriers and the turns in step.
-* `take_turn`: one step of the consumers' alternation on the tensor cores.
+* `Turns`, `pass_turn` / `await_turn`: two consumers' alternation on the tensor
+  cores; `take_turn`: consumers meeting.
 * `BiasTiles`: a consumer's bias rows read tile by tile through its own buffer;
   `mask_tile`: its rows of a mask tile from the producer's ring.
 * `tile_scores` / `tile_gradient`: the shared score rules (`core.logit_scores`,
@@ -31,7 +32,10 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
+from jax.experimental.mosaic.gpu import utils as mgpu_utils
 from jax.experimental.pallas import mosaic_gpu as plgpu
+from jaxlib.mlir import ir
+from jaxlib.mlir.dialects import arith
 
 from pallas_attn.kernels import cast_varying_like, int32_indices
 from pallas_attn.kernels.core import (
@@ -530,25 +534,92 @@ def run_band(first, stop, own: Band, release, step, carry) -> Any:
     return carry
 
 
-def release_slot(slot, ring, schedule) -> None:
+def release_slot(slot, ring, turns: Turns | None) -> None:
     """A consumer's part in a key tile it skips: wait for the slot's K and V, give each
-    back and take the tile's two turns."""
+    back and pass and await the tile's turn."""
     k_loaded, v_loaded, k_consumed, v_consumed = ring
     plgpu.barrier_wait(k_loaded.at[slot])
     plgpu.barrier_arrive(k_consumed.at[slot])
-    take_turn(schedule)
+    pass_turn(turns)
     plgpu.barrier_wait(v_loaded.at[slot])
     plgpu.barrier_arrive(v_consumed.at[slot])
-    take_turn(schedule)
+    await_turn(turns)
 
 
-def take_turn(schedule) -> None:
-    """Both consumers arrive, then both wait: one step of their alternation. None:
-    consumers that take no turns (the dQ kernel's three)."""
-    if schedule is None:
+def take_turn(barrier) -> None:
+    """Both consumers arrive, then both wait: they meet. None: nothing to meet on."""
+    if barrier is None:
         return
-    plgpu.barrier_arrive(schedule)
-    plgpu.barrier_wait(schedule)
+    plgpu.barrier_arrive(barrier)
+    plgpu.barrier_wait(barrier)
+
+
+# The turns' named barriers: Mosaic GPU's own take 0 and one per warpgroup from 1.
+TURN_BARRIER = 8
+
+
+@dataclasses.dataclass(frozen=True)
+class Turns:
+    """Two consumers' alternation on the tensor cores (FlashAttention-3's ping-pong):
+    each passes the turn once it has issued its first products of a tile (`pass_turn`)
+    and waits for the other's pass before issuing its last (`await_turn`).
+
+    kind "named": the forward on the GPU, two named barriers (bar.arrive / bar.sync from
+    TURN_BARRIER), which cost less than shared-memory barriers on the consumers'
+    critical path; "pair": the same through `barriers`, one one-arrival barrier per
+    consumer (the interpreter has no named barriers); "meet": the dQ kernel, where
+    passing and awaiting both meet the other consumer on one two-arrival barrier (the
+    forward's looser turns cost its windowed problems 3-4%; docs/decisions.md)."""
+    barriers: Any
+    kind: str
+
+    @staticmethod
+    def of(barriers: Any, problem: Problem, kind: str = "named") -> Turns | None:
+        """The turns of a kernel whose scratch has these barriers (None: no turns)."""
+        if barriers is None:
+            return None
+        return Turns(barriers, "pair" if kind == "named" and problem.interpret else kind)
+
+
+def _named_barrier(operation: str, other: bool) -> None:
+    """bar.<operation> for both consumers' threads on this consumer's turn barrier, or
+    on the other consumer's (consumers are warpgroups 0 and 1)."""
+    @plgpu.inline_mgpu()
+    def emit(_):
+        wg = mgpu_utils.warpgroup_idx(sync=True)
+        i32 = ir.IntegerType.get_signless(32)
+        index = (arith.subi(mgpu_utils.c(TURN_BARRIER + 1, i32), wg) if other
+                 else arith.addi(mgpu_utils.c(TURN_BARRIER, i32), wg))
+        mgpu_utils.inline_ptx(f"bar.{operation} $0, {2 * mgpu_utils.WARPGROUP_SIZE};",
+                              index, has_side_effects=True, convergent=True)
+
+    emit()
+
+
+def pass_turn(turns: Turns | None) -> None:
+    """This consumer has issued its first products of a tile: the other may issue its
+    last ones. None: consumers that take no turns."""
+    if turns is None:
+        return
+    if turns.kind == "named":
+        _named_barrier("arrive", other=True)
+    elif turns.kind == "pair":
+        plgpu.barrier_arrive(turns.barriers.at[1 - lax.axis_index("wg")])
+    else:
+        take_turn(turns.barriers)
+
+
+def await_turn(turns: Turns | None) -> None:
+    """Wait until the other consumer has issued its first products of its current tile
+    (`pass_turn`), before issuing this one's last."""
+    if turns is None:
+        return
+    if turns.kind == "named":
+        _named_barrier("sync", other=False)
+    elif turns.kind == "pair":
+        plgpu.barrier_wait(turns.barriers.at[lax.axis_index("wg")])
+    else:
+        take_turn(turns.barriers)
 
 
 def tile_scores(problem: Problem, s: jax.Array, row0, k0, masked: bool, *,

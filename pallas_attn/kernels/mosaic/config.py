@@ -270,7 +270,8 @@ def forward_scratch(hp: int, hvp: int, block_k: int, stages: int, dtype: Any,
                   ("v_loaded", Barriers(stages)),
                   ("k_consumed", Barriers(stages, c)),
                   ("v_consumed", Barriers(stages, c)),
-                  ("schedule", Barriers(1, c) if c == 2 else None),
+                  # The interpreter's turns (the GPU's are named barriers, common.Turns).
+                  ("schedule", Barriers(2) if c == 2 else None),
                   ("bias_loaded", None if bias_dtype is None else Barriers(c))))
 
 

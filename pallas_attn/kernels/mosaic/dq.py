@@ -20,7 +20,8 @@ consumer warpgroups: three, or two with a bias or a local window
   (docs/decisions.md, "Three dQ consumers"). Items end at the padded length, so the first item of
   a head may start before row 0; the consumers whose rows lie there only release
   the ring's slots. Two consumers (items of 128 rows) take turns on the tensor cores
-  as the forward's do (two turns per key tile).
+  (`common.Turns`, meeting on one barrier: the forward's looser turns measured slower
+  here).
 
 At a padded head dim above 128 (`config.is_wide`) one consumer's dQ rows over them
 and its Q and dO would not fit: both consumers work on items of 64 rows, each
@@ -71,13 +72,16 @@ from pallas_attn.kernels.core import Problem
 from pallas_attn.kernels.mosaic.common import (
     Dropout,
     Segments,
+    Turns,
     Walk,
     accumulate,
+    await_turn,
     head_slope,
     launch,
     mask_tile,
     optional_refs,
     own_band,
+    pass_turn,
     release_slot,
     run_band,
     scoped,
@@ -100,7 +104,8 @@ from pallas_attn.kernels.mosaic.config import (
 def _kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, bias_ref, mask_ref, slopes_ref, lengths,
             origin, segments, dropout, dq_ref, dbias_ref, marks_ref, smem, barriers, *,
             problem: Problem, programs: int, consumers: int, wide: bool):
-    rows_loaded, schedule = barriers["rows_loaded"], barriers["schedule"]
+    rows_loaded = barriers["rows_loaded"]
+    turns = Turns.of(barriers["schedule"], problem, "meet")
     scaled = stats_ref.shape[2] == 4  # float16 dS's row scales (common.row_residuals)
     exchange = barriers["exchange"]
     ring = tuple(barriers[name] for name in ("k_loaded", "v_loaded", "k_consumed",
@@ -165,10 +170,9 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, bias_ref, mask_ref, slopes_r
                                         loaded)
 
         load_rows(walk.item(0))
-        # Two consumers take turns: consumer 1 starts half a turn behind consumer 0 and
-        # consumer 0 takes that half turn at the end (as in the forward).
-        if schedule is not None:
-            pl.when(wg == 1)(lambda: take_turn(schedule))
+        # Two consumers take turns: consumer 1 starts a turn behind consumer 0 and
+        # consumer 0 takes that turn at the end.
+        pl.when(wg == 1)(lambda: await_turn(turns))
         row_layout = plgpu.Layout.WGMMA.reduce(1)
 
         def work(r, step):
@@ -190,7 +194,7 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, bias_ref, mask_ref, slopes_r
                          dbias_ref.at[0, item.n, pl.ds(row0, rows_n)])
             dq = _consume(problem, ctx, tiles, lambda t: step + t - tiles.first, row0,
                           tiles.first + steps, mine, ds_tiles, smem["k"], smem["v"], ring,
-                          (schedule, exchange), (bias, smem["mask"]),
+                          (turns, exchange), (bias, smem["mask"]),
                           head_slope(slopes_ref, item.valid, item.b, item.n), residuals,
                           dbias, row0 >= 0, segments, dropout, item.b, item.n, cols)
             if scaled:
@@ -211,8 +215,7 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, bias_ref, mask_ref, slopes_r
             return step + steps
 
         lax.fori_loop(0, walk.rounds, work, jnp.int32(0))
-        if schedule is not None:
-            pl.when(wg == 0)(lambda: take_turn(schedule))
+        pl.when(wg == 0)(lambda: pass_turn(turns))
         if dbias_ref is not None:
             plgpu.wait_smem_to_gmem(0)
 
@@ -223,13 +226,14 @@ def _consume(problem: Problem, ctx, tiles, step_of, row0, stop, mine: dict, ds_t
     """One consumer warpgroup: dQ / scale of rows [row0, row0 + 64) (float32) over key
     tiles [tiles.first, stop), its columns `cols` of it; step_of(t): the ring step of
     tile t (counted over the program's items); active false (rows before 0): it only
-    releases the tiles. barriers: (schedule, exchange), either None. streams: (its bias
+    releases the tiles. barriers: (`Turns`, exchange), either None. streams: (its bias
     stream (`BiasTiles`), the ring of the caller's mask rows (`Walk.stream`)), either
     None.
 
-    With a `schedule` (two consumers) it takes turns with the other consumer as the
-    forward's consumers do: a consumer issues S and dP, waits for the other's gradient
-    math, computes its own P and dS while the other's products run, then adds dS K.
+    With `Turns` (two consumers, kind "meet") it takes turns with the other consumer: a
+    consumer issues S and dP, waits for the other's gradient math, computes its own P
+    and dS while the other's products run, then adds dS K once the other has issued its
+    S and dP.
     With an `exchange` (wide: both consumers on the same rows) each computes S, dP and
     dS for half of a tile's keys, writes its half of the tile's dS (two tiles used in
     turn) and, once both halves are in, adds dS K for its columns of dQ; consumer 0
@@ -240,7 +244,7 @@ def _consume(problem: Problem, ctx, tiles, step_of, row0, stop, mine: dict, ds_t
     own rows' band masked: dS = 0). segments: the segment ids (of batch entry b) or
     None; dropout: head n's keep decisions or None."""
     k_loaded, v_loaded, k_consumed, v_consumed = ring
-    schedule, exchange = barriers
+    turns, exchange = barriers
     bias, mask_smem = streams
     wide = exchange is not None
     block_k = problem.plan.dq.block_k
@@ -277,7 +281,7 @@ def _consume(problem: Problem, ctx, tiles, step_of, row0, stop, mine: dict, ds_t
         def products(s_ref, dp_ref):
             plgpu.wgmma(s_ref, mine["q"], k_smem.at[slot, keys].transpose((1, 0)))
             plgpu.wgmma(dp_ref, mine["do"], v_smem.at[slot, keys].transpose((1, 0)))
-            take_turn(schedule)  # the other consumer's gradient math is done
+            pass_turn(turns)
             return s_ref[...], dp_ref[...]
 
         s, dp = pl.run_scoped(products, plgpu.ACC(shape, jnp.float32),
@@ -307,8 +311,7 @@ def _consume(problem: Problem, ctx, tiles, step_of, row0, stop, mine: dict, ds_t
         if dbias is not None:
             pl.when(dbias[0] & copier)(lambda: plgpu.copy_smem_to_gmem(
                 ds_tile, dbias[1].at[:, pl.ds(t * block_k, block_k)]))
-        # This gradient math is done; then the other consumer has issued its products.
-        take_turn(schedule)
+        await_turn(turns)  # the other consumer has issued its products
         # NOTE: not left in flight across tiles: ptxas then injects waits of its own
         # (docs/decisions.md, "dS K left in flight").
         (dq,) = accumulate(((dq, ((ds_operand, k_smem.at[slot, :, cols]),)),),
@@ -320,7 +323,7 @@ def _consume(problem: Problem, ctx, tiles, step_of, row0, stop, mine: dict, ds_t
     dq = plgpu.layout_cast(jnp.zeros((rows_n, dims), jnp.float32), plgpu.Layout.WGMMA)
     if bias is not None:
         pl.when(own.first < own.stop)(lambda: bias.start(own.first))
-    return run_band(tiles.first, stop, own, lambda t: release_slot(slot_of(t), ring, schedule),
+    return run_band(tiles.first, stop, own, lambda t: release_slot(slot_of(t), ring, turns),
                     step, dq)
 
 

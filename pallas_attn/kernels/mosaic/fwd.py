@@ -22,7 +22,7 @@ slots) with a producer warpgroup and the consumers:
   the output accumulator with a second wgmma that takes P from registers (the
   interpreter's wgmma reads shared memory only: there P goes through P's buffer,
   which otherwise only stages the output). Two consumers take turns on the tensor
-  cores through a two-arrival barrier (FlashAttention-3's ping-pong), so one
+  cores (`common.Turns`, FlashAttention-3's ping-pong), so one
   consumer's softmax overlaps the other's products; three take no turns (while two
   compute exponentials, the third's products keep the tensor cores busy). The next
   item's Q is loaded as soon as the last Q K^T of an item is done, and the output
@@ -94,8 +94,10 @@ from pallas_attn.kernels.mosaic.common import (
     Dropout,
     Item,
     Segments,
+    Turns,
     Walk,
     accumulate,
+    await_turn,
     head_slope,
     launch,
     lengths_of,
@@ -104,11 +106,11 @@ from pallas_attn.kernels.mosaic.common import (
     optional_refs,
     origin_of,
     own_band,
+    pass_turn,
     release_slot,
     run_band,
     scoped,
     segments_of,
-    take_turn,
     tile_scores,
     unsupported,
 )
@@ -131,7 +133,8 @@ def _kernel(q_ref, k_ref, v_ref, bias_ref, mask_ref, slopes_ref, sinks_ref, leng
             problem: Problem, programs: int, staging: str):
     q_smem, k_smem, v_smem, p_smem = (smem[name] for name in ("q", "k", "v", "p"))
     o_smem = smem[staging]  # the output tile: its own buffer, or P's or Q's
-    q_loaded, schedule = barriers["q_loaded"], barriers["schedule"]
+    q_loaded = barriers["q_loaded"]
+    turns = Turns.of(barriers["schedule"], problem)
     ring = tuple(barriers[name] for name in ("k_loaded", "v_loaded", "k_consumed",
                                               "v_consumed"))
     route = problem.plan.forward
@@ -161,9 +164,9 @@ def _kernel(q_ref, k_ref, v_ref, bias_ref, mask_ref, slopes_ref, sinks_ref, leng
                                         q_mine, q_loaded.at[wg])
 
         load_q(walk.item(0))
-        # Two consumers take turns: consumer 1 starts half a turn behind consumer 0 (see
-        # _consume) and consumer 0 takes that half turn at the end.
-        pl.when(wg == 1)(lambda: take_turn(schedule))
+        # Two consumers take turns: consumer 1 starts a turn behind consumer 0 (see
+        # _consume) and consumer 0 passes that turn at the end.
+        pl.when(wg == 1)(lambda: await_turn(turns))
 
         def work(r, step):
             item = walk.item(r)
@@ -177,7 +180,7 @@ def _kernel(q_ref, k_ref, v_ref, bias_ref, mask_ref, slopes_ref, sinks_ref, leng
             acc, m, l_sum = _consume(
                 problem, ctx, tiles, lambda t: walk.slot(step + t - tiles.first), row0,
                 tiles.first + steps, active, q_mine, k_smem, v_smem, p_mine,
-                o_mine.shape[-1], ring, schedule, bias, smem["mask"],
+                o_mine.shape[-1], ring, turns, bias, smem["mask"],
                 head_slope(slopes_ref, item.valid, item.b, item.n), segments, dropout, item.b,
                 item.n)
             if staging != "q":  # every Q K^T of this item is done: q_mine is free
@@ -218,25 +221,23 @@ def _kernel(q_ref, k_ref, v_ref, bias_ref, mask_ref, slopes_ref, sinks_ref, leng
             return step + steps
 
         lax.fori_loop(0, walk.rounds, work, jnp.int32(0))
-        pl.when(wg == 0)(lambda: take_turn(schedule))
+        pl.when(wg == 0)(lambda: pass_turn(turns))
         plgpu.wait_smem_to_gmem(0)
 
 
 def _consume(problem: Problem, ctx: TileRanges, tiles: Band, slot_of, row0, stop, active,
-             q_smem, k_smem, v_smem, p_smem, hv: int, ring, schedule,
+             q_smem, k_smem, v_smem, p_smem, hv: int, ring, turns,
              bias: BiasTiles | None, mask_smem, slope, segments: Segments | None,
              dropout: Dropout | None, b, n) -> tuple[Any, Any, Any]:
     """One consumer warpgroup: (acc, row reference, row sum) of rows [row0, row0 + 64)
     against key tiles [tiles.first, stop) (stop = tiles.first for no work); active false
     (rows before 0): it only releases the tiles.
 
-    Two consumers take turns on the tensor cores through the `schedule` barrier
-    (two-arrival, FlashAttention-3's ping-pong; None for three, which take no turns):
-    a consumer issues its Q K^T, then
-    waits until the other has finished its softmax; after its own softmax it waits
-    until the other has issued its Q K^T, then issues its P V and waits for it. So
-    one's softmax runs while the other's products do (`run_band` keeps the turns
-    paired).
+    Two consumers take turns on the tensor cores (`common.Turns`, FlashAttention-3's
+    ping-pong; None for three, which take no turns): a consumer
+    issues its Q K^T and passes the turn; after its softmax it waits until the other
+    has issued its Q K^T, then issues its P V and waits for it. So one's softmax runs
+    while the other's products do (`run_band` keeps the turns paired).
 
     bias: None, or this consumer's bias stream (`BiasTiles`); scores with a bias stay
     in natural units (Problem.exp2_factor), as in the Triton forward. mask_smem: the
@@ -265,7 +266,7 @@ def _consume(problem: Problem, ctx: TileRanges, tiles: Band, slot_of, row0, stop
 
         def qk(acc_ref):
             plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
-            take_turn(schedule)  # the other consumer's softmax is done
+            pass_turn(turns)
             return acc_ref[...]
 
         s = pl.run_scoped(qk, plgpu.ACC((rows_n, block_k), jnp.float32))
@@ -289,11 +290,8 @@ def _consume(problem: Problem, ctx: TileRanges, tiles: Band, slot_of, row0, stop
         if not (late or problem.interpret):
             # NOTE: keeps the rescale and P's conversion ahead of the turn's barriers.
             acc, p = lax.optimization_barrier((acc, p))
-        if schedule is not None:
-            plgpu.barrier_arrive(schedule)  # this softmax is done
         plgpu.barrier_wait(v_loaded.at[slot])
-        if schedule is not None:
-            plgpu.barrier_wait(schedule)  # the other consumer has issued its Q K^T
+        await_turn(turns)  # the other consumer has issued its Q K^T
         if late:
             acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
         (acc,) = accumulate(((acc, ((p, v_smem.at[slot]),)),), problem.interpret)
@@ -306,7 +304,7 @@ def _consume(problem: Problem, ctx: TileRanges, tiles: Band, slot_of, row0, stop
              plgpu.layout_cast(jnp.zeros((rows_n,), jnp.float32), row_layout))
     if bias is not None:
         pl.when(own.first < own.stop)(lambda: bias.start(own.first))
-    return run_band(tiles.first, stop, own, lambda t: release_slot(slot_of(t), ring, schedule),
+    return run_band(tiles.first, stop, own, lambda t: release_slot(slot_of(t), ring, turns),
                     step, carry)
 
 
