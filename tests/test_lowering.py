@@ -161,3 +161,12 @@ CASES = {
 @pytest.mark.parametrize("case", CASES, ids=str)
 def test_kernels_lower_for_sm90(case):
     assert lower_for_gpu.lower(**dict(CASES[case]))
+
+
+def test_forward_turns_lower_to_named_barriers():
+    """Two forward consumers (d128) take turns on named barriers shared by both
+    warpgroups; three (d64) take none."""
+    two = lower_for_gpu.lowered_text(H=128)
+    assert "bar.arrive $0, 256;" in two and "bar.sync $0, 256;" in two
+    three = lower_for_gpu.lowered_text(H=64)
+    assert "bar.arrive" not in three and "bar.sync $0, 256;" not in three

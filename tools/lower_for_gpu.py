@@ -20,7 +20,10 @@ gpu_info.get_gpu_info = lambda: _FAKE
 pallas_call_registration.gpu_info_lib.get_gpu_info = lambda: _FAKE
 
 
-def lower(B=2, T=256, S=256, N=4, K=4, H=64, Hv=None, dtype=jnp.bfloat16, **kw) -> bool:
+def lowered_text(B=2, T=256, S=256, N=4, K=4, H=64, Hv=None, dtype=jnp.bfloat16,
+                 **kw) -> str:
+    """The StableHLO text of the op's forward and gradients lowered for sm90 (the Mosaic
+    GPU kernels' modules inside it)."""
     q = jax.ShapeDtypeStruct((B, T, N, H), dtype)
     k = jax.ShapeDtypeStruct((B, S, K, H), dtype)
     v = jax.ShapeDtypeStruct((B, S, K, Hv or H), dtype)
@@ -33,9 +36,13 @@ def lower(B=2, T=256, S=256, N=4, K=4, H=64, Hv=None, dtype=jnp.bfloat16, **kw) 
             return jnp.sum(out.astype(jnp.float32))
         return jax.grad(loss, argnums=(0, 1, 2) if bias is None else (0, 1, 2, 3))(q, k, v, bias)
 
+    with pallas_attn.device.lowering_for(pallas_attn.DeviceInfo()):
+        return jax.jit(f).trace(q, k, v, bias).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def lower(**kw) -> bool:
     try:
-        with pallas_attn.device.lowering_for(pallas_attn.DeviceInfo()):
-            jax.jit(f).trace(q, k, v, bias).lower(lowering_platforms=("cuda",))
+        lowered_text(**kw)
         print("OK", kw)
         return True
     except Exception:  # noqa: BLE001
