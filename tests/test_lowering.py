@@ -28,7 +28,6 @@ _MOSAIC_DKV = dict(block_q_dkv=64, block_k_dkv=128, num_stages_dkv=2, dkv_backen
 _MOSAIC_DQ = dict(block_q_dq=128, block_k_dq=64, num_stages_dq=2, dq_backend="mosaic")
 
 CASES = {
-    "plain": dict(),
     "float32_mqa_h192": dict(T=100, S=70, N=4, K=1, H=192, dtype=jnp.float32),
     "lengths_segments_mask_dropout_broadcast": dict(
         query_seq_lengths=jnp.array([3, 4]), key_value_seq_lengths=jnp.array([100, 0]),
@@ -165,7 +164,7 @@ def test_kernels_lower_for_sm90(case):
 
 def test_forward_turns_lower_to_named_barriers():
     """Two forward consumers (d128) take turns on named barriers shared by both
-    warpgroups; three (d64) take none."""
+    warpgroups; three (d64, the plain problem with every default) take none."""
     two = lower_for_gpu.lowered_text(H=128)
     assert "bar.arrive $0, 256;" in two and "bar.sync $0, 256;" in two
     three = lower_for_gpu.lowered_text(H=64)
