@@ -303,11 +303,11 @@ def feature_shapes() -> list[Shape]:
 
 
 def wide_shapes() -> list[Shape]:
-    """Issue targets beyond the standard set: head dims that are multiples of 8 from 32 to
+    """Issue targets beyond the standard set: head dims 16 and the multiples of 8 from 32 to
     256 (T = S = 4096, 16k tokens), lengths 512 to 32768 at d128 (32k tokens), T != S,
     and GQA; causal and not where jax.nn's cuDNN takes it (top-left alignment)."""
     shapes = []
-    for head_dim in (32, 48, 80, 96, 112, 160, 192, 224):
+    for head_dim in (16, 32, 48, 80, 96, 112, 160, 192, 224):
         heads = 16 if head_dim <= 128 else 8
         shapes += [Shape(4, 4096, 4096, heads, heads, head_dim, causal)
                    for causal in (False, True)]
@@ -450,6 +450,10 @@ def check_shapes(on_device: bool) -> list[Shape]:
         Shape(2, 1000, 1100, 8, 2, 224, True, (("softcap", 20.0),), dtype="float16"),
         Shape(2, 1000, 1100, 8, 2, 112, False, (("softcap", 20.0),), dtype="bfloat16"),
         Shape(2, 1024, 1024, 4, 4, 48, True, dtype="float16"),
+        # Head dims up to 32 in the Mosaic kernels: 64- and 32-byte swizzled tiles (32 and
+        # 16 columns), causal with a soft cap, GQA, ragged; a bias's gradient at 16.
+        Shape(2, 1000, 1100, 8, 2, 32, True, (("softcap", 20.0),), dtype="bfloat16"),
+        Shape(2, 1024, 1024, 4, 4, 16, False, (("bias", None),), dtype="float16"),
         # Head dim 256 in the Mosaic forward (64-key tiles, the output staged in Q's
         # buffer), with a bias tile per consumer and a soft cap, ragged, GQA.
         Shape(2, 1000, 1100, 4, 2, 256, True, (("bias", None), ("softcap", 20.0)),

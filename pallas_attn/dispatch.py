@@ -570,10 +570,10 @@ def _dbias_route(call: Call, device: DeviceInfo, overrides: BlockSizes, interpre
 _MATRIX_ROWS: tuple[tuple[str, dict[str, Any]], ...] = (
     ("plain, head dim 128", {}),
     ("plain, head dim 64", dict(head_dim=64)),
+    ("head dims 8-32 (padded to 16 or 32)", dict(head_dim=24)),
     ("head dims 33-96 (padded to a multiple of 16)", dict(head_dim=80)),
     ("head dims 97-128 (padded to 128)", dict(head_dim=112)),
     ("head dims 129-256 (padded to a multiple of 32)", dict(head_dim=160)),
-    ("head dim 32", dict(head_dim=32)),
     ("causal (either alignment), window, soft cap, ALiBi",
      dict(is_causal=True, logits_soft_cap=30.0, has_alibi=True)),
     ("bias [1, N, T, S] or [B, N, T, S], 16-bit", dict(bias_shape=(1, 16, 4096, 4096))),

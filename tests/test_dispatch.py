@@ -92,7 +92,7 @@ TABLE = {
                          ("mosaic", "mosaic", "mosaic", "mosaic-fused")),
     "d256_bias_float32": (call(256, bias_shape=(1, 16, 4096, 4096), bias_dtype="float32"),
                           "sm90", ("triton", "triton", "mosaic", "triton")),
-    "d32": (call(32), "sm90", ("triton", "triton", "triton", None)),
+    "d32": (call(32), "sm90", ("mosaic", "mosaic", "mosaic", None)),
     "float32": (call(dtype="float32"), "sm90", ("triton", "triton", "triton", None)),
     "short": (call(q_len=100), "sm90", ("triton", "triton", "triton", None)),
     "sm80": (call(), "sm80", ("triton", "triton", "triton", None)),
@@ -198,8 +198,9 @@ def test_the_interpreter_runs_triton_unless_block_sizes_name_mosaic():
 
 
 def test_the_mosaic_dkv_kernel_runs_keys_by_queries_where_it_measured_faster():
-    """Head dim 64 without a bias or ALiBi; not at 128, nor with a bias or ALiBi."""
+    """Head dims up to 64 without a bias or ALiBi; not at 128, nor with a bias or ALiBi."""
     assert dispatch.plan(call(64), device=H100).dkdv.keys_major
+    assert dispatch.plan(call(32), device=H100).dkdv.keys_major
     assert "keys by queries" in dispatch.plan(call(64), device=H100).dkdv.describe()
     for c in (call(), call(64, has_alibi=True), call(64, bias_shape=(1, 16, 4096, 4096)),
               call(256)):
@@ -212,8 +213,9 @@ def test_reasons_name_what_refuses():
     assert "sm90" in reasons["sm80"] and "this one is sm80" in reasons["sm80"]
     segments_dq = dict(dispatch.plan(TABLE["segments"][0], device=H100).dq.declined)
     assert "measured faster" in segments_dq["mosaic"]
-    dq_reasons = dict(dispatch.plan(TABLE["d32"][0], device=H100).dq.declined)
-    assert "head dims must pad to (64, 128, 256)" in dq_reasons["mosaic"]
+    shared = call(32, bias_shape=(1, 1, 4096, 4096))  # its gradient: the dbias kernel's
+    dbias_reasons = dict(dispatch.plan(shared, device=H100).dbias.declined)
+    assert "head dims must pad to (64, 128), got 32 and 32" in dbias_reasons["mosaic"]
     dq_reasons = dict(dispatch.plan(TABLE["d256_bias_float32"][0], device=H100).dq.declined)
     assert "232448" in dq_reasons["mosaic"]  # a float32 bias tile leaves no room
     assert "bfloat16 or float16" in reasons["float32"]

@@ -140,6 +140,17 @@ CASES = {
         bias=jnp.ones((1, 4, 200, 300), jnp.bfloat16), logits_soft_cap=20.0,
         block_sizes=pallas_attn.BlockSizes(forward_backend="mosaic", dq_backend="mosaic",
                                            dkv_backend="mosaic", deterministic=False)),
+    # Head dims 8 / 24 on every Mosaic role: padded to 16 and 32 (32- and 64-byte
+    # swizzled tiles), causal with a soft cap.
+    "mosaic_all_h8_hv24": dict(
+        H=8, Hv=24, T=200, S=300, K=2, is_causal=True, logits_soft_cap=20.0,
+        block_sizes=pallas_attn.BlockSizes(forward_backend="mosaic", dq_backend="mosaic",
+                                           dkv_backend="mosaic")),
+    # Head dim 32: the dK/dV kernel keys by queries, 64-byte swizzled tiles.
+    "mosaic_all_h32_keys_major": dict(
+        H=32, T=200, S=300, K=2, is_causal=True,
+        block_sizes=pallas_attn.BlockSizes(forward_backend="mosaic", dq_backend="mosaic",
+                                           dkv_backend="mosaic")),
     # A mask alone in every Mosaic role: its ranges without segment ids; a soft cap
     # (no bias), bottom-right causal.
     "mosaic_mask_ranges_softcap": dict(

@@ -188,6 +188,8 @@ MOSAIC_DQ_DKV_WIDE = dataclasses.replace(MOSAIC_DQ_DKV, block_k_dkv=64, **WIDE)
 # (`Plan.head_dims`).
 MOSAIC_ALL_WIDE = dataclasses.replace(MOSAIC_DQ_DKV_WIDE, block_q=128, block_k=64,
                                       forward_backend="mosaic")
+MOSAIC_ALL = dataclasses.replace(MOSAIC_DQ_DKV, block_q=128, block_k=128,
+                                 forward_backend="mosaic")
 
 
 @pytest.mark.parametrize("shapes,bias_shape,kwargs,blocks", [
@@ -200,9 +202,12 @@ MOSAIC_ALL_WIDE = dataclasses.replace(MOSAIC_DQ_DKV_WIDE, block_q=128, block_k=6
      dict(is_causal=True, logits_soft_cap=8.0), MOSAIC_DQ_DKV_WIDE),
     (dict(B=2, T=100, S=150, N=2, K=1, H=160, Hv=136), (1, 2),
      dict(is_causal=True, logits_soft_cap=8.0), MOSAIC_ALL_WIDE),
+    (dict(B=2, T=100, S=150, N=2, K=1, H=8, Hv=24), (1, 2),
+     dict(is_causal=True, logits_soft_cap=8.0), MOSAIC_ALL),
 ], ids=["shared_bias_soft_cap_alibi_mqa_bottom_right_empty_rows_H80_Hv64",
         "with_mosaic_dkv_shared_bias_window_alibi",
-        "wide_H256_with_mosaic_dkv_shared_bias", "all_mosaic_H160_Hv136_padded_to_160"])
+        "wide_H256_with_mosaic_dkv_shared_bias", "all_mosaic_H160_Hv136_padded_to_160",
+        "all_mosaic_H8_Hv24_padded_to_16_32"])
 def test_gradients_with_the_mosaic_dq_against_reference_and_float64(shapes, bias_shape,
                                                                     kwargs, blocks,
                                                                     monkeypatch):
@@ -216,7 +221,7 @@ def test_gradients_with_the_mosaic_dq_against_reference_and_float64(shapes, bias
                         lambda *a: (lambda r: padded.append(r[1].shape[3]) or r)(prepare(*a)))
     kernel, exact = check_kernel_gradients(jnp.bfloat16, shapes, bias_shape, kwargs, blocks)
     assert_empty_rows(kernel, empty_rows(exact))
-    every_role = blocks is MOSAIC_ALL_WIDE
+    every_role = blocks in (MOSAIC_ALL_WIDE, MOSAIC_ALL)
     assert set(padded) == {(mosaic_head_dim if every_role else padded_head_dim)(shapes["H"])}
     # The dbias chain runs exactly where both kernels are Mosaic.
     assert len(calls) == (blocks is not MOSAIC_DQ)
@@ -228,7 +233,6 @@ def test_gradients_with_the_mosaic_dq_against_reference_and_float64(shapes, bias
     (dict(mask=(1, 1, 16, 16), H=256),
      "dq_backend='mosaic'.*a mask only up to a padded head dim of 128"),
     (dict(dtype=jnp.float32), "dq_backend='mosaic'.*bfloat16 or float16"),
-    (dict(H=32), "dq_backend='mosaic'.*head dims must pad to"),
 ])
 def test_unsupported_problems_name_the_reason(kwargs, match):
     dtype = kwargs.pop("dtype", jnp.bfloat16)

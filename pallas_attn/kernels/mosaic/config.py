@@ -56,11 +56,11 @@ DBIAS_STAGES = (2, 1)  # the first that fits
 # 3 x 160 + 24.
 _REGISTERS = {2: (232, 40), 3: (160, 24)}
 
-# Head dims per role, as powers of two (`padded_head_dim`; where every role is a Mosaic
-# kernel, whole tiles in between, `Plan.head_dims`): above 128 the dQ and dK/dV
-# kernels' consumers share each tile (`is_wide`); the dbias kernel's do not.
-HEAD_DIMS = {"forward": (64, 128, 256), "dq": (64, 128, 256), "dkdv": (64, 128, 256),
-             "dbias": (64, 128)}
+# The forward, dQ and dK/dV kernels run every padded head dim from 16 to 256 (powers of
+# two, `padded_head_dim`; where every role is a Mosaic kernel, whole tiles in between,
+# `Plan.head_dims`); above 128 the dQ and dK/dV kernels' consumers share each tile
+# (`is_wide`). The dbias kernel runs these only.
+DBIAS_HEAD_DIMS = (64, 128)
 DTYPES = ("bfloat16", "float16")
 
 
@@ -75,12 +75,12 @@ def is_wide(hp: int, hvp: int) -> bool:
 def dkv_keys_major(hp: int, hvp: int, has_bias: bool, has_alibi: bool,
                    has_mask: bool = False) -> bool:
     """Whether the dK/dV kernel computes its tiles keys by queries (S^T = K Q^T), so
-    that P^T and dS^T feed dV's and dK's products from registers: at head dims of 64
-    without a bias or a mask (their tiles are read queries by keys) or ALiBi. Measured
-    6-7% faster at 64 and 2-5% slower at 128, 21% with ALiBi: the operands held in
-    registers until their products finish crowd the larger accumulators
-    (docs/decisions.md)."""
-    return hp == hvp == 64 and not (has_bias or has_alibi or has_mask)
+    that P^T and dS^T feed dV's and dK's products from registers: at equal head dims up
+    to 64 without a bias or a mask (their tiles are read queries by keys) or ALiBi.
+    Measured 6-7% faster at 64, 11-13% fwd+bwd at 32, and 2-5% slower at 128, 21% with
+    ALiBi: the operands held in registers until their products finish crowd the larger
+    accumulators (docs/decisions.md)."""
+    return hp == hvp and hp <= 64 and not (has_bias or has_alibi or has_mask)
 
 
 def operand_swizzle(hp: int, hvp: int) -> int:
@@ -95,7 +95,7 @@ def operand_swizzle(hp: int, hvp: int) -> int:
 
 def forward_swizzle(hp: int, hvp: int) -> int:
     """The swizzle (bytes) of the forward's wgmma tiles: rows of 64 16-bit columns, or of
-    32 or 16 where the head dims are not multiples of 64 (96; 80, 112): the widest that
+    32 or 16 where the head dims are not multiples of 64 (32, 96; 16, 80): the widest that
     makes them whole tiles (both operands of a wgmma share it)."""
     return next(s for s in (128, 64, 32) if hp % (s // 2) == 0 and hvp % (s // 2) == 0)
 
@@ -169,8 +169,8 @@ def unsupported(dtype: str, spec: AttentionSpec, present: tuple[str, ...], head_
     if why := unsupported_scores(spec, present, role):
         return why
     dims = (padded_head_dim(head_dim), padded_head_dim(value_head_dim))
-    if not set(dims) <= set(HEAD_DIMS[role]):
-        return (f"head dims must pad to {HEAD_DIMS[role]}, got {head_dim} and "
+    if role == "dbias" and not set(dims) <= set(DBIAS_HEAD_DIMS):
+        return (f"head dims must pad to {DBIAS_HEAD_DIMS}, got {head_dim} and "
                 f"{value_head_dim}")
     if spec.has_mask and role in ("dq", "dkdv") and is_wide(*dims):
         return (f"a mask only up to a padded head dim of {WIDE_HEAD_DIM} (the consumers "

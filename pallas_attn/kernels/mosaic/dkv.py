@@ -7,7 +7,7 @@ consumer warpgroups each own 64 of the keys (the wgmma M dimension) and keep the
 dK and dV in registers. Per step (the 64 query rows of one tile, one head):
 
 * S and dP with wgmma, 64 queries by 64 keys per consumer; where the route says so
-  (`Route.keys_major`, `config.dkv_keys_major`: head dim 64 without a bias or ALiBi)
+  (`Route.keys_major`, `config.dkv_keys_major`: head dims up to 64 without a bias or ALiBi)
   transposed, S^T = K Q^T and dP^T = V dO^T (keys by queries);
 * P and dS from the forward's row residuals and the shared score rules
   (`common.tile_gradient`, semantics/scores.py);

@@ -3,7 +3,7 @@
 The work is items of 64 query rows per consumer warpgroup of one (batch entry,
 head): two consumers (items of 128 rows), or three (192 rows) where each one's
 accumulator and scores fit a third of the registers and there is no bias
-(`config.forward_consumers`: head dim 64, or 128 and 160 with 64-key tiles). One
+(`config.forward_consumers`: head dims up to 64, or 128 and 160 with 64-key tiles). One
 program per multiprocessor loops over items (`common.Walk`: query tiles fastest,
 causal tiles in mirror pairs so that every program does the same work; items
 end at the padded length, so with three consumers a head's first item may start
@@ -53,8 +53,8 @@ inside a tile (causal, a window, a mask, segments), a NaN or inf value of a hidd
 poisons the products of the rows sharing its tile: a row whose output holds a NaN gets a
 NaN log2 row sum, and `triton/fwd.py` repair recomputes the tiles holding such marks.
 
-Scope (config.unsupported): 16-bit inputs, padded head dims 64 to 256 (Plan.head_dims), no operand
-besides q, k, v, a bias and a mask with their own entry per query and key, ALiBi
+Scope (config.unsupported): 16-bit inputs, padded head dims 16 to 256 (Plan.head_dims), no
+operand besides q, k, v, a bias and a mask with their own entry per query and key, ALiBi
 slopes, sinks, segment ids, sequence lengths, dropout keys and an origin (positions past
 the lengths are zeroed before the call, vjp.prepare; ring attention's blocks count every
 position from their origin: `core.TileRanges`, `common.Dropout`); causal, local windows in
