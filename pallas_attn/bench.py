@@ -77,6 +77,10 @@ def make_inputs(shape: Shape, seed: int = 0) -> dict[str, Any]:
         if name in ("bias", "bias_per_batch"):  # [1, N, T, S] or [B, N, T, S]
             rows = B if name == "bias_per_batch" else 1
             args["kwargs"]["bias"] = jax.random.normal(keys[4], (rows, N, T, S), dtype)
+        elif name == "bias_per_key":  # [B, N, 1, S]
+            args["kwargs"]["bias"] = jax.random.normal(keys[4], (B, N, 1, S), dtype)
+        elif name == "mask_per_key":  # [B, 1, 1, S]: a key padding mask, 1/8 hidden
+            args["kwargs"]["mask"] = jax.random.bernoulli(keys[6], 0.875, (B, 1, 1, S))
         elif name == "bias_shared_by_heads":  # [B, 1, T, S]
             args["kwargs"]["bias"] = jax.random.normal(keys[4], (B, 1, T, S), dtype)
         elif name == "window":
@@ -286,6 +290,8 @@ def feature_shapes() -> list[Shape]:
         Shape(**base, features=(("bias", None),)),
         Shape(**base, features=(("bias_per_batch", None),)),
         Shape(**base, features=(("mask", None),)),
+        Shape(**base, features=(("bias_per_key", None),)),  # [B, N, 1, S]
+        Shape(**base, features=(("mask_per_key", None),)),  # [B, 1, 1, S], padding
         Shape(**base, features=(("alibi", None),)),
         Shape(**base, features=(("softcap", 30.0),)),
         Shape(**base, features=(("dropout", 0.1),)),
@@ -450,6 +456,13 @@ def check_shapes(on_device: bool) -> list[Shape]:
         Shape(2, 1000, 1100, 8, 2, 224, True, (("softcap", 20.0),), dtype="float16"),
         Shape(2, 1000, 1100, 8, 2, 112, False, (("softcap", 20.0),), dtype="bfloat16"),
         Shape(2, 1024, 1024, 4, 4, 48, True, dtype="float16"),
+        # A bias and a mask per key in the Mosaic forward and dQ (rows read from global
+        # memory per key tile), the bias's gradient from the Triton dK/dV kernel; causal,
+        # ragged, GQA.
+        Shape(2, 1000, 1100, 8, 2, 128, True, (("bias_per_key", None), ("mask_per_key", None)),
+              dtype="bfloat16"),
+        Shape(2, 1024, 1024, 4, 4, 64, False, (("mask_per_key", None), ("softcap", 20.0)),
+              dtype="float16"),
         # Head dims up to 32 in the Mosaic kernels: 64- and 32-byte swizzled tiles (32 and
         # 16 columns), causal with a soft cap, GQA, ragged; a bias's gradient at 16.
         Shape(2, 1000, 1100, 8, 2, 32, True, (("softcap", 20.0),), dtype="bfloat16"),

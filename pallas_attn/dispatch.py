@@ -332,14 +332,15 @@ def _mosaic_route(role: str, call: Call, device: DeviceInfo, overrides: BlockSiz
         block_k = block_k or mosaic.forward_default_block_k(hp, hvp)
         stages = stages or mosaic.FORWARD_STAGES
         budget = device.max_shared_memory_per_block
-        has_mask = spec.has_mask
+        has_mask = mosaic.mask_tiles(spec)
+        bias_dtype = mosaic.bias_tiles_dtype(spec, call.bias_dtype)
         consumers = mosaic.forward_consumers(hp, hvp, block_k, stages, call.dtype,
-                                             bias_dtype=call.bias_dtype, budget=budget,
+                                             bias_dtype=bias_dtype, budget=budget,
                                              has_mask=has_mask)
         route = Route("mosaic", mosaic.ITEM_ROWS, block_k, 0, stages, consumers)
         staging = mosaic.forward_output_staging(hp, hvp, block_k, stages, call.dtype,
-                                                call.bias_dtype, budget, consumers, has_mask)
-        need = mosaic.forward_scratch(hp, hvp, block_k, stages, call.dtype, call.bias_dtype,
+                                                bias_dtype, budget, consumers, has_mask)
+        need = mosaic.forward_scratch(hp, hvp, block_k, stages, call.dtype, bias_dtype,
                                       staging=staging, consumers=consumers,
                                       has_mask=has_mask).bytes
     elif role == "dkdv":
@@ -360,15 +361,16 @@ def _mosaic_route(role: str, call: Call, device: DeviceInfo, overrides: BlockSiz
                  or (stages is not None and stages < 2))
         rule = f"(block_q_dq, block_k_dq) = {dq_tiles} and num_stages_dq >= 2"
         stages = stages or mosaic.DQ_STAGES
+        bias_dtype = mosaic.bias_tiles_dtype(spec, call.bias_dtype)
         consumers = mosaic.dq_consumers(
-            hp, hvp, dq_tiles[1], stages, call.dtype, bias_dtype=call.bias_dtype,
+            hp, hvp, dq_tiles[1], stages, call.dtype, bias_dtype=bias_dtype,
             has_window=spec.local_window is not None,
-            budget=device.max_shared_memory_per_block, has_mask=spec.has_mask,
+            budget=device.max_shared_memory_per_block, has_mask=mosaic.mask_tiles(spec),
             has_segments=spec.has_segments)
         route = Route("mosaic", *dq_tiles, 0, stages, consumers)
         need = mosaic.dq_scratch(hp, hvp, dq_tiles[1], stages, consumers, call.dtype,
-                                 call.bias_dtype, dbias=spec.has_bias,
-                                 has_mask=spec.has_mask).bytes
+                                 bias_dtype, dbias=bias_dtype is not None,
+                                 has_mask=mosaic.mask_tiles(spec)).bytes
     else:  # dbias
         wrong = (block_q not in (None, mosaic.ITEM_ROWS)
                  or block_k not in (None, *mosaic.DBIAS_BLOCK_K))

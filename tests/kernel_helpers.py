@@ -554,13 +554,14 @@ def kernel_backward(dtype: str, shapes: dict, bias_shape: tuple | None, kwargs: 
 def check_kernel_gradients(dtype: Any, shapes: dict, bias_shape: tuple | None, kwargs: dict,
                            block_sizes: Any) -> tuple[dict, dict]:
     """The forward and backward (`make_runner`) with these tiles, on random inputs
-    (make_inputs' `shapes`, in dtype) and a random bias [*bias_shape, T, S] or none:
-    every result, dbias included, within FlashAttention's rule of the float64 oracle
-    and close to the reference in the same dtype. Returns (the kernel's results, the
-    oracle's)."""
+    (make_inputs' `shapes`, in dtype) and a random bias [*bias_shape, T, S] (bias_shape
+    of four dims: that shape) or none: every result, dbias included, within
+    FlashAttention's rule of the float64 oracle and close to the reference in the same
+    dtype. Returns (the kernel's results, the oracle's)."""
     inputs = make_inputs(sum(shapes.values()), dtype=dtype, **shapes)
-    bias = (random_bias(5, (*bias_shape, shapes["T"], shapes["S"]), dtype)
-            if bias_shape is not None else None)
+    if bias_shape is not None and len(bias_shape) == 2:
+        bias_shape = (*bias_shape, shapes["T"], shapes["S"])
+    bias = random_bias(5, bias_shape, dtype) if bias_shape is not None else None
     kernel, reference = pallas_and_reference(inputs, block_sizes=block_sizes,
                                              bias=bias, **kwargs)
     exact = oracle(inputs, bias=bias, **kwargs)

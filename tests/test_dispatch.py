@@ -116,16 +116,19 @@ TABLE = {
     # kernel's slots; the separate Mosaic dbias kernel fits with one slot.
     "bias_float32": (call(bias_shape=(1, 16, 4096, 4096), bias_dtype="float32"), "sm90",
                      ("triton", "mosaic", "triton", "mosaic")),
+    # A bias per key: the Mosaic forward and dQ read it per key tile; its gradient (the
+    # column sums of dS) is the Triton dK/dV kernel's.
     "bias_per_key": (call(bias_shape=(4, 16, 1, 4096)), "sm90",
-                     ("triton", "triton", "triton", "triton-fused")),
+                     ("mosaic", "mosaic", "triton", "triton-fused")),
     "bias_per_query": (call(bias_shape=(1, 1, 4096, 1)), "sm90",
                        ("triton", "triton", "triton", "triton")),
     # A boolean mask with its own entry per query and key: the Mosaic kernels (int8
-    # tiles); one broadcast along queries (a key padding mask) the Triton kernels; at
-    # d256 the wide backward kernels take none.
+    # tiles); one broadcast along queries (a key padding mask) the Mosaic forward and dQ
+    # (a row per key tile) and the Triton dK/dV; at d256 the wide backward kernels take
+    # none.
     "mask": (call(mask_shape=(4, 1, 4096, 4096)), "sm90", ("mosaic", "mosaic", "mosaic", None)),
     "mask_per_key": (call(mask_shape=(4, 1, 1, 4096)), "sm90",
-                     ("triton", "triton", "triton", None)),
+                     ("mosaic", "mosaic", "triton", None)),
     "mask_d256": (call(256, mask_shape=(4, 1, 4096, 4096)), "sm90",
                   ("mosaic", "triton", "triton", None)),
     # Segment ids: the Mosaic forward; the Triton backward measured faster, but for the
@@ -219,7 +222,9 @@ def test_reasons_name_what_refuses():
     dq_reasons = dict(dispatch.plan(TABLE["d256_bias_float32"][0], device=H100).dq.declined)
     assert "232448" in dq_reasons["mosaic"]  # a float32 bias tile leaves no room
     assert "bfloat16 or float16" in reasons["float32"]
-    assert "the mask needs its own entry per query and key" in reasons["mask_per_key"]
+    per_key = dict(dispatch.plan(TABLE["mask_per_key"][0], device=H100).dkdv.declined)
+    assert "the mask needs its own entry per query and key" in per_key["mosaic"]
+    assert "the bias needs its own entry per key" in reasons["bias_per_query"]
     wide_mask = dict(dispatch.plan(TABLE["mask_d256"][0], device=H100).dkdv.declined)
     assert "a mask only up to a padded head dim of 128" in wide_mask["mosaic"]
     dbias = dict(dispatch.plan(TABLE["dropout_bias_shared_by_heads"][0], device=H100)
@@ -255,18 +260,22 @@ def _need(plan: pallas_attn.Plan, c: dispatch.Call, role: str) -> int:
                                         route.block_k))
     if role == "forward":
         staging = mosaic.forward_output_staging(hp, hvp, route.block_k, route.num_stages,
-                                                c.dtype, c.bias_dtype,
+                                                c.dtype,
+                                                mosaic.bias_tiles_dtype(c.spec, c.bias_dtype),
                                                 plan.device.max_shared_memory_per_block,
-                                                route.consumers)
+                                                route.consumers, mosaic.mask_tiles(c.spec))
         return mosaic.forward_scratch(hp, hvp, route.block_k, route.num_stages, c.dtype,
-                                      c.bias_dtype, staging=staging,
-                                      consumers=route.consumers).bytes
+                                      mosaic.bias_tiles_dtype(c.spec, c.bias_dtype),
+                                      staging=staging, consumers=route.consumers,
+                                      has_mask=mosaic.mask_tiles(c.spec)).bytes
     if role == "dkdv":
         return mosaic.dkv_scratch(hp, hvp, route.num_stages, c.dtype, c.bias_dtype,
                                   zeros=c.spec.has_bias).bytes
     if role == "dq":
+        bias_dtype = mosaic.bias_tiles_dtype(c.spec, c.bias_dtype)
         return mosaic.dq_scratch(hp, hvp, route.block_k, route.num_stages, route.consumers,
-                                 c.dtype, c.bias_dtype, dbias=c.spec.has_bias).bytes
+                                 c.dtype, bias_dtype, dbias=bias_dtype is not None,
+                                 has_mask=mosaic.mask_tiles(c.spec)).bytes
     return mosaic.dbias_scratch(hp, hvp, route.block_k, route.num_stages, c.dtype,
                                 c.bias_dtype).bytes
 

@@ -146,6 +146,12 @@ CASES = {
         H=8, Hv=24, T=200, S=300, K=2, is_causal=True, logits_soft_cap=20.0,
         block_sizes=pallas_attn.BlockSizes(forward_backend="mosaic", dq_backend="mosaic",
                                            dkv_backend="mosaic")),
+    # A bias and a mask per key in the Mosaic forward and dQ: rows read from global
+    # memory per key tile (16-bit and int8 vectors along the keys).
+    "mosaic_fwd_dq_bias_mask_per_key": dict(
+        T=200, S=300, K=2, is_causal=True, bias=jnp.ones((2, 4, 1, 300), jnp.bfloat16),
+        mask=jnp.ones((2, 1, 1, 300), bool),
+        block_sizes=pallas_attn.BlockSizes(forward_backend="mosaic", dq_backend="mosaic")),
     # Head dim 32: the dK/dV kernel keys by queries, 64-byte swizzled tiles.
     "mosaic_all_h32_keys_major": dict(
         H=32, T=200, S=300, K=2, is_causal=True,

@@ -204,10 +204,15 @@ MOSAIC_ALL = dataclasses.replace(MOSAIC_DQ_DKV, block_q=128, block_k=128,
      dict(is_causal=True, logits_soft_cap=8.0), MOSAIC_ALL_WIDE),
     (dict(B=2, T=100, S=150, N=2, K=1, H=8, Hv=24), (1, 2),
      dict(is_causal=True, logits_soft_cap=8.0), MOSAIC_ALL),
+    # A bias and a mask per key (rows read per key tile; dbias from the Triton dK/dV
+    # kernel), GQA, bottom-right causal T > S (rows that see no key).
+    (dict(B=2, T=150, S=120, N=4, K=2, H=64), (2, 4, 1, 120),
+     dict(is_causal=True, causal_alignment="bottom_right",
+          mask=random_mask(6, (2, 1, 1, 120))), MOSAIC_DQ),
 ], ids=["shared_bias_soft_cap_alibi_mqa_bottom_right_empty_rows_H80_Hv64",
         "with_mosaic_dkv_shared_bias_window_alibi",
         "wide_H256_with_mosaic_dkv_shared_bias", "all_mosaic_H160_Hv136_padded_to_160",
-        "all_mosaic_H8_Hv24_padded_to_16_32"])
+        "all_mosaic_H8_Hv24_padded_to_16_32", "bias_and_mask_per_key_bottom_right_gqa"])
 def test_gradients_with_the_mosaic_dq_against_reference_and_float64(shapes, bias_shape,
                                                                     kwargs, blocks,
                                                                     monkeypatch):
@@ -229,7 +234,7 @@ def test_gradients_with_the_mosaic_dq_against_reference_and_float64(shapes, bias
 
 @pytest.mark.parametrize("kwargs,match", [
     (dict(mask=(1, 1, 16, 1)),
-     r"dq_backend='mosaic'.*the mask needs its own entry per query and key"),
+     r"dq_backend='mosaic'.*the mask needs its own entry per key, got a mask of shape"),
     (dict(mask=(1, 1, 16, 16), H=256),
      "dq_backend='mosaic'.*a mask only up to a padded head dim of 128"),
     (dict(dtype=jnp.float32), "dq_backend='mosaic'.*bfloat16 or float16"),

@@ -14,7 +14,8 @@ that issues bulk copies. What they can run and what they allocate is config.py's
 * `Turns`, `pass_turn` / `await_turn`: two consumers' alternation on the tensor
   cores; `take_turn`: consumers meeting.
 * `BiasTiles`: a consumer's bias rows read tile by tile through its own buffer;
-  `mask_tile`: its rows of a mask tile from the producer's ring.
+  `KeyRows`: a bias or mask per key, read per key tile; `mask_tile`: its rows of a
+  mask tile from the producer's ring (or per key).
 * `tile_scores` / `tile_gradient`: the shared score rules (`core.logit_scores`,
   semantics/scores.py) on a WGMMA-layout tile.
 * `accumulate`: acc + A B with wgmma; `head_slope`: a head's ALiBi slope;
@@ -433,16 +434,60 @@ class Walk:
     def bias_rows(self, bias_ref, item: Item, row0, buffers, barriers) -> Any:
         """This consumer's bias stream (`BiasTiles`) over its rows of the item (shared:
         its half of each tile's keys), through its own buffer and barrier (of one per
-        consumer), or None without a bias."""
+        consumer); a bias per key (`config.per_key`) read from global memory
+        (`KeyRows`); or None without a bias."""
         if bias_ref is None:
             return None
         wg = lax.axis_index("wg")
-        Bb, Nb = self.problem.spec.bias_shape[:2]
-        rows = bias_ref.at[item.b if Bb > 1 else 0, item.n if Nb > 1 else 0,
-                           pl.ds(row0, ROWS_PER_CONSUMER)]
+        head = _head_of(bias_ref, item)
         width = self.block_k // CONSUMERS if self.shared else self.block_k
-        return BiasTiles(rows, buffers.at[wg], barriers.at[wg], self.block_k,
-                         wg * width if self.shared else 0, width)
+        offset = wg * width if self.shared else 0
+        if config.per_key(self.problem.spec.bias_shape):
+            return KeyRows(head.at[0], self.block_k, offset, width)
+        return BiasTiles(head.at[pl.ds(row0, ROWS_PER_CONSUMER)], buffers.at[wg],
+                         barriers.at[wg], self.block_k, offset, width)
+
+    def mask_rows(self, mask_ref, item: Item, ring) -> Any:
+        """The mask as this consumer reads it: the producer's ring of mask tiles
+        (`mask_tile`), a row per key read from global memory (`KeyRows`, a mask per key),
+        or None without a mask."""
+        if mask_ref is None or not config.per_key(self.problem.spec.mask_shape):
+            return ring
+        width = self.block_k // CONSUMERS if self.shared else self.block_k
+        return KeyRows(_head_of(mask_ref, item).at[0], self.block_k,
+                       lax.axis_index("wg") * width if self.shared else 0, width)
+
+
+def _head_of(ref, item: Item) -> Any:
+    """A bias's or mask's [T or 1, S] entries of the item's batch entry and head (either
+    broadcast)."""
+    return ref.at[item.b if ref.shape[0] > 1 else 0, item.n if ref.shape[1] > 1 else 0]
+
+
+@dataclasses.dataclass(frozen=True)
+class KeyRows:
+    """A bias or mask with one entry per key that every row shares (`config.per_key`):
+    of key tile t, `width` keys from `offset`, read from global memory and broadcast
+    over the consumer's 64 rows; nothing is staged in shared memory."""
+
+    row: Any  # the entries of one batch entry and head [Sp]
+    block_k: int
+    offset: Any = 0
+    width: int | None = None
+
+    def tile(self, t) -> jax.Array:
+        """Key tile t's entries over the rows (WGMMA layout, the ref's dtype)."""
+        width = self.width or self.block_k
+        keys = plgpu.load(self.row.at[pl.ds(t * self.block_k + self.offset, width)],
+                          layout=along(1), optimized=False)
+        return lax.broadcast_in_dim(keys, (ROWS_PER_CONSUMER, width), [1])
+
+    def start(self, t) -> None:
+        """Nothing to stage ahead (`BiasTiles.start`)."""
+
+    def take(self, t, stop) -> jax.Array:
+        """Key tile t of the bias (float32, WGMMA layout), as `BiasTiles.take`."""
+        return self.tile(t).astype(jnp.float32)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -485,14 +530,16 @@ def origin_pair(origin_ref) -> tuple[Any, Any] | None:
     return None if origin_ref is None else (origin_ref[0], origin_ref[1])
 
 
-def mask_tile(mask_smem, slot, masked: bool | None) -> jax.Array | None:
-    """This consumer's rows of the key tile's mask in ring slot `slot` (`Walk.stream`;
-    landed with K), as booleans in the WGMMA layout; None without a mask, or in a tile
-    its rows see whole (masked False: `core.run_tile_loops`)."""
-    if mask_smem is None or masked is False:
+def mask_tile(mask, slot, t, masked: bool | None) -> jax.Array | None:
+    """This consumer's rows of key tile t's mask as booleans in the WGMMA layout: from
+    ring slot `slot` of the mask tiles (`Walk.stream`; landed with K) or per key
+    (`KeyRows`); None without a mask, or in a tile its rows see whole (masked False:
+    `core.run_tile_loops`)."""
+    if mask is None or masked is False:
         return None
-    rows = mask_smem.at[slot, lax.axis_index("wg")]
-    return plgpu.load(rows, layout=plgpu.Layout.WGMMA) != 0
+    if isinstance(mask, KeyRows):
+        return mask.tile(t) != 0
+    return plgpu.load(mask.at[slot, lax.axis_index("wg")], layout=plgpu.Layout.WGMMA) != 0
 
 
 def own_band(ctx: TileRanges, tiles: Band, row0, stop, block_k: int,

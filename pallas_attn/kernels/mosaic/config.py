@@ -137,10 +137,31 @@ OPERANDS = {"forward": ("bias", "mask", "alibi_slopes", "sinks", *SEGMENTS, *LEN
             "dkdv": ("bias", "mask", "alibi_slopes", "sinks", *SEGMENTS, *LENGTHS,
                      "dropout_keys", "origin"),
             "dbias": ("bias", "alibi_slopes", "sinks")}
+# The roles whose kernels read a bias or mask with one entry per key (`per_key`).
+PER_KEY_ROLES = ("forward", "dq")
 _OPERAND_NAMES = {"bias": "a bias", "mask": "a mask", "alibi_slopes": "ALiBi slopes",
                   "sinks": "sinks",
                   "q_segment_ids": "segment ids", "query_seq_lengths": "sequence lengths",
                   "dropout_keys": "dropout", "origin": "an origin (ring attention's blocks)"}
+
+
+def per_key(shape: tuple[int, ...]) -> bool:
+    """Whether a bias or mask of this shape ([..., T or 1, S or 1]) has one entry per key
+    that every query shares: the forward and dQ kernels read such a row per key tile
+    (`common.KeyRows`), not in tiles."""
+    return shape[-2] == 1 and shape[-1] > 1
+
+
+def bias_tiles_dtype(spec: AttentionSpec, bias_dtype: Any) -> Any:
+    """The dtype of the bias tiles a kernel stages in shared memory, or None: no bias, or
+    one per key (read from global memory)."""
+    return None if not spec.has_bias or per_key(spec.bias_shape) else bias_dtype
+
+
+def mask_tiles(spec: AttentionSpec) -> bool:
+    """Whether a kernel streams tiles of the mask through shared memory (not for a mask
+    per key, read from global memory)."""
+    return spec.has_mask and not per_key(spec.mask_shape)
 
 
 def unsupported_scores(spec: AttentionSpec, present: tuple[str, ...], role: str) -> str:
@@ -152,12 +173,16 @@ def unsupported_scores(spec: AttentionSpec, present: tuple[str, ...], role: str)
         takes = [_OPERAND_NAMES[name] for name in OPERANDS[role] if name in _OPERAND_NAMES]
         return (f"it takes no operand besides q, k, v, {', '.join(takes[:-1])} and "
                 f"{takes[-1]}, got {', '.join(others)}")
-    if spec.has_bias and 1 in spec.bias_shape[2:]:
-        return (f"the bias needs its own entry per query and key, got a bias of shape "
-                f"{spec.bias_shape} (broadcast along queries or keys)")
-    if spec.has_mask and 1 in spec.mask_shape[2:]:
-        return (f"the mask needs its own entry per query and key, got a mask of shape "
-                f"{spec.mask_shape} (broadcast along queries or keys)")
+    for name, shape in (("bias", spec.bias_shape if spec.has_bias else None),
+                        ("mask", spec.mask_shape if spec.has_mask else None)):
+        if shape is None or 1 not in shape[2:]:
+            continue
+        if role not in PER_KEY_ROLES:
+            return (f"the {name} needs its own entry per query and key, got a {name} of "
+                    f"shape {shape} (broadcast along queries or keys)")
+        if not per_key(shape):
+            return (f"the {name} needs its own entry per key, got a {name} of shape "
+                    f"{shape} (broadcast along keys)")
     return ""
 
 

@@ -14,7 +14,8 @@ consumer warpgroups: three, or two with a bias or a local window
   and the shared score rules (`common.tile_gradient`), and adds dS K into its dQ
   accumulator with a third wgmma that takes dS from registers (from shared memory
   where a dbias copy reads it too, and in the interpreter). The bias comes
-  through each consumer's own buffer one tile ahead (`common.BiasTiles`).
+  through each consumer's own buffer one tile ahead (`common.BiasTiles`); a bias or a
+  mask per key from global memory, the key tile's row (`common.KeyRows`).
 * Three consumers (items of 192 rows) run without turns: while two compute their
   exponentials and soft-cap tanh, the third's products keep the tensor cores busy
   (docs/decisions.md, "Three dQ consumers"). Items end at the padded length, so the first item of
@@ -93,11 +94,13 @@ from pallas_attn.kernels.mosaic.common import (
 )
 from pallas_attn.kernels.mosaic.config import (
     ROWS_PER_CONSUMER,
+    bias_tiles_dtype,
     consumer_registers,
     dq_scratch,
     dq_tiles,
     fusable_dbias,
     is_wide,
+    mask_tiles,
 )
 
 
@@ -137,7 +140,7 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, bias_ref, mask_ref, slopes_r
                         tiles.first, tiles.first + steps, dbias_ref.shape[3] // block_k)
 
     walk.produce(wg, k_ref, v_ref, smem["k"], smem["v"], ring, on_item,
-                 None if mask_ref is None else (mask_ref, smem["mask"]))
+                 None if smem["mask"] is None else (mask_ref, smem["mask"]))
     if dbias_ref is not None:
         pl.when(wg == consumers)(lambda: plgpu.wait_smem_to_gmem(0))
 
@@ -194,7 +197,8 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, bias_ref, mask_ref, slopes_r
                          dbias_ref.at[0, item.n, pl.ds(row0, rows_n)])
             dq = _consume(problem, ctx, tiles, lambda t: step + t - tiles.first, row0,
                           tiles.first + steps, mine, ds_tiles, smem["k"], smem["v"], ring,
-                          (turns, exchange), (bias, smem["mask"]),
+                          (turns, exchange),
+                          (bias, walk.mask_rows(mask_ref, item, smem["mask"])),
                           head_slope(slopes_ref, item.valid, item.b, item.n), residuals,
                           dbias, row0 >= 0, segments, dropout, item.b, item.n, cols)
             if scaled:
@@ -227,8 +231,8 @@ def _consume(problem: Problem, ctx, tiles, step_of, row0, stop, mine: dict, ds_t
     tiles [tiles.first, stop), its columns `cols` of it; step_of(t): the ring step of
     tile t (counted over the program's items); active false (rows before 0): it only
     releases the tiles. barriers: (`Turns`, exchange), either None. streams: (its bias
-    stream (`BiasTiles`), the ring of the caller's mask rows (`Walk.stream`)), either
-    None.
+    stream (`BiasTiles`, or `KeyRows` per key), the mask as it reads it
+    (`Walk.mask_rows`)), either None.
 
     With `Turns` (two consumers, kind "meet") it takes turns with the other consumer: a
     consumer issues S and dP, waits for the other's gradient math, computes its own P
@@ -245,7 +249,7 @@ def _consume(problem: Problem, ctx, tiles, step_of, row0, stop, mine: dict, ds_t
     None; dropout: head n's keep decisions or None."""
     k_loaded, v_loaded, k_consumed, v_consumed = ring
     turns, exchange = barriers
-    bias, mask_smem = streams
+    bias, mask = streams
     wide = exchange is not None
     block_k = problem.plan.dq.block_k
     rows_n = ROWS_PER_CONSUMER
@@ -275,7 +279,7 @@ def _consume(problem: Problem, ctx, tiles, step_of, row0, stop, mine: dict, ds_t
                else (row_ids, segments.cols(b, k0, keys_n)))
         plgpu.barrier_wait(k_loaded.at[slot])
         plgpu.barrier_wait(v_loaded.at[slot])
-        tile_mask = mask_tile(mask_smem, slot, masked)
+        tile_mask = mask_tile(mask, slot, t, masked)
         keys = pl.ds(key0, keys_n)
 
         def products(s_ref, dp_ref):
@@ -380,8 +384,9 @@ def _launch(problem: Problem, q, k, v, do, stats, bias, slopes, segments: tuple,
     marked = route.repair is not None
     optional = (bias, mask, slopes, keys, origin, *lengths)
     scratch = dq_scratch(hp, hvp, route.block_k, route.num_stages, consumers, q.dtype,
-                         None if bias is None else bias.dtype, dbias=with_dbias,
-                         has_mask=mask is not None, stats_rows=stats.shape[2])
+                         bias_tiles_dtype(problem.spec, None if bias is None else bias.dtype),
+                         dbias=with_dbias, has_mask=mask_tiles(problem.spec),
+                         stats_rows=stats.shape[2])
 
     def entry(q_ref, k_ref, v_ref, do_ref, stats_ref, *refs):
         bias_ref, mask_ref, slopes_ref, keys_ref, origin_ref, *length_refs = (

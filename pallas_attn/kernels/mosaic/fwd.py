@@ -40,11 +40,13 @@ slots) with a producer warpgroup and the consumers:
   output is scaled by 1 / (1 - rate) once per row.
 * With a bias, each consumer copies its 64 rows of the next key tile's bias into a
   buffer of its own while it works on the current tile (`_consume`), and its
-  scores stay in natural units, as in the Triton forward.
+  scores stay in natural units, as in the Triton forward. A bias per key ([B or 1,
+  N or 1, 1, S]) is read from global memory, the key tile's row (`common.KeyRows`).
 * With a boolean mask, the producer copies each consumer's rows of the key tile's
   mask, as int8 (`config.MASK_DTYPE`: the mask is converted once per call), into the
   ring slot with K, except in the tiles every row of the item sees whole, and the
-  other tiles hide the entries the mask clears.
+  other tiles hide the entries the mask clears. A mask per key (a key padding mask,
+  [B or 1, N or 1, 1, S]) is read like a bias per key.
 
 It writes the same outputs as the Triton forward: the output and the per-row
 residuals (row reference, +inf for rows that see no key, and log2 of the row
@@ -54,7 +56,7 @@ poisons the products of the rows sharing its tile: a row whose output holds a Na
 NaN log2 row sum, and `triton/fwd.py` repair recomputes the tiles holding such marks.
 
 Scope (config.unsupported): 16-bit inputs, padded head dims 16 to 256 (Plan.head_dims), no
-operand besides q, k, v, a bias and a mask with their own entry per query and key, ALiBi
+operand besides q, k, v, a bias and a mask with their own entry per key, ALiBi
 slopes, sinks, segment ids, sequence lengths, dropout keys and an origin (positions past
 the lengths are zeroed before the call, vjp.prepare; ring attention's blocks count every
 position from their origin: `core.TileRanges`, `common.Dropout`); causal, local windows in
@@ -93,6 +95,7 @@ from pallas_attn.kernels.mosaic.common import (
     BiasTiles,
     Dropout,
     Item,
+    KeyRows,
     Segments,
     Turns,
     Walk,
@@ -118,9 +121,11 @@ from pallas_attn.kernels.mosaic.config import (
     ITEM_ROWS,
     OPERANDS,
     ROWS_PER_CONSUMER,
+    bias_tiles_dtype,
     consumer_registers,
     forward_output_staging,
     forward_scratch,
+    mask_tiles,
 )
 
 # From this value head dim on the accumulator is rescaled after the turn's barriers, not
@@ -144,7 +149,7 @@ def _kernel(q_ref, k_ref, v_ref, bias_ref, mask_ref, slopes_ref, sinks_ref, leng
                 segments=segments, lengths=lengths, origin=origin)
     wg = lax.axis_index("wg")
     walk.produce(wg, k_ref, v_ref, k_smem, v_smem, ring,
-                 mask=None if mask_ref is None else (mask_ref, smem["mask"]))
+                 mask=None if smem["mask"] is None else (mask_ref, smem["mask"]))
 
     @pl.when(wg < consumers)
     def _consumer():
@@ -180,7 +185,7 @@ def _kernel(q_ref, k_ref, v_ref, bias_ref, mask_ref, slopes_ref, sinks_ref, leng
             acc, m, l_sum = _consume(
                 problem, ctx, tiles, lambda t: walk.slot(step + t - tiles.first), row0,
                 tiles.first + steps, active, q_mine, k_smem, v_smem, p_mine,
-                o_mine.shape[-1], ring, turns, bias, smem["mask"],
+                o_mine.shape[-1], ring, turns, bias, walk.mask_rows(mask_ref, item, smem["mask"]),
                 head_slope(slopes_ref, item.valid, item.b, item.n), segments, dropout, item.b,
                 item.n)
             if staging != "q":  # every Q K^T of this item is done: q_mine is free
@@ -227,7 +232,7 @@ def _kernel(q_ref, k_ref, v_ref, bias_ref, mask_ref, slopes_ref, sinks_ref, leng
 
 def _consume(problem: Problem, ctx: TileRanges, tiles: Band, slot_of, row0, stop, active,
              q_smem, k_smem, v_smem, p_smem, hv: int, ring, turns,
-             bias: BiasTiles | None, mask_smem, slope, segments: Segments | None,
+             bias: BiasTiles | KeyRows | None, mask, slope, segments: Segments | None,
              dropout: Dropout | None, b, n) -> tuple[Any, Any, Any]:
     """One consumer warpgroup: (acc, row reference, row sum) of rows [row0, row0 + 64)
     against key tiles [tiles.first, stop) (stop = tiles.first for no work); active false
@@ -239,9 +244,10 @@ def _consume(problem: Problem, ctx: TileRanges, tiles: Band, slot_of, row0, stop
     has issued its Q K^T, then issues its P V and waits for it. So one's softmax runs
     while the other's products do (`run_band` keeps the turns paired).
 
-    bias: None, or this consumer's bias stream (`BiasTiles`); scores with a bias stay
-    in natural units (Problem.exp2_factor), as in the Triton forward. mask_smem: the
-    ring of the caller's mask rows (`Walk.stream`) or None. slope: the
+    bias: None, or this consumer's bias stream (`BiasTiles`, or `KeyRows` per key);
+    scores with a bias stay in natural units (Problem.exp2_factor), as in the Triton
+    forward. mask: the ring of the caller's mask rows (`Walk.stream`), the mask per key
+    (`KeyRows`) or None (`Walk.mask_rows`). slope: the
     head's ALiBi slope or None. segments: the segment ids (batch entry b's rows are
     read once, each key tile's ids per step) or None. dropout: P V takes the kept
     probabilities (head n's mask), the row sum all of them; or None.
@@ -262,7 +268,7 @@ def _consume(problem: Problem, ctx: TileRanges, tiles: Band, slot_of, row0, stop
         ids = (None if row_ids is None or masked is False
                else (row_ids, segments.cols(b, t * block_k, block_k)))
         plgpu.barrier_wait(k_loaded.at[slot])
-        tile_mask = mask_tile(mask_smem, slot, masked)
+        tile_mask = mask_tile(mask, slot, t, masked)
 
         def qk(acc_ref):
             plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
@@ -327,9 +333,9 @@ def forward(problem: Problem, q: jax.Array, k: jax.Array, v: jax.Array,
     lengths = lengths_of(optional)
     origin = origin_of(optional)
     keys = optional.get("dropout_keys")
-    bias_dtype = None if bias is None else bias.dtype
+    bias_dtype = bias_tiles_dtype(problem.spec, None if bias is None else bias.dtype)
     consumers = route.consumers
-    has_mask = mask is not None
+    has_mask = mask_tiles(problem.spec)
     staging = forward_output_staging(hp, hvp, route.block_k, route.num_stages, dtype,
                                      bias_dtype, problem.plan.device.max_shared_memory_per_block,
                                      consumers, has_mask)
