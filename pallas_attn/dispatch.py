@@ -350,11 +350,12 @@ def _mosaic_route(role: str, call: Call, device: DeviceInfo, overrides: BlockSiz
         stages, need = _first_fitting(
             (stages,) if stages is not None else mosaic.dkv_stage_options(hp, hvp),
             lambda s: mosaic.dkv_scratch(hp, hvp, s, call.dtype, call.bias_dtype,
-                                         zeros=spec.has_bias, has_mask=spec.has_mask).bytes,
+                                         zeros=spec.has_bias,
+                                         has_mask=mosaic.mask_tiles(spec)).bytes,
             device)
         route = Route("mosaic", *dkv_tiles, 0, stages, mosaic.CONSUMERS,
                       keys_major=mosaic.dkv_keys_major(hp, hvp, spec.has_bias, spec.has_alibi,
-                                                       spec.has_mask))
+                                                       mosaic.mask_tiles(spec)))
     elif role == "dq":
         dq_tiles = mosaic.dq_tiles(hp, hvp)
         wrong = (block_q not in (None, dq_tiles[0]) or block_k not in (None, dq_tiles[1])

@@ -123,12 +123,11 @@ TABLE = {
     "bias_per_query": (call(bias_shape=(1, 1, 4096, 1)), "sm90",
                        ("triton", "triton", "triton", "triton")),
     # A boolean mask with its own entry per query and key: the Mosaic kernels (int8
-    # tiles); one broadcast along queries (a key padding mask) the Mosaic forward and dQ
-    # (a row per key tile) and the Triton dK/dV; at d256 the wide backward kernels take
-    # none.
+    # tiles); one broadcast along queries (a key padding mask) too (a row per key tile);
+    # at d256 the wide backward kernels take none.
     "mask": (call(mask_shape=(4, 1, 4096, 4096)), "sm90", ("mosaic", "mosaic", "mosaic", None)),
     "mask_per_key": (call(mask_shape=(4, 1, 1, 4096)), "sm90",
-                     ("mosaic", "mosaic", "triton", None)),
+                     ("mosaic", "mosaic", "mosaic", None)),
     "mask_d256": (call(256, mask_shape=(4, 1, 4096, 4096)), "sm90",
                   ("mosaic", "triton", "triton", None)),
     # Segment ids: the Mosaic forward; the Triton backward measured faster, but for the
@@ -222,8 +221,8 @@ def test_reasons_name_what_refuses():
     dq_reasons = dict(dispatch.plan(TABLE["d256_bias_float32"][0], device=H100).dq.declined)
     assert "232448" in dq_reasons["mosaic"]  # a float32 bias tile leaves no room
     assert "bfloat16 or float16" in reasons["float32"]
-    per_key = dict(dispatch.plan(TABLE["mask_per_key"][0], device=H100).dkdv.declined)
-    assert "the mask needs its own entry per query and key" in per_key["mosaic"]
+    per_key = dict(dispatch.plan(TABLE["bias_per_key"][0], device=H100).dkdv.declined)
+    assert "the bias needs its own entry per query and key" in per_key["mosaic"]
     assert "the bias needs its own entry per key" in reasons["bias_per_query"]
     wide_mask = dict(dispatch.plan(TABLE["mask_d256"][0], device=H100).dkdv.declined)
     assert "a mask only up to a padded head dim of 128" in wide_mask["mosaic"]

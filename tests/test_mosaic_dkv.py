@@ -192,12 +192,17 @@ def test_dbias_first_only_starts_a_batch_shared_sum_of_its_shape(bias_shape, fir
     (dict(B=2, T=200, S=260, N=2, K=1, H=256), (1, 2),
      dict(is_causal=True, q_segment_ids=np.repeat(np.arange(4), 50)[None].repeat(2, 0),
           kv_segment_ids=np.repeat(np.arange(4), 65)[None].repeat(2, 0))),
+    # A mask per key and head (each consumer's keys read per step), keys by queries,
+    # causal GQA, ragged.
+    (dict(B=2, T=130, S=200, N=4, K=2, H=64), None,
+     dict(is_causal=True, mask=random_mask(7, (2, 4, 1, 200)))),
     # Head dim 32 (64-byte swizzled tiles) keys by queries, causal with a soft cap, MQA.
     (dict(B=2, T=100, S=150, N=2, K=1, H=32), None,
      dict(is_causal=True, logits_soft_cap=8.0)),
 ], ids=["per_batch_window_soft_cap_H48", "no_bias_H80_Hv64",
         "alibi_batch_shared_bias_bottom_right_mqa", "packed_cross_attention",
-        "wide_H256_packed_gqa_shared_bias", "keys_major_H32_causal_soft_cap_mqa"])
+        "wide_H256_packed_gqa_shared_bias", "mask_per_key_and_head_keys_major_gqa",
+        "keys_major_H32_causal_soft_cap_mqa"])
 def test_gradients_with_the_mosaic_dkv_against_reference_and_float64(shapes, bias_shape,
                                                                      kwargs):
     blocks = MOSAIC_DKV
@@ -236,7 +241,9 @@ def test_batch_shared_dbias_under_vmap(blocks):
 
 @pytest.mark.parametrize("kwargs,match", [
     (dict(mask=(1, 1, 16, 1)),
-     r"dkv_backend='mosaic'.*the mask needs its own entry per query and key"),
+     r"dkv_backend='mosaic'.*the mask needs its own entry per key, got a mask of shape"),
+    (dict(bias=(2, 2, 1, 16)),
+     r"dkv_backend='mosaic'.*the bias needs its own entry per query and key"),
     (dict(mask=(1, 1, 16, 16), H=256),
      "dkv_backend='mosaic'.*a mask only up to a padded head dim of 128"),
     (dict(dtype=jnp.float32), "dkv_backend='mosaic'.*bfloat16 or float16"),

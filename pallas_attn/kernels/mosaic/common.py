@@ -439,7 +439,7 @@ class Walk:
         if bias_ref is None:
             return None
         wg = lax.axis_index("wg")
-        head = _head_of(bias_ref, item)
+        head = head_entries(bias_ref, item.b, item.n)
         width = self.block_k // CONSUMERS if self.shared else self.block_k
         offset = wg * width if self.shared else 0
         if config.per_key(self.problem.spec.bias_shape):
@@ -454,33 +454,37 @@ class Walk:
         if mask_ref is None or not config.per_key(self.problem.spec.mask_shape):
             return ring
         width = self.block_k // CONSUMERS if self.shared else self.block_k
-        return KeyRows(_head_of(mask_ref, item).at[0], self.block_k,
+        return KeyRows(head_entries(mask_ref, item.b, item.n).at[0], self.block_k,
                        lax.axis_index("wg") * width if self.shared else 0, width)
 
 
-def _head_of(ref, item: Item) -> Any:
-    """A bias's or mask's [T or 1, S] entries of the item's batch entry and head (either
+def head_entries(ref, b, n) -> Any:
+    """A bias's or mask's [T or 1, S] entries of batch entry b and head n (either
     broadcast)."""
-    return ref.at[item.b if ref.shape[0] > 1 else 0, item.n if ref.shape[1] > 1 else 0]
+    return ref.at[b if ref.shape[0] > 1 else 0, n if ref.shape[1] > 1 else 0]
 
 
 @dataclasses.dataclass(frozen=True)
 class KeyRows:
     """A bias or mask with one entry per key that every row shares (`config.per_key`):
     of key tile t, `width` keys from `offset`, read from global memory and broadcast
-    over the consumer's 64 rows; nothing is staged in shared memory."""
+    over the consumer's 64 rows (along dimension query_dim of the tile: 1 in tiles of
+    keys by queries); nothing is staged in shared memory."""
 
     row: Any  # the entries of one batch entry and head [Sp]
     block_k: int
     offset: Any = 0
     width: int | None = None
+    query_dim: int = 0
 
     def tile(self, t) -> jax.Array:
         """Key tile t's entries over the rows (WGMMA layout, the ref's dtype)."""
         width = self.width or self.block_k
+        key_dim = 1 - self.query_dim
         keys = plgpu.load(self.row.at[pl.ds(t * self.block_k + self.offset, width)],
-                          layout=along(1), optimized=False)
-        return lax.broadcast_in_dim(keys, (ROWS_PER_CONSUMER, width), [1])
+                          layout=along(key_dim), optimized=False)
+        shape = (width, ROWS_PER_CONSUMER) if self.query_dim else (ROWS_PER_CONSUMER, width)
+        return lax.broadcast_in_dim(keys, shape, [key_dim])
 
     def start(self, t) -> None:
         """Nothing to stage ahead (`BiasTiles.start`)."""

@@ -76,7 +76,7 @@ def dkv_keys_major(hp: int, hvp: int, has_bias: bool, has_alibi: bool,
                    has_mask: bool = False) -> bool:
     """Whether the dK/dV kernel computes its tiles keys by queries (S^T = K Q^T), so
     that P^T and dS^T feed dV's and dK's products from registers: at equal head dims up
-    to 64 without a bias or a mask (their tiles are read queries by keys) or ALiBi.
+    to 64 without a bias or mask tiles (read queries by keys) or ALiBi.
     Measured 6-7% faster at 64, 11-13% fwd+bwd at 32, and 2-5% slower at 128, 21% with
     ALiBi: the operands held in registers until their products finish crowd the larger
     accumulators (docs/decisions.md)."""
@@ -137,8 +137,10 @@ OPERANDS = {"forward": ("bias", "mask", "alibi_slopes", "sinks", *SEGMENTS, *LEN
             "dkdv": ("bias", "mask", "alibi_slopes", "sinks", *SEGMENTS, *LENGTHS,
                      "dropout_keys", "origin"),
             "dbias": ("bias", "alibi_slopes", "sinks")}
-# The roles whose kernels read a bias or mask with one entry per key (`per_key`).
-PER_KEY_ROLES = ("forward", "dq")
+# What each role's kernel reads with one entry per key (`per_key`): the dK/dV kernel no
+# bias (its gradient, the column sums of dS, is the Triton kernel's).
+PER_KEY = {"forward": ("bias", "mask"), "dq": ("bias", "mask"), "dkdv": ("mask",),
+           "dbias": ()}
 _OPERAND_NAMES = {"bias": "a bias", "mask": "a mask", "alibi_slopes": "ALiBi slopes",
                   "sinks": "sinks",
                   "q_segment_ids": "segment ids", "query_seq_lengths": "sequence lengths",
@@ -177,7 +179,7 @@ def unsupported_scores(spec: AttentionSpec, present: tuple[str, ...], role: str)
                         ("mask", spec.mask_shape if spec.has_mask else None)):
         if shape is None or 1 not in shape[2:]:
             continue
-        if role not in PER_KEY_ROLES:
+        if name not in PER_KEY[role]:
             return (f"the {name} needs its own entry per query and key, got a {name} of "
                     f"shape {shape} (broadcast along queries or keys)")
         if not per_key(shape):

@@ -64,7 +64,8 @@ With sequence lengths, keys past the length are masked and units past it have no
 (positions past the lengths are zeroed in q, k, v and dO before the call). With a
 boolean mask, each step's slot also holds each consumer's tile of the mask (int8, queries
 by keys: the tiles stay queries by keys, as with a bias) unless the unit's keys are seen
-whole there, and the entries it clears give P = dS = 0.
+whole there, and the entries it clears give P = dS = 0. A mask per key (a key padding
+mask) is read from global memory instead, each consumer's keys (`common.KeyRows`).
 
 Scope: the Mosaic kernels' (`config.unsupported`; a mask not in the wide kernel), and a
 bias gradient only for a bias of shape [B, N, T, S] or [1, N, T, S] in the inputs' dtype
@@ -86,10 +87,12 @@ from pallas_attn.kernels import cast_varying_like
 from pallas_attn.kernels.core import Problem, TileRanges, run_tile_loops, whole_tiles
 from pallas_attn.kernels.mosaic.common import (
     Dropout,
+    KeyRows,
     Segments,
     accumulate,
     along,
     copy_where,
+    head_entries,
     head_slope,
     launch,
     optional_refs,
@@ -110,6 +113,7 @@ from pallas_attn.kernels.mosaic.config import (
     dkv_tiles,
     fusable_dbias,
     is_wide,
+    mask_tiles,
     producer_registers,
 )
 
@@ -244,7 +248,7 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, bias_ref, mask_ref, slopes_r
                     masked = (tile < full_first) | (tile >= full_stop) | ~whole
                 for ref, tiles_smem, needed in ((bias_ref, bias_smem, None),
                                                 (mask_ref, mask_smem, masked)):
-                    if ref is None:
+                    if tiles_smem is None:  # none, or a mask per key (read by the consumers)
                         continue
                     bb = b if ref.shape[0] > 1 else 0
                     nb = n if ref.shape[1] > 1 else 0  # one shared by the heads
@@ -275,7 +279,8 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, bias_ref, mask_ref, slopes_r
         p_tiles, ds_tiles = ((smem["p"], smem["ds"]) if tiles_of.wide
                              else (smem["p"].at[wg], smem["ds"].at[wg]))
         _consume(problem, tiles_of, wg, unit_of, units, add_dbias, first_entry, passes,
-                 (slopes_ref, dk_ref, dv_ref, dbias_ref, segments, dropout, scale_ref),
+                 (slopes_ref, dk_ref, dv_ref, dbias_ref, segments, dropout, scale_ref,
+                  mask_ref if mask_smem is None else None),
                  (q_smem, do_smem, stats_smem, bias_smem, mask_smem,
                   k_smem.at[wg], v_smem.at[wg], p_tiles, ds_tiles),
                  (step_loaded, step_consumed, kv_loaded, kv_consumed, barriers["exchange"]))
@@ -288,7 +293,7 @@ def _consume(problem: Problem, tiles_of: _Tiles, wg, unit_of, units, add_dbias: 
     entries first_entry on, each pass's additions landed before the next pass's;
     scale_ref: float16 dS's powers of two (`core.DsScales`
     key_scales) or None."""
-    slopes_ref, dk_ref, dv_ref, dbias_ref, segments, dropout, scale_ref = refs
+    slopes_ref, dk_ref, dv_ref, dbias_ref, segments, dropout, scale_ref, key_mask = refs
     has_dbias = dbias_ref is not None
     q_smem, do_smem, stats_smem, bias_smem, mask_smem, k_mine, v_mine, p_tiles, ds_tiles = (
         buffers)
@@ -375,6 +380,10 @@ def _consume(problem: Problem, tiles_of: _Tiles, wg, unit_of, units, add_dbias: 
                                       layout=plgpu.Layout.WGMMA).astype(jnp.float32)
                 if mask_smem is not None and masked is not False:
                     mask = plgpu.load(mask_smem.at[slot, wg], layout=plgpu.Layout.WGMMA) != 0
+                if key_mask is not None and masked is not False:
+                    row = head_entries(key_mask, b, n).at[0]
+                    mask = KeyRows(row, keys_n, query_dim=query_dim).tile(
+                        lax.div(k_own, keys_n)) != 0
                 # NOTE: both read here: ptxas places the wait for dP itself, whatever
                 # the source order (docs/decisions.md, "Soft cap tanh during dP").
                 return s_ref[...], dp_ref[...], residuals, bias, mask
@@ -524,9 +533,9 @@ def dkdv(problem: Problem, q: jax.Array, k: jax.Array, v: jax.Array, do: jax.Arr
     if (route.block_q, route.block_k) != (tiles_of.rows, tiles_of.unit):
         raise AssertionError(f"{name} needs (block_q, block_k) = "
                              f"{(tiles_of.rows, tiles_of.unit)}: {route}")
-    if route.keys_major and (bias is not None or mask is not None or tiles_of.wide):
-        raise AssertionError(f"{name} computes keys by queries only without a bias or a "
-                             f"mask, and not above head dim 128: {route}")
+    if route.keys_major and (bias is not None or mask_tiles(problem.spec) or tiles_of.wide):
+        raise AssertionError(f"{name} computes keys by queries only without a bias or "
+                             f"mask tiles, and not above head dim 128: {route}")
     if mask is not None and tiles_of.wide:
         raise AssertionError(f"{name} takes a mask only up to head dim 128: {route}")
     if ds_scale is not None and bias_grad:
@@ -548,7 +557,7 @@ def dkdv(problem: Problem, q: jax.Array, k: jax.Array, v: jax.Array, do: jax.Arr
     optional = (bias, mask, slopes, dbias_sum, dropout_keys, origin, ds_scale, *lengths)
     scratch = dkv_scratch(hp, hvp, route.num_stages, q.dtype,
                           None if bias is None else bias.dtype,
-                          zeros=bias_grad and not add_dbias, has_mask=mask is not None)
+                          zeros=bias_grad and not add_dbias, has_mask=mask_tiles(problem.spec))
 
     def entry(*refs):
         q_ref, k_ref, v_ref, do_ref, stats_ref, *rest = refs
