@@ -152,14 +152,10 @@ CASES = {
         T=200, S=300, K=2, is_causal=True, bias=jnp.ones((2, 4, 1, 300), jnp.bfloat16),
         mask=jnp.ones((2, 1, 1, 300), bool),
         block_sizes=pallas_attn.BlockSizes(forward_backend="mosaic", dq_backend="mosaic")),
-    # A mask per key and head in every Mosaic role, the dK/dV kernel keys by queries.
-    "mosaic_all_mask_per_key_keys_major": dict(
-        T=200, S=300, K=2, mask=jnp.ones((2, 4, 1, 300), bool),
-        block_sizes=pallas_attn.BlockSizes(forward_backend="mosaic", dq_backend="mosaic",
-                                           dkv_backend="mosaic")),
-    # Head dim 32: the dK/dV kernel keys by queries, 64-byte swizzled tiles.
-    "mosaic_all_h32_keys_major": dict(
-        H=32, T=200, S=300, K=2, is_causal=True,
+    # Head dim 32 (64-byte swizzled tiles) and a mask per key and head in every Mosaic
+    # role, the dK/dV kernel keys by queries.
+    "mosaic_all_h32_mask_per_key_keys_major": dict(
+        H=32, T=200, S=300, K=2, is_causal=True, mask=jnp.ones((2, 4, 1, 300), bool),
         block_sizes=pallas_attn.BlockSizes(forward_backend="mosaic", dq_backend="mosaic",
                                            dkv_backend="mosaic")),
     # A mask alone in every Mosaic role: its ranges without segment ids; a soft cap
