@@ -33,6 +33,9 @@ def _hiding(case: str, B: int, T: int, S: int) -> tuple[dict, int]:
     middle = S // 2 - 4  # inside a tile, away from its edges
     return {
         "mask": (dict(mask=jnp.ones((B, 1, T, S), bool).at[..., middle].set(False)), middle),
+        # A key padding mask: one entry per key, read a key tile's row at a time.
+        "mask_per_key": (dict(mask=jnp.ones((B, 1, 1, S), bool).at[..., middle].set(False)),
+                         middle),
         # Sorted ids: the rows' segment is keys [0, middle), whose tiles run whole.
         "segment": (dict(q_segment_ids=jnp.zeros((B, T), jnp.int32),
                          kv_segment_ids=jnp.zeros((B, S), jnp.int32).at[:, middle:].set(9)),
@@ -124,10 +127,11 @@ def test_triton_kernels(case):
            block_sizes=SMALL_BLOCKS)
 
 
-@pytest.mark.parametrize("case", ["query_lengths", "mask_causal_last_row"])
+@pytest.mark.parametrize("case", ["query_lengths", "mask_causal_last_row", "mask_per_key"])
 def test_mosaic_kernels(case):
     """The Mosaic forward, dQ and dK/dV kernels, T=100 (padded rows), S=128, head dim 64.
-    The mask and bottom-right causal masking each hide a key in one run. (A causal key
+    The mask and bottom-right causal masking each hide a key in one run; a key padding
+    mask hides one from every row. (A causal key
     that only rows past the valid ones see: query_lengths here, at head dim 64; the
     padded rows' causal_future at head dim 176: test_mosaic_kernels_at_head_dim_192.)"""
     _check(case, (1, 100, 128, 1, 64), jnp.bfloat16, exact=False, implementation="pallas",
