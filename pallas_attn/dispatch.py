@@ -323,6 +323,8 @@ def _mosaic_route(role: str, call: Call, device: DeviceInfo, overrides: BlockSiz
         return (f"segment ids: the Triton {ROLE_LABELS[role]} kernel (finer tiles to skip) "
                 f"measured faster with them (docs/decisions.md)")
     block_q, block_k, _, stages = overrides.tiles(role)
+    # A bias or mask per key is read from global memory: no tiles of it in shared memory.
+    bias_dtype, has_mask = mosaic.bias_tiles_dtype(spec, call.bias_dtype), mosaic.mask_tiles(spec)
     if role == "forward":
         wrong = (block_q not in (None, mosaic.ITEM_ROWS)
                  or block_k not in (None, *mosaic.FORWARD_BLOCK_K)
@@ -332,8 +334,6 @@ def _mosaic_route(role: str, call: Call, device: DeviceInfo, overrides: BlockSiz
         block_k = block_k or mosaic.forward_default_block_k(hp, hvp)
         stages = stages or mosaic.FORWARD_STAGES
         budget = device.max_shared_memory_per_block
-        has_mask = mosaic.mask_tiles(spec)
-        bias_dtype = mosaic.bias_tiles_dtype(spec, call.bias_dtype)
         consumers = mosaic.forward_consumers(hp, hvp, block_k, stages, call.dtype,
                                              bias_dtype=bias_dtype, budget=budget,
                                              has_mask=has_mask)
@@ -349,29 +349,27 @@ def _mosaic_route(role: str, call: Call, device: DeviceInfo, overrides: BlockSiz
         rule = f"(block_q_dkv, block_k_dkv) = {dkv_tiles}"
         stages, need = _first_fitting(
             (stages,) if stages is not None else mosaic.dkv_stage_options(hp, hvp),
-            lambda s: mosaic.dkv_scratch(hp, hvp, s, call.dtype, call.bias_dtype,
-                                         zeros=spec.has_bias,
-                                         has_mask=mosaic.mask_tiles(spec)).bytes,
+            lambda s: mosaic.dkv_scratch(hp, hvp, s, call.dtype, bias_dtype,
+                                         zeros=spec.has_bias, has_mask=has_mask).bytes,
             device)
         route = Route("mosaic", *dkv_tiles, 0, stages, mosaic.CONSUMERS,
                       keys_major=mosaic.dkv_keys_major(hp, hvp, spec.has_bias, spec.has_alibi,
-                                                       mosaic.mask_tiles(spec)))
+                                                       has_mask))
     elif role == "dq":
         dq_tiles = mosaic.dq_tiles(hp, hvp)
         wrong = (block_q not in (None, dq_tiles[0]) or block_k not in (None, dq_tiles[1])
                  or (stages is not None and stages < 2))
         rule = f"(block_q_dq, block_k_dq) = {dq_tiles} and num_stages_dq >= 2"
         stages = stages or mosaic.DQ_STAGES
-        bias_dtype = mosaic.bias_tiles_dtype(spec, call.bias_dtype)
         consumers = mosaic.dq_consumers(
             hp, hvp, dq_tiles[1], stages, call.dtype, bias_dtype=bias_dtype,
             has_window=spec.local_window is not None,
-            budget=device.max_shared_memory_per_block, has_mask=mosaic.mask_tiles(spec),
+            budget=device.max_shared_memory_per_block, has_mask=has_mask,
             has_segments=spec.has_segments)
         route = Route("mosaic", *dq_tiles, 0, stages, consumers)
         need = mosaic.dq_scratch(hp, hvp, dq_tiles[1], stages, consumers, call.dtype,
                                  bias_dtype, dbias=bias_dtype is not None,
-                                 has_mask=mosaic.mask_tiles(spec)).bytes
+                                 has_mask=has_mask).bytes
     else:  # dbias
         wrong = (block_q not in (None, mosaic.ITEM_ROWS)
                  or block_k not in (None, *mosaic.DBIAS_BLOCK_K))

@@ -440,12 +440,10 @@ class Walk:
             return None
         wg = lax.axis_index("wg")
         head = head_entries(bias_ref, item.b, item.n)
-        width = self.block_k // CONSUMERS if self.shared else self.block_k
-        offset = wg * width if self.shared else 0
         if config.per_key(self.problem.spec.bias_shape):
-            return KeyRows(head.at[0], self.block_k, offset, width)
+            return KeyRows(head.at[0], self.block_k, *self._own_keys())
         return BiasTiles(head.at[pl.ds(row0, ROWS_PER_CONSUMER)], buffers.at[wg],
-                         barriers.at[wg], self.block_k, offset, width)
+                         barriers.at[wg], self.block_k, *self._own_keys())
 
     def mask_rows(self, mask_ref, item: Item, ring) -> Any:
         """The mask as this consumer reads it: the producer's ring of mask tiles
@@ -453,9 +451,14 @@ class Walk:
         or None without a mask."""
         if mask_ref is None or not config.per_key(self.problem.spec.mask_shape):
             return ring
-        width = self.block_k // CONSUMERS if self.shared else self.block_k
         return KeyRows(head_entries(mask_ref, item.b, item.n).at[0], self.block_k,
-                       lax.axis_index("wg") * width if self.shared else 0, width)
+                       *self._own_keys())
+
+    def _own_keys(self) -> tuple[Any, int]:
+        """(offset, width) of the keys of each tile this consumer reads: its half where
+        the consumers share the rows, else the whole tile."""
+        width = self.block_k // CONSUMERS if self.shared else self.block_k
+        return (lax.axis_index("wg") * width if self.shared else 0), width
 
 
 def head_entries(ref, b, n) -> Any:
