@@ -350,7 +350,8 @@ def _mosaic_route(role: str, call: Call, device: DeviceInfo, overrides: BlockSiz
         stages, need = _first_fitting(
             (stages,) if stages is not None else mosaic.dkv_stage_options(hp, hvp),
             lambda s: mosaic.dkv_scratch(hp, hvp, s, call.dtype, bias_dtype,
-                                         zeros=spec.has_bias, has_mask=has_mask).bytes,
+                                         zeros=bias_dtype is not None, has_mask=has_mask,
+                                         ones=mosaic.key_sums(spec)).bytes,
             device)
         route = Route("mosaic", *dkv_tiles, 0, stages, mosaic.CONSUMERS,
                       keys_major=mosaic.dkv_keys_major(hp, hvp, spec.has_bias, spec.has_alibi,
@@ -503,7 +504,8 @@ def _in_turn_too_narrow(call: Call, device: DeviceInfo, overrides: BlockSizes,
     batch entry per pass), would leave SMs idle: each pass has fewer work items than the
     device has SMs, and the separate dbias kernel measured faster there
     (docs/decisions.md, "Batch-shared dbias summed in turn"); "" where it would not."""
-    if not overrides.deterministic or call.spec.bias_shape[0] != 1 or call.batch == 1:
+    if (not overrides.deterministic or call.spec.bias_shape[0] != 1 or call.batch == 1
+            or mosaic.key_sums(call.spec)):  # column sums per batch entry: no passes
         return ""
     unit = mosaic.dkv_tiles(*dims)[1]
     items = -(-call.kv_len // unit) * call.num_kv_heads
@@ -557,7 +559,7 @@ def _dbias_route(call: Call, device: DeviceInfo, overrides: BlockSizes, interpre
         # Concurrent programs summing a batch-shared bias's dS by reduce-add copies:
         # only when asked (docs/decisions.md, "Batch-shared dbias summed in turn").
         any_order = (not overrides.deterministic and dkdv.backend == "mosaic"
-                     and shape[0] == 1 and call.batch > 1)
+                     and shape[0] == 1 and call.batch > 1 and not mosaic.key_sums(call.spec))
         return dataclasses.replace(dkdv, fused=True, any_order=any_order, declined=())
     if not fusable and overrides.fuse_dbias is None:
         declined.append(("fused", f"the {dkdv.backend} dK/dV kernel cannot write the gradient "

@@ -116,10 +116,12 @@ TABLE = {
     # kernel's slots; the separate Mosaic dbias kernel fits with one slot.
     "bias_float32": (call(bias_shape=(1, 16, 4096, 4096), bias_dtype="float32"), "sm90",
                      ("triton", "mosaic", "triton", "mosaic")),
-    # A bias per key: the Mosaic forward and dQ read it per key tile; its gradient (the
-    # column sums of dS) is the Triton dK/dV kernel's.
+    # A bias per key: every Mosaic kernel reads it per key tile; its gradient (the column
+    # sums of dS) is the Mosaic dK/dV kernel's, whatever its broadcast and dtype.
     "bias_per_key": (call(bias_shape=(4, 16, 1, 4096)), "sm90",
-                     ("mosaic", "mosaic", "triton", "triton-fused")),
+                     ("mosaic", "mosaic", "mosaic", "mosaic-fused")),
+    "bias_per_key_shared_float32": (call(bias_shape=(1, 1, 1, 4096), bias_dtype="float32"),
+                                    "sm90", ("mosaic", "mosaic", "mosaic", "mosaic-fused")),
     "bias_per_query": (call(bias_shape=(1, 1, 4096, 1)), "sm90",
                        ("triton", "triton", "triton", "triton")),
     # A boolean mask with its own entry per query and key: the Mosaic kernels (int8
@@ -221,8 +223,6 @@ def test_reasons_name_what_refuses():
     dq_reasons = dict(dispatch.plan(TABLE["d256_bias_float32"][0], device=H100).dq.declined)
     assert "232448" in dq_reasons["mosaic"]  # a float32 bias tile leaves no room
     assert "bfloat16 or float16" in reasons["float32"]
-    per_key = dict(dispatch.plan(TABLE["bias_per_key"][0], device=H100).dkdv.declined)
-    assert "the bias needs its own entry per query and key" in per_key["mosaic"]
     assert "the bias needs its own entry per key" in reasons["bias_per_query"]
     wide_mask = dict(dispatch.plan(TABLE["mask_d256"][0], device=H100).dkdv.declined)
     assert "a mask only up to a padded head dim of 128" in wide_mask["mosaic"]
@@ -268,8 +268,10 @@ def _need(plan: pallas_attn.Plan, c: dispatch.Call, role: str) -> int:
                                       staging=staging, consumers=route.consumers,
                                       has_mask=mosaic.mask_tiles(c.spec)).bytes
     if role == "dkdv":
-        return mosaic.dkv_scratch(hp, hvp, route.num_stages, c.dtype, c.bias_dtype,
-                                  zeros=c.spec.has_bias).bytes
+        bias_dtype = mosaic.bias_tiles_dtype(c.spec, c.bias_dtype)
+        return mosaic.dkv_scratch(hp, hvp, route.num_stages, c.dtype, bias_dtype,
+                                  zeros=bias_dtype is not None, has_mask=mosaic.mask_tiles(c.spec),
+                                  ones=mosaic.key_sums(c.spec)).bytes
     if role == "dq":
         bias_dtype = mosaic.bias_tiles_dtype(c.spec, c.bias_dtype)
         return mosaic.dq_scratch(hp, hvp, route.block_k, route.num_stages, route.consumers,

@@ -199,10 +199,19 @@ def test_dbias_first_only_starts_a_batch_shared_sum_of_its_shape(bias_shape, fir
     # Head dim 32 (64-byte swizzled tiles) keys by queries, causal with a soft cap, MQA.
     (dict(B=2, T=100, S=150, N=2, K=1, H=32), None,
      dict(is_causal=True, logits_soft_cap=8.0)),
+    # A bias per key and head with a key padding mask (both read per step from global
+    # memory): dbias from dS's column sums per head, causal GQA, ragged.
+    (dict(B=2, T=130, S=200, N=4, K=2, H=64), (2, 4, 1, 200),
+     dict(is_causal=True, mask=random_mask(9, (2, 1, 1, 200)))),
+    # The wide kernel (units of 64 keys both consumers share) with a bias per key shared
+    # by the batch entries and heads: the sums over both, under a window, MQA.
+    (dict(B=2, T=100, S=140, N=2, K=1, H=256), (1, 1, 1, 140),
+     dict(local_window_size=(40, 10))),
 ], ids=["per_batch_window_soft_cap_H48", "no_bias_H80_Hv64",
         "alibi_batch_shared_bias_bottom_right_mqa", "packed_cross_attention",
         "wide_H256_packed_gqa_shared_bias", "mask_per_key_and_head_keys_major_gqa",
-        "keys_major_H32_causal_soft_cap_mqa"])
+        "keys_major_H32_causal_soft_cap_mqa", "bias_per_key_and_head_padding_mask_gqa",
+        "wide_H256_bias_per_key_shared_window_mqa"])
 def test_gradients_with_the_mosaic_dkv_against_reference_and_float64(shapes, bias_shape,
                                                                      kwargs):
     blocks = MOSAIC_DKV
@@ -242,8 +251,8 @@ def test_batch_shared_dbias_under_vmap(blocks):
 @pytest.mark.parametrize("kwargs,match", [
     (dict(mask=(1, 1, 16, 1)),
      r"dkv_backend='mosaic'.*the mask needs its own entry per key, got a mask of shape"),
-    (dict(bias=(2, 2, 1, 16)),
-     r"dkv_backend='mosaic'.*the bias needs its own entry per query and key"),
+    (dict(bias=(2, 2, 16, 1)),
+     r"dkv_backend='mosaic'.*the bias needs its own entry per key, got a bias of shape"),
     (dict(mask=(1, 1, 16, 16), H=256),
      "dkv_backend='mosaic'.*a mask only up to a padded head dim of 128"),
     (dict(dtype=jnp.float32), "dkv_backend='mosaic'.*bfloat16 or float16"),

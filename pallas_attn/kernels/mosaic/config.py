@@ -56,6 +56,10 @@ DBIAS_STAGES = (2, 1)  # the first that fits
 # 3 x 160 + 24.
 _REGISTERS = {2: (232, 40), 3: (160, 24)}
 
+# The columns of the dK/dV kernel's tile of ones (dS^T times it gives dS's column sums,
+# each column the same): few, to hold few accumulator registers.
+ONES_COLUMNS = 16
+
 # The forward, dQ and dK/dV kernels run every padded head dim from 16 to 256 (powers of
 # two, `padded_head_dim`; where every role is a Mosaic kernel, whole tiles in between,
 # `Plan.head_dims`); above 128 the dQ and dK/dV kernels' consumers share each tile
@@ -139,7 +143,7 @@ OPERANDS = {"forward": ("bias", "mask", "alibi_slopes", "sinks", *SEGMENTS, *LEN
             "dbias": ("bias", "alibi_slopes", "sinks")}
 # What each role's kernel reads with one entry per key (`per_key`): the dK/dV kernel no
 # bias (its gradient, the column sums of dS, is the Triton kernel's).
-PER_KEY = {"forward": ("bias", "mask"), "dq": ("bias", "mask"), "dkdv": ("mask",),
+PER_KEY = {"forward": ("bias", "mask"), "dq": ("bias", "mask"), "dkdv": ("bias", "mask"),
            "dbias": ()}
 _OPERAND_NAMES = {"bias": "a bias", "mask": "a mask", "alibi_slopes": "ALiBi slopes",
                   "sinks": "sinks",
@@ -209,10 +213,19 @@ def fusable_dbias(bias_shape: tuple[int, ...], *, batch: int, num_heads: int,
                   bias_dtype: Any, dtype: Any) -> bool:
     """Whether the dK/dV kernel can write dbias: a bias with its own entry per head,
     query and key, shared by the batch entries or not, in the inputs' dtype (its dS
-    tiles, staged in that dtype, are the dbias tiles)."""
+    tiles, staged in that dtype, are the dbias tiles); or a bias per key of any
+    broadcast and dtype (`per_key`: dS's column sums, `key_sums`)."""
     Bb, Nb, Tb, Sb = (1,) * (4 - len(bias_shape)) + tuple(bias_shape)
+    if per_key((Bb, Nb, Tb, Sb)):
+        return True
     return (Nb == num_heads and Bb in (1, batch) and Tb > 1 and Sb > 1
             and jnp.dtype(bias_dtype) == jnp.dtype(dtype))
+
+
+def key_sums(spec: AttentionSpec) -> bool:
+    """Whether the dK/dV kernel sums a bias's gradient per key (a bias per key: dS's
+    column sums, by a product with a tile of ones, `dkv_scratch`), not in dS tiles."""
+    return spec.has_bias and per_key(spec.bias_shape)
 
 
 # ----------------------------------------------------------------------- scratch
@@ -345,12 +358,13 @@ def dq_scratch(hp: int, hvp: int, block_k: int, stages: int, consumers: int, dty
 
 
 def dkv_scratch(hp: int, hvp: int, stages: int, dtype: Any, bias_dtype: Any = None,
-                zeros: bool = False, has_mask: bool = False) -> Scratch:
+                zeros: bool = False, has_mask: bool = False, ones: bool = False) -> Scratch:
     """The dK/dV kernel: per slot Q, dO, the three float32 row residuals and the bias
     tile and mask tile (int8) of each consumer; the K and V of each consumer's keys;
     per consumer P and two dS buffers, or (`is_wide`) two P and two dS tiles of the
-    unit's keys that both consumers fill; the zeroed dbias tile. Barriers: loaded and
-    consumed per slot, K/V's two, and the wide consumers' exchange."""
+    unit's keys that both consumers fill; the zeroed dbias tile; each consumer's tile of
+    ones (dS's column sums, `key_sums`). Barriers: loaded and consumed per slot, K/V's
+    two, and the wide consumers' exchange."""
     rows, unit = dkv_tiles(hp, hvp)
     wide = is_wide(hp, hvp)
     c = CONSUMERS
@@ -373,7 +387,11 @@ def dkv_scratch(hp: int, hvp: int, stages: int, dtype: Any, bias_dtype: Any = No
                  ("p", Buffer((2, *tiles) if wide else tiles, dtype, swizzle)),
                  ("ds", Buffer((2, *tiles) if wide else (c, 2, rows, keys), dtype, swizzle)),
                  ("zeros", Buffer((rows, unit if wide else keys), dtype, swizzle)
-                  if zeros else None)),
+                  if zeros else None),
+                 # Columns by rows, as K's tiles (read transposed, in dS's swizzle); whole
+                 # wgmma tiles of rows, as registers store them, of which the first
+                 # ONES_COLUMNS are read.
+                 ("ones", Buffer((c, rows, rows), dtype, swizzle) if ones else None)),
         barriers=(("step_loaded", Barriers(stages, copies)),
                   ("step_consumed", Barriers(stages, c)),
                   ("kv_loaded", Barriers(1, 2 * c)),  # K and V of each consumer

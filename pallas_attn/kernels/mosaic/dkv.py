@@ -108,11 +108,14 @@ from pallas_attn.kernels.mosaic.common import (
 )
 from pallas_attn.kernels.mosaic.config import (
     CONSUMERS,
+    ONES_COLUMNS,
+    bias_tiles_dtype,
     consumer_registers,
     dkv_scratch,
     dkv_tiles,
     fusable_dbias,
     is_wide,
+    key_sums,
     mask_tiles,
     producer_registers,
 )
@@ -143,7 +146,8 @@ class _Tiles:
 
 
 def _kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, bias_ref, mask_ref, slopes_ref, lengths,
-            origin, segments, dropout, scale_ref, dk_ref, dv_ref, dbias_ref, smem, barriers, *,
+            origin, segments, dropout, scale_ref, dk_ref, dv_ref, dbias_ref, key_sums_ref, smem,
+            barriers, *,
             problem: Problem, tiles_of: _Tiles, programs: int, passes: int, add_dbias: bool,
             first_entry: int):
     q_smem, do_smem, stats_smem, k_smem, v_smem = (
@@ -278,11 +282,17 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, bias_ref, mask_ref, slopes_r
         # P and dS: the unit's tiles that both consumers fill (wide), else their own.
         p_tiles, ds_tiles = ((smem["p"], smem["ds"]) if tiles_of.wide
                              else (smem["p"].at[wg], smem["ds"].at[wg]))
+        ones = None
+        if key_sums_ref is not None:  # dS^T times ones: the column sums
+            ones = smem["ones"].at[wg]
+            ones[...] = plgpu.layout_cast(jnp.ones(ones.shape, ones.dtype), plgpu.Layout.WGMMA)
+            plgpu.commit_smem()
         _consume(problem, tiles_of, wg, unit_of, units, add_dbias, first_entry, passes,
-                 (slopes_ref, dk_ref, dv_ref, dbias_ref, segments, dropout, scale_ref,
+                 (slopes_ref, dk_ref, dv_ref, dbias_ref, key_sums_ref, segments, dropout,
+                  scale_ref, bias_ref if bias_smem is None else None,
                   mask_ref if mask_smem is None else None),
                  (q_smem, do_smem, stats_smem, bias_smem, mask_smem,
-                  k_smem.at[wg], v_smem.at[wg], p_tiles, ds_tiles),
+                  k_smem.at[wg], v_smem.at[wg], p_tiles, ds_tiles, ones),
                  (step_loaded, step_consumed, kv_loaded, kv_consumed, barriers["exchange"]))
 
 
@@ -290,13 +300,17 @@ def _consume(problem: Problem, tiles_of: _Tiles, wg, unit_of, units, add_dbias: 
              first_entry: int, passes: int, refs, buffers, barriers):
     """A consumer's loop over its program's units: dK and dV of its 64 keys per unit
     (wide: of the unit's 64 keys, its half of the head dims); dbias tiles from batch
-    entries first_entry on, each pass's additions landed before the next pass's;
-    scale_ref: float16 dS's powers of two (`core.DsScales`
-    key_scales) or None."""
-    slopes_ref, dk_ref, dv_ref, dbias_ref, segments, dropout, scale_ref, key_mask = refs
+    entries first_entry on, each pass's additions landed before the next pass's; or,
+    for a bias per key, its gradient's column sums into key_sums_ref [B, N, Sp] (float32,
+    zeros where a unit sees no query): dS^T times `ones` beside dK's product, a column per
+    key sum, taken per head; scale_ref: float16 dS's powers of two (`core.DsScales`
+    key_scales) or None. key_bias / key_mask: a bias / mask per key, read from global
+    memory (`common.KeyRows`), or None."""
+    (slopes_ref, dk_ref, dv_ref, dbias_ref, key_sums_ref, segments, dropout, scale_ref,
+     key_bias, key_mask) = refs
     has_dbias = dbias_ref is not None
-    q_smem, do_smem, stats_smem, bias_smem, mask_smem, k_mine, v_mine, p_tiles, ds_tiles = (
-        buffers)
+    (q_smem, do_smem, stats_smem, bias_smem, mask_smem, k_mine, v_mine, p_tiles, ds_tiles,
+     ones) = buffers
     step_loaded, step_consumed, kv_loaded, kv_consumed, exchange = barriers
     stages = q_smem.shape[0]
     group = problem.group
@@ -351,7 +365,7 @@ def _consume(problem: Problem, tiles_of: _Tiles, wg, unit_of, units, add_dbias: 
 
         def step_fn(i, carry, masked: bool | None, slope):
             """Query tile i of head h (ring step `at`), the head's ALiBi slope."""
-            dk, dv, at, h = carry
+            dk, dv, at, h, sums = carry
             slot = lax.rem(at, jnp.int32(stages))
             n = kh * group + h
             row0 = i * rows_n
@@ -378,6 +392,9 @@ def _consume(problem: Problem, tiles_of: _Tiles, wg, unit_of, units, add_dbias: 
                 if bias_smem is not None:
                     bias = plgpu.load(bias_smem.at[slot, wg],
                                       layout=plgpu.Layout.WGMMA).astype(jnp.float32)
+                if key_bias is not None:
+                    bias = KeyRows(head_entries(key_bias, b, n).at[0], keys_n,
+                                   query_dim=query_dim).take(lax.div(k_own, keys_n), None)
                 if mask_smem is not None and masked is not False:
                     mask = plgpu.load(mask_smem.at[slot, wg], layout=plgpu.Layout.WGMMA) != 0
                 if key_mask is not None and masked is not False:
@@ -412,10 +429,13 @@ def _consume(problem: Problem, tiles_of: _Tiles, wg, unit_of, units, add_dbias: 
                 p_operand, ds_operand = ((p_buf, ds_tile) if query_dim else
                                          (p_buf.transpose((1, 0)), ds_tile.transpose((1, 0))))
 
-            dv, dk = accumulate(
-                ((dv, ((p_operand, do_smem.at[slot, :, dv_cols]),)),
-                 (dk, ((ds_operand, q_smem.at[slot, :, dk_cols]),))),
-                problem.interpret)
+            products = [(dv, ((p_operand, do_smem.at[slot, :, dv_cols]),)),
+                        (dk, ((ds_operand, q_smem.at[slot, :, dk_cols]),))]
+            if sums is not None:
+                products.append((sums, ((ds_operand,
+                                         ones.at[:ONES_COLUMNS].transpose((1, 0))),)))
+            dv, dk, *sums = accumulate(tuple(products), problem.interpret)
+            sums = sums[0] if sums else None
             plgpu.barrier_arrive(step_consumed.at[slot])
             if has_dbias:
                 def store():
@@ -429,16 +449,26 @@ def _consume(problem: Problem, tiles_of: _Tiles, wg, unit_of, units, add_dbias: 
                             reduction_op="add" if add_dbias else None))
 
                 pl.when(b >= first_entry)(store)  # entry 0's may be in already
-            return dk, dv, at + 1, h
+            return dk, dv, at + 1, h, sums
+
+        acc_rows = tiles_of.unit if wide else keys_n
 
         def head(h, carry):
             slope = head_slope(slopes_ref, valid, b, kh * group + h)
-            dk, dv, at, _ = run_tile_loops(
+            sums = None
+            if key_sums_ref is not None:
+                sums = plgpu.layout_cast(jnp.zeros((acc_rows, ONES_COLUMNS), jnp.float32),
+                                         plgpu.Layout.WGMMA)
+            dk, dv, at, _, sums = run_tile_loops(
                 first, stop, full_first, full_stop,
-                lambda i, c, masked: step_fn(i, c, masked, slope), (*carry, h), whole)
+                lambda i, c, masked: step_fn(i, c, masked, slope), (*carry, h, sums), whole)
+            if sums is not None:
+                @pl.when(valid if copier is None else valid & copier)
+                def _store_sums():  # every column holds the sums (max: NaN shows)
+                    keys = pl.ds(k0, acc_rows) if wide else pl.ds(k_own, keys_n)
+                    key_sums_ref.at[b, kh * group + h, keys][...] = jnp.max(sums, axis=1)
             return dk, dv, at
 
-        acc_rows = tiles_of.unit if wide else keys_n
         dk = plgpu.layout_cast(jnp.zeros((acc_rows, dk_dims), jnp.float32), plgpu.Layout.WGMMA)
         dv = plgpu.layout_cast(jnp.zeros((acc_rows, dv_dims), jnp.float32), plgpu.Layout.WGMMA)
         dk, dv, step = lax.fori_loop(0, jnp.where(tiles > 0, group, 0), head, (dk, dv, step))
@@ -494,9 +524,10 @@ def _add_dbias_in_registers(dst, ds, add: bool):
 
 
 def sums_batch(problem: Problem, bias: jax.Array | None, bias_grad: bool) -> bool:
-    """Whether `dkdv` writes dbias as a sum over the batch entries (a bias shared by
-    more than one), the case `dbias_first` can start."""
-    return bias_grad and bias.shape[0] == 1 and problem.batch > 1
+    """Whether `dkdv` writes dbias as a sum over the batch entries in dS tiles (a bias
+    shared by more than one, not per key), the case `dbias_first` can start."""
+    return (bias_grad and bias.shape[0] == 1 and problem.batch > 1
+            and not key_sums(problem.spec))
 
 
 def dkdv(problem: Problem, q: jax.Array, k: jax.Array, v: jax.Array, do: jax.Array,
@@ -554,14 +585,19 @@ def dkdv(problem: Problem, q: jax.Array, k: jax.Array, v: jax.Array, do: jax.Arr
     first_entry = int(dbias_first is not None)
     dbias_sum = (jax.new_ref(jnp.zeros(bias.shape, bias.dtype) if dbias_first is None
                              else dbias_first) if add_dbias else None)
-    optional = (bias, mask, slopes, dbias_sum, dropout_keys, origin, ds_scale, *lengths)
+    # A bias per key: dS's column sums per batch entry and head, summed over the bias's
+    # broadcast axes below; zeros where a unit sees no query.
+    per_key_grad = bias_grad and key_sums(problem.spec)
+    sums = jax.new_ref(jnp.zeros((B, N, Sp), jnp.float32)) if per_key_grad else None
+    optional = (bias, mask, slopes, dbias_sum, sums, dropout_keys, origin, ds_scale, *lengths)
     scratch = dkv_scratch(hp, hvp, route.num_stages, q.dtype,
-                          None if bias is None else bias.dtype,
-                          zeros=bias_grad and not add_dbias, has_mask=mask_tiles(problem.spec))
+                          bias_tiles_dtype(problem.spec, None if bias is None else bias.dtype),
+                          zeros=bias_grad and not (add_dbias or per_key_grad),
+                          has_mask=mask_tiles(problem.spec), ones=per_key_grad)
 
     def entry(*refs):
         q_ref, k_ref, v_ref, do_ref, stats_ref, *rest = refs
-        (bias_ref, mask_ref, slopes_ref, sum_ref, keys_ref, origin_ref, scale_ref,
+        (bias_ref, mask_ref, slopes_ref, sum_ref, sums_ref, keys_ref, origin_ref, scale_ref,
          *length_refs) = optional_refs(rest, *optional)
         rest = rest[sum(x is not None for x in optional):]
         segment_refs, (dk_ref, dv_ref, *dbias_ref) = rest[:len(segments)], rest[len(segments):]
@@ -572,16 +608,20 @@ def dkdv(problem: Problem, q: jax.Array, k: jax.Array, v: jax.Array, do: jax.Arr
             Segments.of(tuple(segment_refs)),
             None if dropout_keys is None else Dropout(keys_ref, problem.spec.dropout_rate,
                                                       origin_ref),
-            scale_ref, dk_ref, dv_ref, dbias_ref, smem, barriers, problem=problem,
+            scale_ref, dk_ref, dv_ref, dbias_ref, sums_ref, smem, barriers, problem=problem,
             tiles_of=tiles_of, programs=programs, passes=passes, add_dbias=add_dbias,
             first_entry=first_entry))
 
     programs = problem.plan.programs_for(Sp // tiles_of.unit * KH * (B // passes))
     out_type = [jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)]
-    if bias_grad and not add_dbias:
+    if bias_grad and not (add_dbias or per_key_grad):
         out_type.append(jax.ShapeDtypeStruct(bias.shape, bias.dtype))
     operands = [q, k, v, do, stats, *(x for x in optional if x is not None), *segments]
     dk, dv, *dbias = launch(entry, out_type, programs, problem.interpret)(*operands)
     if add_dbias:  # summed through a mutable ref, not one of the kernel's typed results
         return dk, dv, cast_varying_like(jax.freeze(dbias_sum), operands)
+    if per_key_grad:
+        broadcast = tuple(axis for axis in (0, 1) if bias.shape[axis] == 1)
+        dbias = jnp.sum(jax.freeze(sums), axis=broadcast, keepdims=True)[:, :, None]
+        return dk, dv, cast_varying_like(dbias.astype(bias.dtype), operands)
     return dk, dv, dbias[0] if dbias else None
