@@ -16,7 +16,11 @@ dK and dV in registers. Per step (the 64 query rows of one tile, one head):
   and those products read them transposed (the interpreter, whose wgmma reads shared
   memory only, stages P^T and dS^T there too);
 * with a bias that needs a gradient, the dS tile in shared memory is also the
-  bias's gradient for that (query tile, key tile, head): a bulk copy stores it.
+  bias's gradient for that (query tile, key tile, head): a bulk copy stores it. A bias
+  per key ([B or 1, N or 1, 1, S], read from global memory like a mask per key) needs
+  dS summed over the queries instead: one more product, dS^T times a tile of ones
+  (16 columns, each the sums), beside dK's, taken per head; the sums over the bias's
+  broadcast axes follow the kernel.
 
 At a padded head dim above 128 one consumer's dK and dV would take every register it
 has, so the consumers split the work of units of 64 keys (`config.is_wide`): each
@@ -68,8 +72,8 @@ whole there, and the entries it clears give P = dS = 0. A mask per key (a key pa
 mask) is read from global memory instead, each consumer's keys (`common.KeyRows`).
 
 Scope: the Mosaic kernels' (`config.unsupported`; a mask not in the wide kernel), and a
-bias gradient only for a bias of shape [B, N, T, S] or [1, N, T, S] in the inputs' dtype
-(`config.fusable_dbias`).
+bias gradient for a bias of shape [B, N, T, S] or [1, N, T, S] in the inputs' dtype, or
+one per key of any broadcast and dtype (`config.fusable_dbias`).
 """
 
 from __future__ import annotations
