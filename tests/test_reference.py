@@ -858,6 +858,28 @@ def test_extreme_bias_logits_stable():
         np.testing.assert_allclose(g, w, rtol=1e-3, atol=1e-3)
 
 
+def test_huge_product_logits_stay_finite_under_jit():
+    """Logits ~4e9 from q.k alone (no bias, mask or cap): under jit, XLA:CPU must not
+    fold the product into exp(logits - max) rounding apart from the max (exp of ulps of
+    the logits would overflow): out, lse and the gradients equal the eager call's."""
+    keys = jax.random.split(jax.random.key(23), 4)
+    q, k = (jax.random.normal(x, (1, 64, 2, 32), jnp.float32) * 3e4 for x in keys[:2])
+    v = jax.random.normal(keys[2], (1, 64, 2, 32), jnp.float32)
+    ct = jax.random.normal(keys[3], v.shape, jnp.float32)
+
+    def loss(q, k, v):
+        out, lse = XLA(q, k, v, return_residual=True)
+        return jnp.sum(out * ct) + jnp.sum(lse) * 1e-9, (out, lse)
+
+    step = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)
+    (_, jitted), jit_grads = jax.jit(step)(q, k, v)
+    (_, eager), eager_grads = step(q, k, v)
+    assert float(jnp.max(jnp.abs(jitted[1]))) > 1e9  # logits of that size
+    for got, want in zip((*jitted, *jit_grads), (*eager, *eager_grads), strict=True):
+        assert_no_nan(got)
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
 # --------------------------------------------------------------------------------------
 # 4. jit, vmap, grad; dropout determinism and statistics
 # --------------------------------------------------------------------------------------

@@ -149,6 +149,18 @@ def logits_and_visibility(spec: AttentionSpec, ops: Operands, poison: jax.Array 
     return logits, visible
 
 
+@jax.custom_jvp
+def _materialized(x: jax.Array) -> jax.Array:
+    """x, computed once before its uses (an optimization barrier on the value only: the
+    tangents, and so the backward's fusions, pass through unchanged)."""
+    return jax.lax.optimization_barrier(x)
+
+
+@_materialized.defjvp
+def _materialized_jvp(primals, tangents):
+    return _materialized(primals[0]), tangents[0]
+
+
 def attention(spec: AttentionSpec, ops: Operands) -> tuple[jax.Array, jax.Array]:
     """Canonical-layout attention: (out [B, T, N, Hv] in query dtype, lse [B, N, T] float32)."""
     ops = hide_past_lengths(ops)
@@ -165,6 +177,11 @@ def attention(spec: AttentionSpec, ops: Operands) -> tuple[jax.Array, jax.Array]
     # up to 1.6x slower with selects there (docs/decisions.md, "The reference's products").
     if visible is not None:
         logits = jnp.where(visible, logits, -jnp.inf)
+    elif not (spec.has_bias or spec.has_alibi or spec.logits_soft_cap is not None):
+        # NOTE: logits that are a bare product would otherwise enter exp(logits - max)
+        # as one fused multiply-add that XLA:CPU rounds apart from the max's product:
+        # above 0 by ulps of the logits, exp overflows from |logits| near 1e9.
+        logits = _materialized(logits)
     row_max = jnp.max(logits, axis=-1, keepdims=True)
     sink = None if ops.sinks is None else _by_group(ops.sinks[None], K)[..., None, None]
     if sink is not None:  # the sink is one more logit of every row, with no value
