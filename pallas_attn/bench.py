@@ -456,11 +456,13 @@ def check_shapes(on_device: bool) -> list[Shape]:
         Shape(2, 1000, 1100, 8, 2, 224, True, (("softcap", 20.0),), dtype="float16"),
         Shape(2, 1000, 1100, 8, 2, 112, False, (("softcap", 20.0),), dtype="bfloat16"),
         Shape(2, 1024, 1024, 4, 4, 48, True, dtype="float16"),
-        # A bias and a mask per key in the Mosaic forward and dQ (rows read from global
-        # memory per key tile), the bias's gradient from the Triton dK/dV kernel; causal,
-        # ragged, GQA.
+        # A bias and a mask per key in every Mosaic kernel (rows read from global memory
+        # per key tile), the bias's gradient as dS's column sums in the dK/dV kernel;
+        # causal, ragged, GQA; at head dim 256 the wide dK/dV kernel's, under a soft cap.
         Shape(2, 1000, 1100, 8, 2, 128, True, (("bias_per_key", None), ("mask_per_key", None)),
               dtype="bfloat16"),
+        Shape(2, 1000, 1100, 4, 2, 256, False, (("bias_per_key", None), ("softcap", 20.0)),
+              dtype="float16"),
         Shape(2, 1024, 1024, 4, 4, 64, False, (("mask_per_key", None), ("softcap", 20.0)),
               dtype="float16"),
         # Head dims up to 32 in the Mosaic kernels: 64- and 32-byte swizzled tiles (32 and
