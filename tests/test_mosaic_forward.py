@@ -117,14 +117,15 @@ CASES = [
     # each head's first item starts at row -128 and two of its consumers only release
     # the ring's slots; with sorted segments of their own for queries and keys (the idle
     # consumers' bands), dropout, ALiBi and a small soft cap under bottom-right causal
-    # masking.
+    # masking; two batch entries, so that the programs' items cross from one to the next.
     ("three_consumers_first_item_before_row_0_segments_dropout_alibi_soft_cap",
-     dict(B=1, T=200, S=230, N=2, H=64),
+     dict(B=2, T=200, S=230, N=2, H=64),
      dict(is_causal=True, causal_alignment="bottom_right", dropout_rate=0.2,
           logits_soft_cap=5.0,
           dropout_rng=jax.random.key(6), alibi_slopes=jnp.array([0.3, 0.05]),
-          q_segment_ids=np.repeat(np.arange(4), 50)[None],
-          kv_segment_ids=np.concatenate([np.repeat(np.arange(4), 50), np.full(30, 3)])[None]),
+          q_segment_ids=np.repeat(np.arange(4), 50)[None].repeat(2, 0),
+          kv_segment_ids=np.concatenate([np.repeat(np.arange(4), 50),
+                                         np.full(30, 3)])[None].repeat(2, 0)),
      {}),
     # Dropout with one mask shared by every head, a bias, a soft cap and packed documents
     # (sorted, one array for queries and keys: the item's and each consumer's key tiles
