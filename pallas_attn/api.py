@@ -94,6 +94,7 @@ def dot_product_attention(
     """
     return_residual = check_bool("return_residual", return_residual)
     _check_options(implementation, block_sizes, interpret, None)
+    sharding.check_interpretable(interpret)
     arrays = dict(query=query, key=key, value=value, bias=bias, mask=mask,
                   query_seq_lengths=query_seq_lengths,
                   key_value_seq_lengths=key_value_seq_lengths, alibi_slopes=alibi_slopes,

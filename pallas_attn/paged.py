@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_attn import dispatch
+from pallas_attn import dispatch, sharding
 from pallas_attn.plan import BlockSizes
 from pallas_attn.spec import Operands, check_bool, check_concrete_range, normalize
 
@@ -67,6 +67,7 @@ def paged_attention(
     """
     return_residual = check_bool("return_residual", return_residual)
     interpret = check_bool("interpret", interpret)
+    sharding.check_interpretable(interpret)
     if implementation is not None and implementation not in IMPLEMENTATIONS:
         raise ValueError(f"implementation must be None or one of {IMPLEMENTATIONS}, got "
                          f"{implementation!r}")

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.custom_derivatives import SymbolicZero
 
-from pallas_attn import dispatch
+from pallas_attn import dispatch, sharding
 from pallas_attn.plan import BlockSizes
 from pallas_attn.primals import first_order_only, is_perturbed, primal_values
 from pallas_attn.semantics import chunked, reference, scores
@@ -111,6 +111,7 @@ def ring_attention(
         raise TypeError(f"axis_name must be a mesh axis name (str), got {axis_name!r}")
     return_residual = check_bool("return_residual", return_residual)
     interpret = check_bool("interpret", interpret)
+    sharding.check_interpretable(interpret)
     implementation = dispatch.ring_implementation(implementation, interpret)
     if implementation not in RING_IMPLEMENTATIONS:
         raise ValueError(f"ring_attention's implementation must be None or one of "

@@ -137,6 +137,21 @@ def _choose_axes(mesh, arg_shapes, arg_labels) -> dict[str, tuple[str, ...] | No
     return axes
 
 
+def check_interpretable(interpret: bool) -> None:
+    """ValueError for interpret=True under a context mesh with Explicit axes
+    (jax.set_mesh): the Pallas interpreters' host programs fail to compile there (an
+    unpartitioned Sharding custom call). Sharded arrays without set_mesh run."""
+    if not interpret:
+        return
+    mesh = jax.sharding.get_abstract_mesh()
+    if not mesh.empty and mesh.explicit_axes:
+        raise ValueError(
+            f"interpret=True does not run under jax.set_mesh with Explicit axes "
+            f"{mesh.explicit_axes}: the Pallas interpreters cannot compile their host "
+            f"programs there; call it outside set_mesh (arrays sharded over Explicit axes "
+            f"are fine) or with Auto axes")
+
+
 def explicit_mesh(arrays: Any) -> Any:
     """The mesh of the first array whose type carries a sharding over Explicit axes."""
     for x in jax.tree.leaves(arrays):

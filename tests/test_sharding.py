@@ -281,6 +281,16 @@ def test_flax_layer_with_logical_axis_rules_gathers_nothing():
         assert got.sharding.is_equivalent_to(want, got.ndim)
 
 
+def test_interpreter_under_an_explicit_context_mesh_names_the_problem():
+    """jax.set_mesh with Explicit axes: the interpreters' host programs cannot compile
+    there, so the call says so (sharded arrays alone run, the test below)."""
+    mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=(AxisType.Explicit,) * 2)
+    q = jnp.zeros((2, 16, 2, 32), jnp.bfloat16)
+    with jax.set_mesh(mesh), pytest.raises(ValueError, match="interpret=True does not run "
+                                           "under jax.set_mesh with Explicit axes"):
+        pallas_attn.dot_product_attention(q, q, q, implementation="pallas", interpret=True)
+
+
 # Explicit axes are made Auto in front of every implementation (sharding.in_auto_axes):
 # MQA's partial sums in each of them (one kv head read whole by every head shard, dK/dV
 # summed over the devices: the all-reduce), kv heads sharded with the query heads in
