@@ -306,8 +306,8 @@ def _consume(problem: Problem, tiles_of: _Tiles, wg, unit_of, units, add_dbias: 
     (wide: of the unit's 64 keys, its half of the head dims); dbias tiles from batch
     entries first_entry on, each pass's additions landed before the next pass's; or,
     for a bias per key, its gradient's column sums into key_sums_ref [B, N, Sp] (float32,
-    zeros where a unit sees no query): dS^T times `ones` beside dK's product, a column per
-    key sum, taken per head; scale_ref: float16 dS's powers of two (`core.DsScales`
+    zeros where a unit sees no query): dS^T times `ones` beside dK's product (each of its
+    columns the sums), taken per head; scale_ref: float16 dS's powers of two (`core.DsScales`
     key_scales) or None. key_bias / key_mask: a bias / mask per key, read from global
     memory (`common.KeyRows`), or None."""
     (slopes_ref, dk_ref, dv_ref, dbias_ref, key_sums_ref, segments, dropout, scale_ref,
