@@ -462,12 +462,17 @@ def test_narrow_in_turn_passes_take_the_dbias_kernel_unless_any_order():
     assert (any_order.dbias.fused, any_order.dbias.any_order) == (True, True)
     forced = dispatch.plan(narrow, device=H100, block_sizes=BlockSizes(fuse_dbias=True))
     assert (forced.dbias.fused, forced.dbias.any_order) == (True, False)
-    # Per-batch biases take no passes; one batch entry is one pass.
+    # Per-batch biases take no passes; one batch entry is one pass; a batch-shared bias
+    # per key is summed per batch entry and head (column sums), in no passes either.
     for other in (call(bias_shape=(32, 8, 1024, 1024), batch=32, heads=8, kv_heads=8,
                        q_len=1024, kv_len=1024),
                   call(bias_shape=(1, 8, 1024, 1024), batch=1, heads=8, kv_heads=8,
+                       q_len=1024, kv_len=1024),
+                  call(bias_shape=(1, 8, 1, 1024), batch=32, heads=8, kv_heads=8,
                        q_len=1024, kv_len=1024)):
         assert dispatch.plan(other, device=H100).dbias.fused
+        free = dispatch.plan(other, device=H100, block_sizes=BlockSizes(deterministic=False))
+        assert not free.dbias.any_order
 
 
 @pytest.mark.parametrize("bias_shape,batch,kv_heads,kv_len,expected", [
