@@ -504,8 +504,7 @@ def _in_turn_too_narrow(call: Call, device: DeviceInfo, overrides: BlockSizes,
     batch entry per pass), would leave SMs idle: each pass has fewer work items than the
     device has SMs, and the separate dbias kernel measured faster there
     (docs/decisions.md, "Batch-shared dbias summed in turn"); "" where it would not."""
-    if (not overrides.deterministic or call.spec.bias_shape[0] != 1 or call.batch == 1
-            or mosaic.key_sums(call.spec)):  # column sums per batch entry: no passes
+    if not overrides.deterministic or not mosaic.sums_batch_tiles(call.spec, call.batch):
         return ""
     unit = mosaic.dkv_tiles(*dims)[1]
     items = -(-call.kv_len // unit) * call.num_kv_heads
@@ -559,7 +558,7 @@ def _dbias_route(call: Call, device: DeviceInfo, overrides: BlockSizes, interpre
         # Concurrent programs summing a batch-shared bias's dS by reduce-add copies:
         # only when asked (docs/decisions.md, "Batch-shared dbias summed in turn").
         any_order = (not overrides.deterministic and dkdv.backend == "mosaic"
-                     and shape[0] == 1 and call.batch > 1 and not mosaic.key_sums(call.spec))
+                     and mosaic.sums_batch_tiles(call.spec, call.batch))
         return dataclasses.replace(dkdv, fused=True, any_order=any_order, declined=())
     if not fusable and overrides.fuse_dbias is None:
         declined.append(("fused", f"the {dkdv.backend} dK/dV kernel cannot write the gradient "

@@ -370,7 +370,7 @@ def _run_backward(static: tuple[Problem, bool], q, k, v, operands: dict, row_sta
     # others' to them (no zeroed buffer to start from).
     dbias_first = None
     if plan.dq.backend == "mosaic":
-        if plan.dkdv.backend == "mosaic" and mosaic_dkv.sums_batch(problem, bias, fused):
+        if plan.dkdv.backend == "mosaic" and mosaic_dkv.sums_batch(problem, fused):
             dq, dbias_first, marks = mosaic_dq.dq_and_dbias(
                 problem, q, k, v, do, stats, bias, slopes, dq_segments, lengths, dropout_keys,
                 mask, origin)

@@ -141,8 +141,7 @@ OPERANDS = {"forward": ("bias", "mask", "alibi_slopes", "sinks", *SEGMENTS, *LEN
             "dkdv": ("bias", "mask", "alibi_slopes", "sinks", *SEGMENTS, *LENGTHS,
                      "dropout_keys", "origin"),
             "dbias": ("bias", "alibi_slopes", "sinks")}
-# What each role's kernel reads with one entry per key (`per_key`): the dK/dV kernel no
-# bias (its gradient, the column sums of dS, is the Triton kernel's).
+# What each role's kernel reads with one entry per key (`per_key`; the dbias kernel none).
 PER_KEY = {"forward": ("bias", "mask"), "dq": ("bias", "mask"), "dkdv": ("bias", "mask"),
            "dbias": ()}
 _OPERAND_NAMES = {"bias": "a bias", "mask": "a mask", "alibi_slopes": "ALiBi slopes",
@@ -153,8 +152,8 @@ _OPERAND_NAMES = {"bias": "a bias", "mask": "a mask", "alibi_slopes": "ALiBi slo
 
 def per_key(shape: tuple[int, ...]) -> bool:
     """Whether a bias or mask of this shape ([..., T or 1, S or 1]) has one entry per key
-    that every query shares: the forward and dQ kernels read such a row per key tile
-    (`common.KeyRows`), not in tiles."""
+    that every query shares: the forward, dQ and dK/dV kernels read such a row per key
+    tile (`common.KeyRows`), not in tiles."""
     return shape[-2] == 1 and shape[-1] > 1
 
 
@@ -226,6 +225,13 @@ def key_sums(spec: AttentionSpec) -> bool:
     """Whether the dK/dV kernel sums a bias's gradient per key (a bias per key: dS's
     column sums, by a product with a tile of ones, `dkv_scratch`), not in dS tiles."""
     return spec.has_bias and per_key(spec.bias_shape)
+
+
+def sums_batch_tiles(spec: AttentionSpec, batch: int) -> bool:
+    """Whether the dK/dV kernel adds several batch entries' dS tiles into one dbias tile:
+    a bias shared by the batch entries with its own entry per query (in passes, or in
+    no fixed order when not deterministic)."""
+    return spec.has_bias and spec.bias_shape[0] == 1 and batch > 1 and not key_sums(spec)
 
 
 # ----------------------------------------------------------------------- scratch

@@ -122,6 +122,7 @@ from pallas_attn.kernels.mosaic.config import (
     key_sums,
     mask_tiles,
     producer_registers,
+    sums_batch_tiles,
 )
 
 
@@ -527,11 +528,10 @@ def _add_dbias_in_registers(dst, ds, add: bool):
         dst[...] = ds.astype(dst.dtype)
 
 
-def sums_batch(problem: Problem, bias: jax.Array | None, bias_grad: bool) -> bool:
-    """Whether `dkdv` writes dbias as a sum over the batch entries in dS tiles (a bias
-    shared by more than one, not per key), the case `dbias_first` can start."""
-    return (bias_grad and bias.shape[0] == 1 and problem.batch > 1
-            and not key_sums(problem.spec))
+def sums_batch(problem: Problem, bias_grad: bool) -> bool:
+    """Whether `dkdv` writes dbias as a sum over the batch entries in dS tiles
+    (`config.sums_batch_tiles`), the case `dbias_first` can start."""
+    return bias_grad and sums_batch_tiles(problem.spec, problem.batch)
 
 
 def dkdv(problem: Problem, q: jax.Array, k: jax.Array, v: jax.Array, do: jax.Array,
@@ -580,7 +580,7 @@ def dkdv(problem: Problem, q: jax.Array, k: jax.Array, v: jax.Array, do: jax.Arr
     # an item's batch entries as passes (a fixed order of additions; the interpreter,
     # without reduce-add copies, always), or by concurrent programs (the route's
     # any_order).
-    add_dbias = sums_batch(problem, bias, bias_grad)
+    add_dbias = sums_batch(problem, bias_grad)
     if dbias_first is not None and not (add_dbias and dbias_first.shape == bias.shape):
         raise AssertionError(f"{name} takes dbias_first only for a bias shared by "
                              f"{B} batch entries and of its shape, got {dbias_first.shape} "
