@@ -36,6 +36,10 @@ def _hiding(case: str, B: int, T: int, S: int) -> tuple[dict, int]:
         # A key padding mask: one entry per key, read a key tile's row at a time.
         "mask_per_key": (dict(mask=jnp.ones((B, 1, 1, S), bool).at[..., middle].set(False)),
                          middle),
+        # With a bias per key and its gradient (dS's column sums in the dK/dV kernel).
+        "mask_and_bias_per_key": (
+            dict(mask=jnp.ones((B, 1, 1, S), bool).at[..., middle].set(False),
+                 bias=jnp.linspace(-1.0, 1.0, B * S).reshape(B, 1, 1, S)), middle),
         # Sorted ids: the rows' segment is keys [0, middle), whose tiles run whole.
         "segment": (dict(q_segment_ids=jnp.zeros((B, T), jnp.int32),
                          kv_segment_ids=jnp.zeros((B, S), jnp.int32).at[:, middle:].set(9)),
@@ -68,18 +72,20 @@ def _hiding(case: str, B: int, T: int, S: int) -> tuple[dict, int]:
     }[case]
 
 
-def _results(ct, **kwargs):
-    """fn(q, k, v) -> [out, lse, dq, dk, dv]: one jitted step for the clean and the dirty
-    inputs (same shapes: traced and compiled once)."""
-    def loss(q, k, v):
-        out, lse = pallas_attn.dot_product_attention(q, k, v, return_residual=True, **kwargs)
+def _results(ct, bias=None, **kwargs):
+    """fn(q, k, v) -> [out, lse, dq, dk, dv(, dbias)]: one jitted step for the clean and
+    the dirty inputs (same shapes: traced and compiled once)."""
+    def loss(q, k, v, bias):
+        out, lse = pallas_attn.dot_product_attention(q, k, v, bias, return_residual=True,
+                                                     **kwargs)
         finite_lse = jnp.where(jnp.isfinite(lse), lse, 0.0)
         return jnp.sum(out.astype(jnp.float32) * ct) + jnp.sum(finite_lse), (out, lse)
 
-    step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))
+    argnums = (0, 1, 2) if bias is None else (0, 1, 2, 3)
+    step = jax.jit(jax.value_and_grad(loss, argnums=argnums, has_aux=True))
 
     def results(q, k, v):
-        (_, aux), grads = step(q, k, v)
+        (_, aux), grads = step(q, k, v, bias)
         return [np.asarray(x, np.float32) for x in (*aux, *grads)]
 
     return results
@@ -105,7 +111,7 @@ def _check(case: str, shapes: tuple, dtype, exact: bool = True, **kwargs) -> Non
     results = _results(ct, **hiding, **kwargs)
     clean = results(q, k, v)
     dirty = results(q, k.at[:, key, 0].set(jnp.nan), v.at[:, key, 0].set(jnp.inf))
-    names = ("out", "lse", "dq", "dk", "dv")
+    names = ("out", "lse", "dq", "dk", "dv", "dbias")[:len(clean)]
     if not case.endswith("causal_last_row"):
         for name, got, want in zip(names, dirty, clean, strict=True):
             _assert_same(got, want, name, exact)
@@ -127,11 +133,12 @@ def test_triton_kernels(case):
            block_sizes=SMALL_BLOCKS)
 
 
-@pytest.mark.parametrize("case", ["query_lengths", "mask_causal_last_row", "mask_per_key"])
+@pytest.mark.parametrize("case", ["query_lengths", "mask_causal_last_row",
+                                  "mask_and_bias_per_key"])
 def test_mosaic_kernels(case):
     """The Mosaic forward, dQ and dK/dV kernels, T=100 (padded rows), S=128, head dim 64.
     The mask and bottom-right causal masking each hide a key in one run; a key padding
-    mask hides one from every row. (A causal key
+    mask hides one from every row, with a bias per key and its gradient. (A causal key
     that only rows past the valid ones see: query_lengths here, at head dim 64; the
     padded rows' causal_future at head dim 176: test_mosaic_kernels_at_head_dim_192.)"""
     _check(case, (1, 100, 128, 1, 64), jnp.bfloat16, exact=False, implementation="pallas",
