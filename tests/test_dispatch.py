@@ -375,6 +375,18 @@ def test_mosaic_scratch_sizes():
                                   staging="q").bytes <= budget
     assert mosaic.forward_scratch(256, 256, 64, 2, "bfloat16", "float32",
                                   staging="q").bytes > budget
+    # Dropout's hash tables, 512 bytes per consumer, where they fit beside the buffers:
+    # with the d128 dK/dV kernel's two slots, not with the d256 one's, whose buffers
+    # each start at a multiple of 1024 bytes as Pallas allocates them.
+    def dkv(hp, tables):
+        return mosaic.dkv_scratch(hp, hp, 2, "bfloat16", dropout=tables)
+
+    assert dkv(128, True).bytes == dkv(128, False).bytes + 1024
+    assert dkv(256, False).bytes <= budget < dkv(256, True).bytes
+    for hp in (128, 256):
+        for dropout in (False, True):
+            chosen = mosaic.with_hash_tables(lambda t, hp=hp: dkv(hp, t), dropout, budget)
+            assert chosen == dkv(hp, dropout and hp == 128)
 
 
 @pytest.mark.parametrize("hp,hvp,block_k,bias_dtype,consumers", [

@@ -165,6 +165,13 @@ CASES = {
         logits_soft_cap=20.0, mask=jnp.ones((2, 1, 256, 384), bool),
         block_sizes=pallas_attn.BlockSizes(forward_backend="mosaic", dq_backend="mosaic",
                                            dkv_backend="mosaic")),
+    # Dropout's hash tables beside the fullest buffers of head dim 128: a bias per batch
+    # entry in every Mosaic role (the kernels' shared memory is what config counts).
+    "mosaic_all_bias_per_batch_dropout": dict(
+        H=128, bias=jnp.ones((2, 4, 256, 256), jnp.bfloat16), dropout_rate=0.1,
+        dropout_rng=jax.random.key(0),
+        block_sizes=pallas_attn.BlockSizes(forward_backend="mosaic", dq_backend="mosaic",
+                                           dkv_backend="mosaic")),
     # The decode kernel: keys split over programs and merged by the merge kernel (sinks,
     # ALiBi, query lengths, bottom-right causal), and one split writing its results.
     "decode_splits_merged": dict(

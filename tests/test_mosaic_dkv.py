@@ -86,6 +86,10 @@ CASES = [
     # with half of S, dP and the head dims; the whole dS tile copied as dbias.
     ("wide_H256_per_batch_bias_causal", dict(B=2, T=130, S=200, N=2, H=256), (2, 2),
      dict(is_causal=True), WIDE),
+    # Head dim 256 without a bias: two slots leave no room for dropout's hash tables,
+    # so each consumer hashes its positions in registers (`config.with_hash_tables`).
+    ("wide_H256_dropout_hashed_in_registers", dict(B=2, T=130, S=200, N=2, H=256), None,
+     dict(is_causal=True, dropout_rate=0.2, dropout_rng=jax.random.key(7)), WIDE),
     ("wide_H192_Hv64_gqa_window_soft_cap_shared_bias",
      dict(B=2, T=100, S=140, N=4, K=2, H=192, Hv=64), (1, 4),
      dict(local_window_size=(40, 10), logits_soft_cap=5.0), WIDE),

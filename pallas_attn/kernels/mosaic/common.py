@@ -172,11 +172,34 @@ def _chunks(start, size: int) -> list[tuple[Any, Any]]:
 @dataclasses.dataclass(frozen=True)
 class Dropout:
     """Dropout's keep decisions on WGMMA tiles (semantics/dropout.py's hash): the
-    program keys in global memory ([B, N] uint32, or [1, 1] for one shared mask)."""
+    program keys in global memory ([B, N] uint32, or [1, 1] for one shared mask).
+
+    With a table (the consumer's HASH_TABLE uint32 entries of shared memory, `mine`),
+    each thread of the warpgroup hashes one position and the tile's layout reads the
+    hashes back: in a WGMMA tile each thread holds a quarter of a tile's columns, so it
+    would hash 32 of 128 positions itself, which costs more than the keep tests."""
 
     keys: Any
     rate: float
     origin: Any = None  # the origin ref [2] (positions of query 0 and key 0) or None
+    table: Any = None
+
+    def mine(self, tables: Any, wg: Any) -> Dropout:
+        """This consumer's decisions, through its table among tables (None: none)."""
+        return self if tables is None else dataclasses.replace(self, table=tables.at[wg])
+
+    def _hashed(self, hash_fn, first, size: int, dim: int) -> jax.Array:
+        """hash_fn of positions [first, first + size) along a WGMMA tile's dimension dim."""
+        if self.table is None:
+            return hash_fn(first + plgpu.broadcasted_iota(jnp.int32, (size,), 0,
+                                                          layout=along(dim)))
+        spread = self.table.shape[0]
+        if size > spread:
+            raise AssertionError(f"{size} positions in a hash table of {spread}")
+        # The stores and loads of the table are fenced by the warpgroup's barriers.
+        self.table[...] = hash_fn(first + plgpu.broadcasted_iota(
+            jnp.int32, (spread,), 0, layout=plgpu.Layout.WG_STRIDED((spread,), 1)))
+        return plgpu.load(self.table.at[pl.ds(0, size)], layout=along(dim), optimized=False)
 
     def row_keys(self, b, n, row0, size: int = ROWS_PER_CONSUMER,
                  query_dim: int = 0) -> jax.Array:
@@ -188,17 +211,15 @@ class Dropout:
                         0 if shared else jnp.minimum(n, self.keys.shape[1] - 1)]
         if self.origin is not None:  # the mask of global positions
             row0 = row0 + self.origin[0]
-        rows = row0 + plgpu.broadcasted_iota(jnp.int32, (size,), 0, layout=along(query_dim))
-        return dropout_lib.row_keys(key, rows)
+        return self._hashed(lambda rows: dropout_lib.row_keys(key, rows), row0, size,
+                            query_dim)
 
     def multipliers(self, k0, size: int, query_dim: int = 0) -> jax.Array:
         """The hash multipliers of keys [k0, k0 + size) along a WGMMA tile's other
         dimension."""
         if self.origin is not None:
             k0 = k0 + self.origin[1]
-        cols = k0 + plgpu.broadcasted_iota(jnp.int32, (size,), 0,
-                                           layout=along(1 - query_dim))
-        return dropout_lib.col_multipliers(cols)
+        return self._hashed(dropout_lib.col_multipliers, k0, size, 1 - query_dim)
 
     def keep(self, row_keys: jax.Array, multipliers: jax.Array,
              query_dim: int = 0) -> jax.Array:
@@ -901,25 +922,26 @@ def scoped(scratch: Scratch, body: Callable[[dict[str, Any], dict[str, Any]], No
 
 
 def launch(entry, out_type: Any, programs: int, interpret: bool,
-           consumers: int = CONSUMERS, row_reductions_only: bool = False) -> Any:
+           consumers: int = CONSUMERS) -> Any:
     """The persistent warp-specialised kernel `entry` (consumers and a producer, named
     "wg") on `programs` programs (named "program"), as a function of its operands.
-    row_reductions_only: its reductions all run along the rows of wgmma's layout, within
-    a warp, so no shared memory is set aside for reductions across warps.
+    Every kernel reduces only along the rows of wgmma's layout, within a warp: no shared
+    memory is set aside for reductions across warps, so a kernel holds exactly the
+    buffers config describes (the routing table's budget).
 
     The interpreter poisons every buffer it allocates (outputs included) with NaN and
     runs its happens-before race detector (the Mosaic tests check its verdict).
     """
     params = (plgpu.InterpretGPUParams(uninitialized_memory="nan", detect_races=True)
               if interpret else None)
-    reductions = {"reduction_scratch_bytes": 0} if row_reductions_only else {}
 
     def run(*operands):
         with int32_indices():
             results = plgpu.kernel(
                 entry, out_type=out_type, grid=(programs,),
                 grid_names=("program",), num_threads=consumers + 1, thread_name="wg",
-                compiler_params=plgpu.CompilerParams(approx_math=True, **reductions),
+                compiler_params=plgpu.CompilerParams(approx_math=True,
+                                                     reduction_scratch_bytes=0),
                 interpret=params)(*operands)
         return cast_varying_like(results, operands)
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 from typing import Any
 
 import jax.numpy as jnp
@@ -55,6 +56,13 @@ DBIAS_STAGES = (2, 1)  # the first that fits
 # consumers (the dQ kernel's) the four warpgroups share the 64K registers as
 # 3 x 160 + 24.
 _REGISTERS = {2: (232, 40), 3: (160, 24)}
+
+# Pallas starts each shared-memory buffer at a multiple of this many bytes.
+SMEM_ALIGNMENT = 1024
+
+# Positions hashed at once for dropout, one per thread of a consumer warpgroup
+# (`common.Dropout`'s table).
+HASH_TABLE = 128
 
 # The columns of the dK/dV kernel's tile of ones (dS^T times it gives dS's column sums,
 # each column the same): few, to hold few accumulator registers.
@@ -264,12 +272,29 @@ class Scratch:
 
     @property
     def bytes(self) -> int:
-        return (sum(b.bytes for _, b in self.buffers if b is not None)
+        """As Pallas allocates them: each buffer from a multiple of SMEM_ALIGNMENT."""
+        return (sum(-(-b.bytes // SMEM_ALIGNMENT) * SMEM_ALIGNMENT
+                    for _, b in self.buffers if b is not None)
                 + 8 * sum(b.count for _, b in self.barriers if b is not None))
 
 
 def _name(dtype: Any) -> str:
     return jnp.dtype(dtype).name
+
+
+def _hash_tables(consumers: int, dropout: bool) -> Buffer | None:
+    """Each consumer's table of dropout's hashes (`common.Dropout`), or None."""
+    return Buffer((consumers, HASH_TABLE), "uint32", swizzle=0) if dropout else None
+
+
+def with_hash_tables(scratch: Callable[[bool], Scratch], dropout: bool,
+                     budget: int) -> Scratch:
+    """A kernel's scratch, scratch(tables), with dropout's hash tables where they fit
+    the budget beside the buffers the routing table chose, else without them (each
+    consumer then hashes its tile's positions in registers, `common.Dropout`)."""
+    if dropout and (tables := scratch(True)).bytes <= budget:
+        return tables
+    return scratch(False)
 
 
 def forward_default_block_k(hp: int, hvp: int) -> int:
@@ -291,12 +316,14 @@ def forward_output_staging(hp: int, hvp: int, block_k: int, stages: int, dtype: 
 
 def forward_scratch(hp: int, hvp: int, block_k: int, stages: int, dtype: Any,
                     bias_dtype: Any = None, *, staging: str | None = None,
-                    consumers: int = CONSUMERS, has_mask: bool = False) -> Scratch:
+                    consumers: int = CONSUMERS, has_mask: bool = False,
+                    dropout: bool = False) -> Scratch:
     """The forward: per consumer its Q rows, output (with staging "o"; else staged in
     P's or Q's buffer, `forward_output_staging`; None: in P's where the shapes agree)
     and P; the K/V ring, with a mask each consumer's mask rows (int8) per slot; with a
-    bias each consumer's bias tile. Barriers: Q per consumer, loaded (K: and the mask
-    rows) and consumed per slot for K and V, two consumers' turns, the bias buffers'."""
+    bias each consumer's bias tile; with dropout each consumer's hash table. Barriers: Q
+    per consumer, loaded (K: and the mask rows) and consumed per slot for K and V, two
+    consumers' turns, the bias buffers'."""
     rows, c = ROWS_PER_CONSUMER, consumers
     dtype = _name(dtype)
     staging = staging or ("p" if hvp == block_k else "o")
@@ -310,7 +337,8 @@ def forward_scratch(hp: int, hvp: int, block_k: int, stages: int, dtype: Any,
                  ("bias", None if bias_dtype is None
                   else Buffer((c, rows, block_k), _name(bias_dtype))),
                  ("mask", Buffer((stages, c, rows, block_k), MASK_DTYPE, swizzle=block_k)
-                  if has_mask else None)),
+                  if has_mask else None),
+                 ("hashes", _hash_tables(c, dropout))),
         barriers=(("q_loaded", Barriers(c)),
                   ("k_loaded", Barriers(stages, 1 + (c if has_mask else 0))),
                   ("v_loaded", Barriers(stages)),
@@ -323,15 +351,16 @@ def forward_scratch(hp: int, hvp: int, block_k: int, stages: int, dtype: Any,
 
 def dq_scratch(hp: int, hvp: int, block_k: int, stages: int, consumers: int, dtype: Any,
                bias_dtype: Any = None, dbias: bool = False, has_mask: bool = False,
-               stats_rows: int | None = None) -> Scratch:
+               stats_rows: int | None = None, dropout: bool = False) -> Scratch:
     """The dQ kernel: per consumer its rows' Q, dO, stats_rows float32 row residuals
     (`common.row_residuals`: three, four with float16 dS's row scales; by default as
     many as float16 may need), dS and
     bias tile, or (`is_wide`) one item's rows, two dS tiles that both consumers fill and a
     bias tile of each consumer's keys; the K/V ring; with dbias (batch entry 0's tiles)
-    a zeroed tile; with a mask each consumer's mask rows (int8) per slot. Barriers: rows
-    per consumer (wide: per item), loaded (K: and the mask rows) and consumed per slot
-    for K and V, the turns of two consumers (wide: their exchange), the bias buffers'."""
+    a zeroed tile; with a mask each consumer's mask rows (int8) per slot; with dropout
+    each consumer's hash table. Barriers: rows per consumer (wide: per item), loaded (K:
+    and the mask rows) and consumed per slot for K and V, the turns of two consumers
+    (wide: their exchange), the bias buffers'."""
     rows, c = ROWS_PER_CONSUMER, consumers
     split = is_wide(hp, hvp)
     if stats_rows is None:
@@ -352,7 +381,8 @@ def dq_scratch(hp: int, hvp: int, block_k: int, stages: int, consumers: int, dty
                               _name(bias_dtype), swizzle)),
                  ("zeros", Buffer((rows, block_k), dtype, swizzle) if dbias else None),
                  ("mask", Buffer((stages, c, rows, block_k), MASK_DTYPE, swizzle=block_k)
-                  if has_mask else None)),
+                  if has_mask else None),
+                 ("hashes", _hash_tables(c, dropout))),
         barriers=(("rows_loaded", Barriers(owners, 3)),  # Q, dO, residuals
                   ("k_loaded", Barriers(stages, 1 + (c if has_mask else 0))),
                   ("v_loaded", Barriers(stages)),
@@ -364,13 +394,15 @@ def dq_scratch(hp: int, hvp: int, block_k: int, stages: int, consumers: int, dty
 
 
 def dkv_scratch(hp: int, hvp: int, stages: int, dtype: Any, bias_dtype: Any = None,
-                zeros: bool = False, has_mask: bool = False, ones: bool = False) -> Scratch:
+                zeros: bool = False, has_mask: bool = False, ones: bool = False,
+                dropout: bool = False) -> Scratch:
     """The dK/dV kernel: per slot Q, dO, the three float32 row residuals and the bias
     tile and mask tile (int8) of each consumer; the K and V of each consumer's keys;
     per consumer P and two dS buffers, or (`is_wide`) two P and two dS tiles of the
     unit's keys that both consumers fill; the zeroed dbias tile; each consumer's tile of
-    ones (dS's column sums, `key_sums`). Barriers: loaded and consumed per slot, K/V's
-    two, and the wide consumers' exchange."""
+    ones (dS's column sums, `key_sums`); with dropout each consumer's hash table.
+    Barriers: loaded and consumed per slot, K/V's two, and the wide consumers'
+    exchange."""
     rows, unit = dkv_tiles(hp, hvp)
     wide = is_wide(hp, hvp)
     c = CONSUMERS
@@ -397,7 +429,8 @@ def dkv_scratch(hp: int, hvp: int, stages: int, dtype: Any, bias_dtype: Any = No
                  # Columns by rows, as K's tiles (read transposed, in dS's swizzle); whole
                  # wgmma tiles of rows, as registers store them, of which the first
                  # ONES_COLUMNS are read.
-                 ("ones", Buffer((c, rows, rows), dtype, swizzle) if ones else None)),
+                 ("ones", Buffer((c, rows, rows), dtype, swizzle) if ones else None),
+                 ("hashes", _hash_tables(c, dropout))),
         barriers=(("step_loaded", Barriers(stages, copies)),
                   ("step_consumed", Barriers(stages, c)),
                   ("kv_loaded", Barriers(1, 2 * c)),  # K and V of each consumer

@@ -123,6 +123,7 @@ from pallas_attn.kernels.mosaic.config import (
     mask_tiles,
     producer_registers,
     sums_batch_tiles,
+    with_hash_tables,
 )
 
 
@@ -169,6 +170,7 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, bias_ref, mask_ref, slopes_r
     heads = problem.num_kv_heads * batch_items
     units = work_rounds(k_tiles, heads, programs, problem.pairs_causal_tiles) * passes
     pid, wg = lax.axis_index("program"), lax.axis_index("wg")
+    dropout = None if dropout is None else dropout.mine(smem["hashes"], wg)
 
     def unit_of(u):
         """(valid, b, kh, k0, (first, stop, full_first, full_stop), whole, ranges) of
@@ -594,10 +596,13 @@ def dkdv(problem: Problem, q: jax.Array, k: jax.Array, v: jax.Array, do: jax.Arr
     per_key_grad = bias_grad and key_sums(problem.spec)
     sums = jax.new_ref(jnp.zeros((B, N, Sp), jnp.float32)) if per_key_grad else None
     optional = (bias, mask, slopes, dbias_sum, sums, dropout_keys, origin, ds_scale, *lengths)
-    scratch = dkv_scratch(hp, hvp, route.num_stages, q.dtype,
-                          bias_tiles_dtype(problem.spec, None if bias is None else bias.dtype),
-                          zeros=bias_grad and not (add_dbias or per_key_grad),
-                          has_mask=mask_tiles(problem.spec), ones=per_key_grad)
+    scratch = with_hash_tables(
+        lambda tables: dkv_scratch(
+            hp, hvp, route.num_stages, q.dtype,
+            bias_tiles_dtype(problem.spec, None if bias is None else bias.dtype),
+            zeros=bias_grad and not (add_dbias or per_key_grad),
+            has_mask=mask_tiles(problem.spec), ones=per_key_grad, dropout=tables),
+        dropout_keys is not None, problem.plan.device.max_shared_memory_per_block)
 
     def entry(*refs):
         q_ref, k_ref, v_ref, do_ref, stats_ref, *rest = refs

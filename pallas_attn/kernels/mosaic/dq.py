@@ -101,6 +101,7 @@ from pallas_attn.kernels.mosaic.config import (
     fusable_dbias,
     is_wide,
     mask_tiles,
+    with_hash_tables,
 )
 
 
@@ -121,6 +122,7 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, bias_ref, mask_ref, slopes_r
     walk = Walk(problem, programs, block_k, route.num_stages, row_blocks * rows_n, segments,
                 lengths, origin, shared=wide)
     wg = lax.axis_index("wg")
+    dropout = None if dropout is None else dropout.mine(smem["hashes"], wg)
     owner = 0 if wide else wg  # of the rows' buffers and barrier
     on_item = None
     if dbias_ref is not None:
@@ -383,10 +385,13 @@ def _launch(problem: Problem, q, k, v, do, stats, bias, slopes, segments: tuple,
     wide = is_wide(hp, hvp)
     marked = route.repair is not None
     optional = (bias, mask, slopes, keys, origin, *lengths)
-    scratch = dq_scratch(hp, hvp, route.block_k, route.num_stages, consumers, q.dtype,
-                         bias_tiles_dtype(problem.spec, None if bias is None else bias.dtype),
-                         dbias=with_dbias, has_mask=mask_tiles(problem.spec),
-                         stats_rows=stats.shape[2])
+    scratch = with_hash_tables(
+        lambda tables: dq_scratch(
+            hp, hvp, route.block_k, route.num_stages, consumers, q.dtype,
+            bias_tiles_dtype(problem.spec, None if bias is None else bias.dtype),
+            dbias=with_dbias, has_mask=mask_tiles(problem.spec), stats_rows=stats.shape[2],
+            dropout=tables),
+        keys is not None, problem.plan.device.max_shared_memory_per_block)
 
     def entry(q_ref, k_ref, v_ref, do_ref, stats_ref, *refs):
         bias_ref, mask_ref, slopes_ref, keys_ref, origin_ref, *length_refs = (
@@ -412,7 +417,6 @@ def _launch(problem: Problem, q, k, v, do, stats, bias, slopes, segments: tuple,
         out_type.append(jax.ShapeDtypeStruct(bias.shape, bias.dtype))
     if marked:
         out_type.append(jax.ShapeDtypeStruct((B, N, consumers if wide else 1, Tp), jnp.float32))
-    results = list(launch(entry, out_type, programs, problem.interpret, consumers,
-                          row_reductions_only=True)(*operands))
+    results = list(launch(entry, out_type, programs, problem.interpret, consumers)(*operands))
     return (results.pop(0), results.pop(0) if with_dbias else None,
             results.pop(0) if marked else None)

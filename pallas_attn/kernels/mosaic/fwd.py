@@ -126,6 +126,7 @@ from pallas_attn.kernels.mosaic.config import (
     forward_output_staging,
     forward_scratch,
     mask_tiles,
+    with_hash_tables,
 )
 
 # From this value head dim on the accumulator is rescaled after the turn's barriers, not
@@ -148,6 +149,7 @@ def _kernel(q_ref, k_ref, v_ref, bias_ref, mask_ref, slopes_ref, sinks_ref, leng
     walk = Walk(problem, programs, route.block_k, route.num_stages, consumers * rows_n,
                 segments=segments, lengths=lengths, origin=origin)
     wg = lax.axis_index("wg")
+    dropout = None if dropout is None else dropout.mine(smem["hashes"], wg)
     walk.produce(wg, k_ref, v_ref, k_smem, v_smem, ring,
                  mask=None if smem["mask"] is None else (mask_ref, smem["mask"]))
 
@@ -339,8 +341,11 @@ def forward(problem: Problem, q: jax.Array, k: jax.Array, v: jax.Array,
     staging = forward_output_staging(hp, hvp, route.block_k, route.num_stages, dtype,
                                      bias_dtype, problem.plan.device.max_shared_memory_per_block,
                                      consumers, has_mask)
-    scratch = forward_scratch(hp, hvp, route.block_k, route.num_stages, dtype, bias_dtype,
-                              staging=staging, consumers=consumers, has_mask=has_mask)
+    scratch = with_hash_tables(
+        lambda tables: forward_scratch(hp, hvp, route.block_k, route.num_stages, dtype,
+                                       bias_dtype, staging=staging, consumers=consumers,
+                                       has_mask=has_mask, dropout=tables),
+        keys is not None, problem.plan.device.max_shared_memory_per_block)
 
     def entry(q_ref, k_ref, v_ref, *refs):
         bias_ref, mask_ref, slopes_ref, sinks_ref, keys_ref, origin_ref, *length_refs = (
