@@ -65,9 +65,12 @@ CASES = [
     # per-batch bias's gradient (tiles outside them zero) under causal masking, ragged;
     # a per-batch mask on top (tiles inside the band but not seen whole compare ids and
     # read the mask).
-    ("segments_packed_causal_bias_mask", dict(B=2, T=200, S=200, N=2), (2, 2),
+    # Dropout beside the fused dbias: dS stays the true one there (elsewhere dropout's
+    # 1 / (1 - rate) scales dK and dV once, `common.tile_gradient`'s gain_later).
+    ("segments_packed_causal_bias_mask_dropout", dict(B=2, T=200, S=200, N=2), (2, 2),
      dict(is_causal=True, q_segment_ids=np.repeat(np.arange(5), 40)[None].repeat(2, 0),
-          mask=random_mask(8, (2, 1, 200, 200), hidden_rows=(3, 130))), {}),
+          mask=random_mask(8, (2, 1, 200, 200), hidden_rows=(3, 130)), dropout_rate=0.2,
+          dropout_rng=jax.random.key(8)), {}),
     ("wide_Hv256_lengths_dropout_alibi", dict(B=2, T=130, S=200, N=2, H=64, Hv=256), None,
      dict(is_causal=True, query_seq_lengths=np.array([130, 70]),
           key_value_seq_lengths=np.array([150, 200]), dropout_rate=0.2,

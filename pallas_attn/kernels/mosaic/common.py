@@ -774,7 +774,8 @@ def tile_gradient(problem: Problem, s: jax.Array, dp: jax.Array, bias: jax.Array
                   segments: tuple[jax.Array, jax.Array] | None = None, kv_length: Any = None,
                   keep: jax.Array | None = None, query_dim: int = 0,
                   mask: jax.Array | None = None, offset: Any = None, q_length: Any = None,
-                  ds_factor: Any = None) -> tuple[jax.Array, jax.Array]:
+                  ds_factor: Any = None, gain_later: bool = False
+                  ) -> tuple[jax.Array, jax.Array]:
     """(P, dS) of a [rows, keys] tile in the WGMMA layout, float32, from the raw
     products s = Q K^T and dp = dO V^T, the tile's bias (or None), the head's ALiBi
     slope (or None) and its rows' residuals (row reference, log2 row sum, delta;
@@ -782,7 +783,9 @@ def tile_gradient(problem: Problem, s: jax.Array, dp: jax.Array, bias: jax.Array
     keys) of rows from row0 and keys from k0; segments, kv_length, mask, offset:
     `tile_scores`'.
     keep: dropout's keep decisions or None; then P is the dropped P (kept entries
-    scaled by 1 / (1 - rate), for dV) and dS uses dP scaled likewise (the true dS).
+    scaled by 1 / (1 - rate), for dV) and dS uses dP scaled likewise (the true dS);
+    gain_later: neither is scaled, both come out times 1 - rate, and the caller scales
+    dK, dV and dQ once (one multiply per entry fewer each).
     query_dim 1: every tile is transposed, [keys, rows] (s = K Q^T, dp = V dO^T), and
     so are P and dS. ds_factor: float16 dS's power of two for the tile's keys
     (`core.ds_scales`) or None; dS comes out times it."""
@@ -794,12 +797,15 @@ def tile_gradient(problem: Problem, s: jax.Array, dp: jax.Array, bias: jax.Array
     # NOTE: ptxas schedules this math by the order of its steps: delta after P only in
     # log2 units, where it measured faster (docs/decisions.md, "tile_gradient delta order").
     log2_units = log2_row_shift(problem, bias)
-    gain = problem.dropout_scale if keep is not None else None
+    later = keep is not None and gain_later
+    gain = problem.dropout_scale if keep is not None and not later else None
     if ds_factor is not None:  # folded into dP - delta
         delta = delta * ds_factor
         gain = ds_factor if gain is None else ds_factor * gain
+    if later:  # dS / gain = P (dP kept - delta / gain)
+        delta = delta * (1.0 / problem.dropout_scale)
     if keep is not None:
-        dp = jnp.where(keep, dp * gain, 0.0)
+        dp = jnp.where(keep, dp if gain is None else dp * gain, 0.0)
     elif gain is not None:
         dp = dp * gain
     if not log2_units:
@@ -821,7 +827,7 @@ def tile_gradient(problem: Problem, s: jax.Array, dp: jax.Array, bias: jax.Array
     if masked and band_may_hide(problem, kv_length, q_length):
         ds = jnp.where(prob == 0.0, 0.0, ds)  # a key the band hides: exact zeros, NaN dP too
     if keep is not None:
-        prob = jnp.where(keep, prob * problem.dropout_scale, 0.0)
+        prob = jnp.where(keep, prob if later else prob * problem.dropout_scale, 0.0)
     # A row may carry NaN residuals (a visible key of its was NaN): the entries another
     # segment or the mask hides must still give exact zeros to these keys' dK and dV.
     if segments is not None:

@@ -316,6 +316,8 @@ def _consume(problem: Problem, tiles_of: _Tiles, wg, unit_of, units, add_dbias: 
     (slopes_ref, dk_ref, dv_ref, dbias_ref, key_sums_ref, segments, dropout, scale_ref,
      key_bias, key_mask) = refs
     has_dbias = dbias_ref is not None
+    # Without a dbias or its sums, no output needs the true dS of a tile.
+    gain_later = dropout is not None and not has_dbias and key_sums_ref is None
     (q_smem, do_smem, stats_smem, bias_smem, mask_smem, k_mine, v_mine, p_tiles, ds_tiles,
      ones) = buffers
     step_loaded, step_consumed, kv_loaded, kv_consumed, exchange = barriers
@@ -416,7 +418,7 @@ def _consume(problem: Problem, tiles_of: _Tiles, wg, unit_of, units, add_dbias: 
                 products, plgpu.ACC(shape, jnp.float32), plgpu.ACC(shape, jnp.float32))
             prob, ds = tile_gradient(problem, s, dp, bias, residuals, row0, k_own, masked,
                                      slope, ids, ranges.kv_length, keep, query_dim, mask,
-                                     ranges.offset, ranges.q_length, ds_scale)
+                                     ranges.offset, ranges.q_length, ds_scale, gain_later)
             parity = lax.rem(at, 2)
             ds_tile = ds_tiles.at[parity]
             p_buf = p_tiles.at[parity] if wide else p_tiles
@@ -483,6 +485,8 @@ def _consume(problem: Problem, tiles_of: _Tiles, wg, unit_of, units, add_dbias: 
 
         if unscale is not None:
             dk = dk * unscale
+        if gain_later:  # dropout's 1 / (1 - rate), left out of P and dS
+            dk, dv = dk * problem.dropout_scale, dv * problem.dropout_scale
 
         @pl.when(valid)
         def _store():

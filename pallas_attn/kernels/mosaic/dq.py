@@ -205,6 +205,8 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, bias_ref, mask_ref, slopes_r
                           dbias, row0 >= 0, segments, dropout, item.b, item.n, cols)
             if scaled:
                 dq = dq * lax.broadcast_in_dim(unscale, dq.shape, [0])
+            if dropout is not None and dbias_ref is None:  # left out of dS (_consume)
+                dq = dq * problem.dropout_scale
             # Every product of this item is done: its rows' buffers are free (wide: for
             # both consumers once they meet here).
             take_turn(exchange)
@@ -297,7 +299,7 @@ def _consume(problem: Problem, ctx, tiles, step_of, row0, stop, mine: dict, ds_t
                 else dropout.keep(row_keys, dropout.multipliers(k0, keys_n)))
         _, ds = tile_gradient(problem, s, dp, tile_bias, residuals, row0, k0, masked,
                               slope, ids, ctx.kv_length, keep, mask=tile_mask,
-                              offset=ctx.offset)
+                              offset=ctx.offset, gain_later=dbias is None)
         ds_tile = ds_tiles.at[lax.rem(step_of(t), 2)] if wide else ds_tiles
         if dbias is not None and not wide:
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last dbias copy read ds
