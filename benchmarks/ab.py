@@ -11,6 +11,8 @@ Usage (repository root, on the GPU machine):
 
     git archive <commit> pallas_attn | tar -x -C /tmp/base     # the "before" tree
     python benchmarks/ab.py /tmp/base . --set all --match "H128" --json out/ab.json
+    python benchmarks/ab.py /tmp/base . --shape 8,4096,4096,16,16,64,dropout=0.1 \
+        --shape 4,4096,4096,16,16,128,causal,bias     # rows outside the sets
 
 The table lists, per shape, each tree's forward and forward+backward milliseconds
 and the ratio of the last tree to the first (below 1: the last tree is faster).
@@ -30,10 +32,14 @@ import dataclasses, json, os, re, sys
 import pallas_attn
 from pallas_attn import bench
 assert os.path.dirname(os.path.dirname(pallas_attn.__file__)) == os.getcwd(), pallas_attn.__file__
-which, pattern, dtype = sys.argv[1], sys.argv[2], sys.argv[3]
-shapes = {"standard": bench.standard_shapes, "features": bench.feature_shapes,
-          "all": lambda: bench.standard_shapes() + bench.feature_shapes(),
-          "wide": bench.wide_shapes}[which]()
+which, pattern, dtype, given = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4]
+if given:
+    shapes = [bench.Shape(**{**d, "features": tuple(map(tuple, d["features"]))})
+              for d in json.loads(given)]
+else:
+    shapes = {"standard": bench.standard_shapes, "features": bench.feature_shapes,
+              "all": lambda: bench.standard_shapes() + bench.feature_shapes(),
+              "wide": bench.wide_shapes}[which]()
 shapes = [dataclasses.replace(s, dtype=dtype or s.dtype) for s in shapes
           if re.search(pattern, s.label)]
 implementations = bench.implementations
@@ -44,12 +50,36 @@ print("ROWS " + json.dumps(rows))
 """
 
 
-def run_tree(tree: str, which: str, pattern: str, dtype: str = "") -> list[dict]:
+def parse_shape(text: str) -> dict:
+    """A bench.Shape's fields from "B,T,S,N,K,H[,causal][,feature[=value]]..."."""
+    parts = text.split(",")
+    try:
+        sizes = [int(x) for x in parts[:6]]
+    except ValueError:
+        sizes = []
+    if len(sizes) != 6:
+        raise argparse.ArgumentTypeError(f"--shape wants B,T,S,N,K,H first, got {text!r}")
+    fields = dict(zip(("batch", "q_len", "kv_len", "heads", "kv_heads", "head_dim"), sizes,
+                      strict=True))
+    features = []
+    for part in parts[6:]:
+        if part == "causal":
+            fields["causal"] = True
+            continue
+        name, _, value = part.partition("=")
+        features.append((name, float(value) if value else None))
+    return {**fields, "features": features}
+
+
+def run_tree(tree: str, which: str, pattern: str, dtype: str = "",
+             shapes: list[dict] | None = None) -> list[dict]:
     # NOTE: `python -c` puts the working directory first on sys.path, ahead of
     # PYTHONPATH: the worker runs inside the tree, so each tree imports its own code.
     tree = os.path.abspath(tree)
     env = dict(os.environ, PYTHONPATH=tree)
-    result = subprocess.run([sys.executable, "-c", _WORKER, which, pattern, dtype], env=env,
+    given = json.dumps(shapes) if shapes else ""
+    result = subprocess.run([sys.executable, "-c", _WORKER, which, pattern, dtype, given],
+                            env=env,
                             cwd=tree, capture_output=True, text=True, check=False)
     for line in result.stdout.splitlines():
         if line.startswith("ROWS "):
@@ -76,6 +106,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("trees", nargs="+", help="source trees (directories holding pallas_attn/)")
     parser.add_argument("--set", choices=["standard", "features", "all", "wide"],
                         default="standard")
+    parser.add_argument("--shape", action="append", type=parse_shape, default=[],
+                        help="B,T,S,N,K,H[,causal][,feature[=value]]...: time these "
+                             "shapes instead of a set (repeatable)")
     parser.add_argument("--match", default="", help="regex over shape labels")
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--dtype", default="", choices=["", "bfloat16", "float16", "float32"],
@@ -88,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     rounds: dict[str, list[list[dict]]] = {tree: [] for tree in args.trees}
     for _ in range(args.rounds):
         for tree in args.trees:
-            rounds[tree].append(run_tree(tree, args.set, args.match, args.dtype))
+            rounds[tree].append(run_tree(tree, args.set, args.match, args.dtype, args.shape))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rounds, f, indent=1)
