@@ -64,6 +64,10 @@ def _hiding(case: str, B: int, T: int, S: int) -> tuple[dict, int]:
                                                              jnp.int32)), S - 20),
         # Bottom-right causal: the last key is hidden from every row but the last.
         "causal_last_row": (dict(is_causal=True, causal_alignment="bottom_right"), S - 1),
+        # The same with a bias per key: the last row's NaN dS reaches every key's dbias.
+        "bias_per_key_causal_last_row": (
+            dict(bias=jnp.linspace(-1.0, 1.0, B * S).reshape(B, 1, 1, S), is_causal=True,
+                 causal_alignment="bottom_right"), S - 1),
         # Both at once: the masked key lies inside the causal band of most rows (tiles
         # that run without band masks), the last key is hidden from all rows but the last.
         "mask_causal_last_row": (dict(mask=jnp.ones((B, 1, T, S), bool).at[..., middle].set(False),
@@ -121,10 +125,13 @@ def _check(case: str, shapes: tuple, dtype, exact: bool = True, **kwargs) -> Non
     for name, got, want in zip(names[:3], dirty, clean, strict=False):
         _assert_same(got[:, :-1], want[:, :-1], name, exact)
         assert np.isnan(got[:, -1, 0]).all(), name
+    if "dbias" in names:  # a sum over every row, the last one's NaN dS among them
+        assert np.isnan(dirty[names.index("dbias")]).all()
 
 
 @pytest.mark.parametrize("case", ["mask", "segment", "segment_unsorted", "window",
-                                  "query_lengths", "causal_last_row"])
+                                  "query_lengths", "causal_last_row",
+                                  "bias_per_key_causal_last_row"])
 def test_triton_kernels(case):
     """16-row tiles, T=32, S=48: the hidden key lies in a tile inside the band for the
     mask and segments (those tiles run without band masks) and in an edge tile for the
@@ -134,11 +141,12 @@ def test_triton_kernels(case):
 
 
 @pytest.mark.parametrize("case", ["query_lengths", "mask_causal_last_row",
-                                  "mask_and_bias_per_key"])
+                                  "mask_and_bias_per_key", "bias_per_key_causal_last_row"])
 def test_mosaic_kernels(case):
     """The Mosaic forward, dQ and dK/dV kernels, T=100 (padded rows), S=128, head dim 64.
     The mask and bottom-right causal masking each hide a key in one run; a key padding
-    mask hides one from every row, with a bias per key and its gradient. (A causal key
+    mask hides one from every row, with a bias per key and its gradient, which a key
+    only the last row sees turns NaN (dS's column sums in the dK/dV kernel). (A causal key
     that only rows past the valid ones see: query_lengths here, at head dim 64; the
     padded rows' causal_future at head dim 176: test_mosaic_kernels_at_head_dim_192.)"""
     _check(case, (1, 100, 128, 1, 64), jnp.bfloat16, exact=False, implementation="pallas",
