@@ -858,17 +858,22 @@ def test_extreme_bias_logits_stable():
         np.testing.assert_allclose(g, w, rtol=1e-3, atol=1e-3)
 
 
-def test_huge_product_logits_stay_finite_under_jit():
-    """Logits ~4e9 from q.k alone (no bias, mask or cap): under jit, XLA:CPU must not
-    fold the product into exp(logits - max) rounding apart from the max (exp of ulps of
-    the logits would overflow): out, lse and the gradients equal the eager call's."""
-    keys = jax.random.split(jax.random.key(23), 4)
+@pytest.mark.parametrize("extra", ["none", "bias", "alibi_causal", "mask"])
+def test_huge_product_logits_stay_finite_under_jit(extra):
+    """Logits ~4e9 from q.k (alone, or with a bias, ALiBi under causal masking, a mask):
+    under jit, XLA:CPU must not fold the product into exp(logits - max) rounding apart
+    from the max (exp of ulps of the logits would overflow): out, lse and the gradients
+    equal the eager call's."""
+    keys = jax.random.split(jax.random.key(23), 5)
     q, k = (jax.random.normal(x, (1, 64, 2, 32), jnp.float32) * 3e4 for x in keys[:2])
     v = jax.random.normal(keys[2], (1, 64, 2, 32), jnp.float32)
     ct = jax.random.normal(keys[3], v.shape, jnp.float32)
+    kwargs = {"none": {}, "bias": dict(bias=jax.random.normal(keys[4], (1, 2, 64, 64)) * 1e3),
+              "alibi_causal": dict(alibi_slopes=jnp.array([0.5, 2.0]), is_causal=True),
+              "mask": dict(mask=jax.random.bernoulli(keys[4], 0.8, (1, 1, 64, 64)))}[extra]
 
     def loss(q, k, v):
-        out, lse = XLA(q, k, v, return_residual=True)
+        out, lse = XLA(q, k, v, return_residual=True, **kwargs)
         return jnp.sum(out * ct) + jnp.sum(lse) * 1e-9, (out, lse)
 
     step = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)

@@ -177,11 +177,10 @@ def attention(spec: AttentionSpec, ops: Operands) -> tuple[jax.Array, jax.Array]
     # up to 1.6x slower with selects there (docs/decisions.md, "The reference's products").
     if visible is not None:
         logits = jnp.where(visible, logits, -jnp.inf)
-    elif not (spec.has_bias or spec.has_alibi or spec.logits_soft_cap is not None):
-        # NOTE: logits that are a bare product would otherwise enter exp(logits - max)
-        # as one fused multiply-add that XLA:CPU rounds apart from the max's product:
-        # above 0 by ulps of the logits, exp overflows from |logits| near 1e9.
-        logits = _materialized(logits)
+    # NOTE: XLA:CPU may otherwise fuse the logits' arithmetic (the scale's product, a
+    # bias added to it) into exp(logits - max) as multiply-adds rounded apart from the
+    # max's logits: above 0 by ulps of the logits, exp overflows from |logits| near 1e9.
+    logits = _materialized(logits)
     row_max = jnp.max(logits, axis=-1, keepdims=True)
     sink = None if ops.sinks is None else _by_group(ops.sinks[None], K)[..., None, None]
     if sink is not None:  # the sink is one more logit of every row, with no value
