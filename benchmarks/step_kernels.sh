@@ -3,14 +3,16 @@
 # B=4, T=S=4096, N=16, d128, bf16), from ncu's gpu__time_duration with clocks and
 # caches left alone. Only the third (warm) call is profiled (cudaProfilerStart/Stop).
 # Usage (repo root, on the GPU machine): bash benchmarks/step_kernels.sh [FEATURE [DQ]]
-#   FEATURE: plain (default), softcap, bias or alibi; DQ: the dQ backend to force
+#   FEATURE: plain (default), softcap, bias, alibi, mask or dropout (the bench
+#   features at d128: a random mask 90% visible, rate 0.1); DQ: the dQ backend to force
 #   (mosaic or triton; default: the plan's).
 set -uo pipefail
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 OUT=${OUT:-out}; mkdir -p "$OUT"
 feature=${1:-plain}; dq=${2:-}
-case "$feature" in plain|softcap|bias|alibi) ;; *)
-  echo "step_kernels.sh: FEATURE must be plain, softcap, bias or alibi, got '$feature'" >&2
+case "$feature" in plain|softcap|bias|alibi|mask|dropout) ;; *)
+  echo "step_kernels.sh: FEATURE must be plain, softcap, bias, alibi, mask or dropout," \
+       "got '$feature'" >&2
   exit 2 ;;
 esac
 case "$dq" in ""|mosaic|triton) ;; *)
@@ -25,7 +27,8 @@ from pallas_attn import bench
 
 feature, dq = sys.argv[1], sys.argv[2]
 feats = {"plain": (), "softcap": (("softcap", 30.0),), "bias": (("bias", None),),
-         "alibi": (("alibi", None),)}[feature]
+         "alibi": (("alibi", None),), "mask": (("mask", None),),
+         "dropout": (("dropout", 0.1),)}[feature]
 inputs = bench.make_inputs(bench.Shape(4, 4096, 4096, 16, 16, 128, False, feats))
 kw = inputs["kwargs"]
 blocks = pallas_attn.BlockSizes(dq_backend=dq or None)
