@@ -2,7 +2,7 @@
 # Per-kernel GPU times inside one jitted forward+backward step (the bench problem:
 # B=4, T=S=4096, N=16, d128, bf16), from ncu's gpu__time_duration with clocks and
 # caches left alone. Only the third (warm) call is profiled (cudaProfilerStart/Stop).
-# Usage (repo root, on the GPU machine): bash benchmarks/step_kernels.sh [FEATURE [DQ]]
+# Usage (repo root, on the GPU machine): [STALLS=1] bash benchmarks/step_kernels.sh [FEATURE [DQ]]
 #   FEATURE: plain (default), softcap, bias, alibi, mask or dropout (the bench
 #   features at d128: a random mask 90% visible, rate 0.1); DQ: the dQ backend to force
 #   (mosaic or triton; default: the plan's).
@@ -45,16 +45,31 @@ runtime.cudaProfilerStart()
 jax.block_until_ready(call())
 runtime.cudaProfilerStop()
 PY
+# STALLS=1: also each kernel's warp stall reasons (ncu's WarpStateStats section),
+# the five largest in cycles per issued instruction.
+sections=(); [ "${STALLS:-0}" = 1 ] && sections=(--section WarpStateStats)
+csv_out="$OUT/step_kernels_${feature}${dq:+_$dq}${sections:+_stalls}.csv"
 ncu --clock-control none --cache-control none --profile-from-start off \
-  --metrics gpu__time_duration.sum --csv --print-units base \
-  python3 "$script" "$feature" "$dq" > "$OUT/step_kernels_${feature}${dq:+_$dq}.csv" 2> /dev/null
-python3 - "$OUT/step_kernels_${feature}${dq:+_$dq}.csv" <<'PY'
-import csv, sys
-rows = [r for r in csv.reader(open(sys.argv[1])) if len(r) == 15 and r[0].isdigit()]
+  --metrics gpu__time_duration.sum "${sections[@]}" --csv --print-units base \
+  --print-metric-name name python3 "$script" "$feature" "$dq" > "$csv_out" 2> /dev/null
+python3 - "$csv_out" <<'PY'
+import collections, csv, sys
+kernels = collections.defaultdict(dict)
+names = {}
+for r in csv.reader(open(sys.argv[1])):
+    if len(r) == 15 and r[0].isdigit():
+        names[r[0]] = (r[4], r[8])
+        try:
+            kernels[r[0]][r[12]] = float(r[14].replace(",", ""))
+        except ValueError:  # a metric ncu could not read ("n/a")
+            pass
 total = 0.0
-for r in rows:
-    us = float(r[14].replace(",", "")) / 1e3
+for kid, metrics in kernels.items():
+    us = metrics.get("gpu__time_duration.sum", float("nan")) / 1e3
     total += us
-    print(f"{us:9.1f} us  {r[4][:40]:40s} grid {r[8]}")
-print(f"{total / 1e3:9.3f} ms in {len(rows)} kernels")
+    print(f"{us:9.1f} us  {names[kid][0][:40]:40s} grid {names[kid][1]}")
+    stalls = sorted(((v, k) for k, v in metrics.items() if "issue_stalled" in k), reverse=True)
+    for v, k in stalls[:5]:
+        print(f"{'':14s}{v:7.2f}  {k}")
+print(f"{total / 1e3:9.3f} ms in {len(kernels)} kernels")
 PY
