@@ -189,9 +189,7 @@ def _kernel(q_ref, k_ref, v_ref, bias_ref, mask_ref, slopes_ref, sinks_ref, leng
                 tiles.first + steps, active, q_mine, k_smem, v_smem, p_mine,
                 o_mine.shape[-1], ring, turns, bias, walk.mask_rows(mask_ref, item, smem["mask"]),
                 head_slope(slopes_ref, item.valid, item.b, item.n), segments, dropout, item.b,
-                item.n)
-            if staging != "q":  # every Q K^T of this item is done: q_mine is free
-                load_q(walk.item(r + 1))
+                item.n, None if staging == "q" else lambda: load_q(walk.item(r + 1)))
 
             if sinks_ref is not None:  # the head's sink: one more logit, no value
                 sink = sinks_ref[jnp.where(item.valid, item.n, 0)]
@@ -235,7 +233,7 @@ def _kernel(q_ref, k_ref, v_ref, bias_ref, mask_ref, slopes_ref, sinks_ref, leng
 def _consume(problem: Problem, ctx: TileRanges, tiles: Band, slot_of, row0, stop, active,
              q_smem, k_smem, v_smem, p_smem, hv: int, ring, turns,
              bias: BiasTiles | KeyRows | None, mask, slope, segments: Segments | None,
-             dropout: Dropout | None, b, n) -> tuple[Any, Any, Any]:
+             dropout: Dropout | None, b, n, next_q) -> tuple[Any, Any, Any]:
     """One consumer warpgroup: (acc, row reference, row sum) of rows [row0, row0 + 64)
     against key tiles [tiles.first, stop) (stop = tiles.first for no work); active false
     (rows before 0): it only releases the tiles.
@@ -252,7 +250,8 @@ def _consume(problem: Problem, ctx: TileRanges, tiles: Band, slot_of, row0, stop
     (`KeyRows`) or None (`Walk.mask_rows`). slope: the
     head's ALiBi slope or None. segments: the segment ids (batch entry b's rows are
     read once, each key tile's ids per step) or None. dropout: P V takes the kept
-    probabilities (head n's mask), the row sum all of them; or None.
+    probabilities (head n's mask), the row sum all of them; or None. next_q(): loads the
+    next item's rows into q_smem, called once the last Q K^T has read it; or None.
     """
     k_loaded, v_loaded, k_consumed, v_consumed = ring
     block_k = problem.plan.forward.block_k
@@ -279,6 +278,8 @@ def _consume(problem: Problem, ctx: TileRanges, tiles: Band, slot_of, row0, stop
 
         s = pl.run_scoped(qk, plgpu.ACC((rows_n, block_k), jnp.float32))
         plgpu.barrier_arrive(k_consumed.at[slot])
+        if next_q is not None:
+            pl.when(t == own.stop - 1)(next_q)
         s, _ = tile_scores(problem, s, row0, t * block_k, masked, bias=tile_bias, slope=slope,
                            segments=ids, kv_length=ctx.kv_length, mask=tile_mask,
                            offset=ctx.offset)
@@ -312,8 +313,11 @@ def _consume(problem: Problem, ctx: TileRanges, tiles: Band, slot_of, row0, stop
              plgpu.layout_cast(jnp.zeros((rows_n,), jnp.float32), row_layout))
     if bias is not None:
         pl.when(own.first < own.stop)(lambda: bias.start(own.first))
-    return run_band(tiles.first, stop, own, lambda t: release_slot(slot_of(t), ring, turns),
-                    step, carry)
+    carry = run_band(tiles.first, stop, own, lambda t: release_slot(slot_of(t), ring, turns),
+                     step, carry)
+    if next_q is not None:
+        pl.when(own.first >= own.stop)(next_q)
+    return carry
 
 
 def forward(problem: Problem, q: jax.Array, k: jax.Array, v: jax.Array,
