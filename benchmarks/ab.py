@@ -67,7 +67,9 @@ def parse_shape(text: str) -> dict:
             fields["causal"] = True
             continue
         name, _, value = part.partition("=")
-        features.append((name, float(value) if value else None))
+        number = None if not value else float(value)
+        features.append((name, int(number) if number is not None and number.is_integer()
+                         else number))
     return {**fields, "features": features}
 
 
