@@ -499,6 +499,13 @@ def check_shapes(on_device: bool) -> list[Shape]:
         Shape(2, 1000, 1000, 4, 4, 64, True, (("mask_documents", 4),), dtype="float16"),
         Shape(2, 1024, 1024, 4, 4, 128, True, (("window", 256), ("segments", None)),
               dtype="bfloat16"),
+        # Segment ids without causal masking: the Mosaic dK/dV kernel (keys by queries at
+        # 64, the wide kernel at 256), ragged ids, GQA, with dropout and a soft cap.
+        Shape(2, 1000, 1000, 8, 2, 64, False, (("segments", None),), dtype="float16"),
+        Shape(2, 1024, 1024, 8, 2, 128, False, (("packed", 16), ("dropout", 0.1)),
+              dtype="bfloat16"),
+        Shape(2, 1024, 1024, 4, 4, 256, False, (("packed", 4), ("softcap", 20.0)),
+              dtype="bfloat16"),
         # The Mosaic (Hopper) forward with a window (it skips leading key tiles), and
         # with a soft cap.
         Shape(2, 1024, 1024, 4, 4, 128, False, (("window", 256),), dtype="float16"),

@@ -316,10 +316,10 @@ def _mosaic_route(role: str, call: Call, device: DeviceInfo, overrides: BlockSiz
                 f"positions past the lengths, which costs more than they save below "
                 f"{MOSAIC_LENGTHS_MIN_ROWS} query rows per kv head (T x group = {rows}; "
                 f"docs/decisions.md)")
-    # NOTE: with causal masking the Mosaic dQ kernel measured faster next to the Triton
-    # dK/dV one (docs/decisions.md, "Segment ids under causal masking: the Mosaic dQ").
+    # NOTE: with segment ids one Mosaic backward kernel measured faster next to the other
+    # role's Triton one: dQ under causal masking, dK/dV without (docs/decisions.md).
     if (automatic and "q_segment_ids" in call.present
-            and (role == "dkdv" or (role == "dq" and not spec.is_causal))):
+            and role in ("dq", "dkdv") and (role == "dkdv") == spec.is_causal):
         return (f"segment ids: the Triton {ROLE_LABELS[role]} kernel (finer tiles to skip) "
                 f"measured faster with them (docs/decisions.md)")
     block_q, block_k, _, stages = overrides.tiles(role)

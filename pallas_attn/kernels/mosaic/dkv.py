@@ -34,7 +34,9 @@ so that half of a 64-key tile and half of the head dims are whole tiles.
 
 The producer warpgroup streams each step's Q, dO, row residuals and bias tile
 into a ring of the route's slots ("loaded" / "consumed" barriers, the ring
-running on across units) and each unit's K and V into one buffer per consumer.
+running on across units) and each unit's K and V into one buffer per consumer. With
+segment ids, whose units are short, the consumers give K and V back after the unit's
+last S and dP, so that the next unit's load overlaps its last step.
 
 dbias. A bias with its own entry per batch entry ([B, N, T, S]) gets each dS tile
 stored once; tiles outside the causal/window band get zeros (the producer
@@ -318,6 +320,9 @@ def _consume(problem: Problem, tiles_of: _Tiles, wg, unit_of, units, add_dbias: 
     has_dbias = dbias_ref is not None
     # Without a dbias or its sums, no output needs the true dS of a tile.
     gain_later = dropout is not None and not has_dbias and key_sums_ref is None
+    # Units of segment ids are short: K and V go back after the last S and dP, so the
+    # next unit's load overlaps the last step (a test per step that long units pay for).
+    early_release = segments is not None
     (q_smem, do_smem, stats_smem, bias_smem, mask_smem, k_mine, v_mine, p_tiles, ds_tiles,
      ones) = buffers
     step_loaded, step_consumed, kv_loaded, kv_consumed, exchange = barriers
@@ -360,6 +365,7 @@ def _consume(problem: Problem, tiles_of: _Tiles, wg, unit_of, units, add_dbias: 
             return dbias_ref.at[bb, n, pl.ds(t * rows_n, rows_n), pl.ds(k_start, size)]
 
         pl.when(tiles > 0)(lambda: plgpu.barrier_wait(kv_loaded))
+        last_at = step + tiles * group - 1
         key_ids = None if segments is None else segments.cols(b, k_own, keys_n, query_dim)
         multipliers = (None if dropout is None
                        else dropout.multipliers(k_own, keys_n, query_dim))
@@ -416,6 +422,8 @@ def _consume(problem: Problem, tiles_of: _Tiles, wg, unit_of, units, add_dbias: 
 
             s, dp, residuals, bias, mask = pl.run_scoped(
                 products, plgpu.ACC(shape, jnp.float32), plgpu.ACC(shape, jnp.float32))
+            if early_release:  # the last S and dP have read K and V
+                pl.when(at == last_at)(lambda: plgpu.barrier_arrive(kv_consumed))
             prob, ds = tile_gradient(problem, s, dp, bias, residuals, row0, k_own, masked,
                                      slope, ids, ranges.kv_length, keep, query_dim, mask,
                                      ranges.offset, ranges.q_length, ds_scale, gain_later)
@@ -481,7 +489,8 @@ def _consume(problem: Problem, tiles_of: _Tiles, wg, unit_of, units, add_dbias: 
         dk = plgpu.layout_cast(jnp.zeros((acc_rows, dk_dims), jnp.float32), plgpu.Layout.WGMMA)
         dv = plgpu.layout_cast(jnp.zeros((acc_rows, dv_dims), jnp.float32), plgpu.Layout.WGMMA)
         dk, dv, step = lax.fori_loop(0, jnp.where(tiles > 0, group, 0), head, (dk, dv, step))
-        pl.when(tiles > 0)(lambda: plgpu.barrier_arrive(kv_consumed))
+        if not early_release:
+            pl.when(tiles > 0)(lambda: plgpu.barrier_arrive(kv_consumed))
 
         if unscale is not None:
             dk = dk * unscale
