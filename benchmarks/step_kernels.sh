@@ -2,19 +2,25 @@
 # Per-kernel GPU times inside one jitted forward+backward step (the bench problem:
 # B=4, T=S=4096, N=16, d128, bf16), from ncu's gpu__time_duration with clocks and
 # caches left alone. Only the third (warm) call is profiled (cudaProfilerStart/Stop).
-# Usage (repo root, on the GPU machine): [STALLS=1] bash benchmarks/step_kernels.sh [FEATURE [DQ]]
-#   FEATURE: plain (default), softcap, bias, alibi, mask or dropout (the bench
-#   features at d128: a random mask 90% visible, rate 0.1); DQ: the dQ backend to force
-#   (mosaic or triton; default: the plan's).
+# Usage (repo root, on the GPU machine):
+#   [STALLS=1] [CAUSAL=1] bash benchmarks/step_kernels.sh [FEATURE [DQ]]
+#   FEATURE: plain (default), softcap, bias, alibi, mask, dropout, segments, packed4,
+#   packed16 or mask_documents4 (the bench features at d128: a random mask 90% visible,
+#   rate 0.1, ragged ids about 4 per row, K equal documents as ids or as a mask);
+#   CAUSAL=1: causal masking too; DQ: the dQ backend to force (mosaic or triton;
+#   default: the plan's). Every kernel of the step is listed, XLA's fusions included.
 set -uo pipefail
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 OUT=${OUT:-out}; mkdir -p "$OUT"
 feature=${1:-plain}; dq=${2:-}
-case "$feature" in plain|softcap|bias|alibi|mask|dropout) ;; *)
-  echo "step_kernels.sh: FEATURE must be plain, softcap, bias, alibi, mask or dropout," \
-       "got '$feature'" >&2
-  exit 2 ;;
+case "$feature" in
+  plain|softcap|bias|alibi|mask|dropout|segments|packed4|packed16|mask_documents4) ;;
+  *) echo "step_kernels.sh: FEATURE must be plain, softcap, bias, alibi, mask, dropout," \
+          "segments, packed4, packed16 or mask_documents4, got '$feature'" >&2
+     exit 2 ;;
 esac
+causal=${CAUSAL:-0}
+case "$causal" in 0|1) ;; *) echo "step_kernels.sh: CAUSAL must be 0 or 1, got '$causal'" >&2; exit 2 ;; esac
 case "$dq" in ""|mosaic|triton) ;; *)
   echo "step_kernels.sh: DQ must be mosaic or triton, got '$dq'" >&2; exit 2 ;;
 esac
@@ -25,11 +31,13 @@ import jax
 import pallas_attn
 from pallas_attn import bench
 
-feature, dq = sys.argv[1], sys.argv[2]
+feature, dq, causal = sys.argv[1], sys.argv[2], sys.argv[3] == "1"
 feats = {"plain": (), "softcap": (("softcap", 30.0),), "bias": (("bias", None),),
          "alibi": (("alibi", None),), "mask": (("mask", None),),
-         "dropout": (("dropout", 0.1),)}[feature]
-inputs = bench.make_inputs(bench.Shape(4, 4096, 4096, 16, 16, 128, False, feats))
+         "dropout": (("dropout", 0.1),), "segments": (("segments", None),),
+         "packed4": (("packed", 4),), "packed16": (("packed", 16),),
+         "mask_documents4": (("mask_documents", 4),)}[feature]
+inputs = bench.make_inputs(bench.Shape(4, 4096, 4096, 16, 16, 128, causal, feats))
 kw = inputs["kwargs"]
 blocks = pallas_attn.BlockSizes(dq_backend=dq or None)
 att = functools.partial(pallas_attn.dot_product_attention, implementation="pallas",
@@ -48,10 +56,10 @@ PY
 # STALLS=1: also each kernel's warp stall reasons (ncu's WarpStateStats section),
 # the five largest in cycles per issued instruction.
 sections=(); [ "${STALLS:-0}" = 1 ] && sections=(--section WarpStateStats)
-csv_out="$OUT/step_kernels_${feature}${dq:+_$dq}${sections:+_stalls}.csv"
+csv_out="$OUT/step_kernels_${feature}${dq:+_$dq}$( [ "$causal" = 1 ] && echo _causal)${sections:+_stalls}.csv"
 ncu --clock-control none --cache-control none --profile-from-start off \
   --metrics gpu__time_duration.sum "${sections[@]}" --csv --print-units base \
-  --print-metric-name name python3 "$script" "$feature" "$dq" > "$csv_out" 2> /dev/null
+  --print-metric-name name python3 "$script" "$feature" "$dq" "$causal" > "$csv_out" 2> /dev/null
 python3 - "$csv_out" <<'PY'
 import collections, csv, sys
 kernels = collections.defaultdict(dict)
