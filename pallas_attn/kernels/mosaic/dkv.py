@@ -321,8 +321,9 @@ def _consume(problem: Problem, tiles_of: _Tiles, wg, unit_of, units, add_dbias: 
     # Without a dbias or its sums, no output needs the true dS of a tile.
     gain_later = dropout is not None and not has_dbias and key_sums_ref is None
     # Units of segment ids are short: K and V go back after the last S and dP, so the
-    # next unit's load overlaps the last step (a test per step that long units pay for).
-    early_release = segments is not None
+    # next unit's load overlaps the last step (a test per step that long units pay for;
+    # a mask's ranges alone, not measured, keep the release at the unit's end).
+    early_release = segments is not None and segments.kv_ids is not None
     (q_smem, do_smem, stats_smem, bias_smem, mask_smem, k_mine, v_mine, p_tiles, ds_tiles,
      ones) = buffers
     step_loaded, step_consumed, kv_loaded, kv_consumed, exchange = barriers
