@@ -13,6 +13,8 @@ Usage (repository root, on the GPU machine):
     python benchmarks/ab.py /tmp/base . --set all --match "H128" --json out/ab.json
     python benchmarks/ab.py /tmp/base . --shape 8,4096,4096,16,16,64,dropout=0.1 \
         --shape 4,4096,4096,16,16,128,causal,bias     # rows outside the sets
+    python benchmarks/ab.py . .:dkv_backend=mosaic --shape 4,4096,4096,16,16,128,causal,packed=4
+        # one tree as routed and with BlockSizes fields given (TREE:field=value,...)
 
 The table lists, per shape, each tree's forward and forward+backward milliseconds
 and the ratio of the last tree to the first (below 1: the last tree is faster).
@@ -32,7 +34,7 @@ import dataclasses, json, os, re, sys
 import pallas_attn
 from pallas_attn import bench
 assert os.path.dirname(os.path.dirname(pallas_attn.__file__)) == os.getcwd(), pallas_attn.__file__
-which, pattern, dtype, given = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4]
+which, pattern, dtype, given, blocks = sys.argv[1:6]
 if given:
     shapes = [bench.Shape(**{**d, "features": tuple(map(tuple, d["features"]))})
               for d in json.loads(given)]
@@ -43,8 +45,15 @@ else:
 shapes = [dataclasses.replace(s, dtype=dtype or s.dtype) for s in shapes
           if re.search(pattern, s.label)]
 implementations = bench.implementations
-bench.implementations = lambda interpret: {
-    k: v for k, v in implementations(interpret).items() if k == "pallas_attn"}
+blocks = json.loads(blocks)
+if blocks:
+    bench.implementations = lambda interpret: {
+        "pallas_attn": lambda q, k, v, **kw: pallas_attn.dot_product_attention(
+            q, k, v, implementation="pallas", interpret=interpret,
+            block_sizes=pallas_attn.BlockSizes(**blocks), **kw)}
+else:
+    bench.implementations = lambda interpret: {
+        k: v for k, v in implementations(interpret).items() if k == "pallas_attn"}
 rows = bench.benchmark(shapes, log=lambda line: None)
 print("ROWS " + json.dumps(rows))
 """
@@ -73,14 +82,30 @@ def parse_shape(text: str) -> dict:
     return {**fields, "features": features}
 
 
+def parse_tree(text: str) -> tuple[str, dict]:
+    """(directory, BlockSizes fields) from "TREE" or "TREE:field=value,...": the fields
+    are passed to every pallas_attn call of that tree."""
+    tree, _, fields = text.partition(":")
+    blocks = {}
+    for item in filter(None, fields.split(",")):
+        name, _, value = item.partition("=")
+        if not value:
+            raise argparse.ArgumentTypeError(f"tree {text!r}: want field=value, got {item!r}")
+        blocks[name] = (int(value) if value.lstrip("-").isdigit()
+                        else {"True": True, "False": False, "None": None}.get(value, value))
+    return tree, blocks
+
+
 def run_tree(tree: str, which: str, pattern: str, dtype: str = "",
              shapes: list[dict] | None = None) -> list[dict]:
     # NOTE: `python -c` puts the working directory first on sys.path, ahead of
     # PYTHONPATH: the worker runs inside the tree, so each tree imports its own code.
+    tree, blocks = parse_tree(tree)
     tree = os.path.abspath(tree)
     env = dict(os.environ, PYTHONPATH=tree)
     given = json.dumps(shapes) if shapes else ""
-    result = subprocess.run([sys.executable, "-c", _WORKER, which, pattern, dtype, given],
+    result = subprocess.run([sys.executable, "-c", _WORKER, which, pattern, dtype, given,
+                             json.dumps(blocks)],
                             env=env,
                             cwd=tree, capture_output=True, text=True, check=False)
     for line in result.stdout.splitlines():
@@ -105,7 +130,9 @@ def best(rows_per_round: list[list[dict]]) -> dict[str, dict]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("trees", nargs="+", help="source trees (directories holding pallas_attn/)")
+    parser.add_argument("trees", nargs="+",
+                        help="source trees (directories holding pallas_attn/), each "
+                             "optionally TREE:field=value,... (BlockSizes fields)")
     parser.add_argument("--set", choices=["standard", "features", "all", "wide"],
                         default="standard")
     parser.add_argument("--shape", action="append", type=parse_shape, default=[],
@@ -119,6 +146,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if len(args.trees) < 2:
         parser.error("give at least two trees")
+    for tree in args.trees:
+        try:
+            parse_tree(tree)
+        except argparse.ArgumentTypeError as e:
+            parser.error(str(e))
     re.compile(args.match)
     rounds: dict[str, list[list[dict]]] = {tree: [] for tree in args.trees}
     for _ in range(args.rounds):
