@@ -318,8 +318,8 @@ def _mosaic_route(role: str, call: Call, device: DeviceInfo, overrides: BlockSiz
                 f"docs/decisions.md)")
     # NOTE: with segment ids one Mosaic backward kernel measured faster next to the other
     # role's Triton one: dQ under causal masking, dK/dV without (docs/decisions.md).
-    if (automatic and "q_segment_ids" in call.present
-            and role in ("dq", "dkdv") and (role == "dkdv") == spec.is_causal):
+    triton_with_segments = "dkdv" if spec.is_causal else "dq"
+    if automatic and "q_segment_ids" in call.present and role == triton_with_segments:
         return (f"segment ids: the Triton {ROLE_LABELS[role]} kernel (finer tiles to skip) "
                 f"measured faster with them (docs/decisions.md)")
     block_q, block_k, _, stages = overrides.tiles(role)

@@ -95,6 +95,14 @@ def dkv_keys_major(hp: int, hvp: int, has_bias: bool, has_alibi: bool,
     return hp == hvp and hp <= 64 and not (has_bias or has_alibi or has_mask)
 
 
+def dkv_releases_early(spec: AttentionSpec) -> bool:
+    """Whether the dK/dV kernel's consumers give each unit's K and V back after its last
+    S and dP rather than after its last step: with segment ids, whose units are short
+    (packed16 fwd+bwd 3% faster), not elsewhere (a test per step that long units pay
+    for: plain d128 0.5-2% slower; a mask's ranges alone not measured; docs/decisions.md)."""
+    return spec.has_segments
+
+
 def operand_swizzle(hp: int, hvp: int) -> int:
     """The swizzle (bytes) of the backward kernels' wgmma tiles: where the consumers share
     each tile (`is_wide`), 64, or 32 where half the head dims is no multiple of 32 (160,

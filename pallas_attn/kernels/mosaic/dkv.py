@@ -117,6 +117,7 @@ from pallas_attn.kernels.mosaic.config import (
     ONES_COLUMNS,
     bias_tiles_dtype,
     consumer_registers,
+    dkv_releases_early,
     dkv_scratch,
     dkv_tiles,
     fusable_dbias,
@@ -320,10 +321,7 @@ def _consume(problem: Problem, tiles_of: _Tiles, wg, unit_of, units, add_dbias: 
     has_dbias = dbias_ref is not None
     # Without a dbias or its sums, no output needs the true dS of a tile.
     gain_later = dropout is not None and not has_dbias and key_sums_ref is None
-    # Units of segment ids are short: K and V go back after the last S and dP, so the
-    # next unit's load overlaps the last step (a test per step that long units pay for;
-    # a mask's ranges alone, not measured, keep the release at the unit's end).
-    early_release = segments is not None and segments.kv_ids is not None
+    early_release = dkv_releases_early(problem.spec)
     (q_smem, do_smem, stats_smem, bias_smem, mask_smem, k_mine, v_mine, p_tiles, ds_tiles,
      ones) = buffers
     step_loaded, step_consumed, kv_loaded, kv_consumed, exchange = barriers
@@ -366,7 +364,7 @@ def _consume(problem: Problem, tiles_of: _Tiles, wg, unit_of, units, add_dbias: 
             return dbias_ref.at[bb, n, pl.ds(t * rows_n, rows_n), pl.ds(k_start, size)]
 
         pl.when(tiles > 0)(lambda: plgpu.barrier_wait(kv_loaded))
-        last_at = step + tiles * group - 1
+        last_at = step + tiles * group - 1 if early_release else None
         key_ids = None if segments is None else segments.cols(b, k_own, keys_n, query_dim)
         multipliers = (None if dropout is None
                        else dropout.multipliers(k_own, keys_n, query_dim))
