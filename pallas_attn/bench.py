@@ -480,6 +480,9 @@ def check_shapes(on_device: bool) -> list[Shape]:
               dtype="bfloat16"),
         Shape(2, 1000, 1100, 8, 2, 256, False, (("lengths", 300), ("softcap", 20.0)),
               dtype="float16"),
+        # A mask at head dim 256: the wide dQ's ring holds each consumer's keys of it, the
+        # wide dK/dV's consumers read their tiles from global memory (causal, ragged, GQA).
+        Shape(2, 1000, 1100, 8, 2, 256, True, (("mask", None),), dtype="bfloat16"),
         # Four batch entries sharing a bias: three additions to its gradient, in turn.
         Shape(4, 1024, 1024, 4, 4, 128, True, (("bias", None), ("alibi", None),
                                                 ("softcap", 20.0)), dtype="bfloat16"),

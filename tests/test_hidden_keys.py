@@ -153,10 +153,12 @@ def test_mosaic_kernels(case):
            interpret=True, block_sizes=MOSAIC)
 
 
-@pytest.mark.parametrize("case", ["causal_future"])
+@pytest.mark.parametrize("case", ["causal_future", "mask_causal_last_row"])
 def test_mosaic_kernels_at_head_dim_192(case):
     """Head dim 176 pads to 192 where only Mosaic kernels run; the Triton repair, which
-    takes powers of two, recomputes the marked rows on a copy padded to 256."""
+    takes powers of two, recomputes the marked rows on a copy padded to 256. The mask:
+    the wide dQ and dK/dV kernels (consumers sharing each tile), the dK/dV's mask tiles
+    read from global memory."""
     plan = pallas_attn.explain(*(jnp.zeros((1, 100, 1, 176), jnp.bfloat16),) * 3, is_causal=True,
                                interpret=True, block_sizes=MOSAIC)
     assert plan.head_dims == (192, 192) and plan.forward.repair is not None

@@ -165,6 +165,13 @@ CASES = {
         logits_soft_cap=20.0, mask=jnp.ones((2, 1, 256, 384), bool),
         block_sizes=pallas_attn.BlockSizes(forward_backend="mosaic", dq_backend="mosaic",
                                            dkv_backend="mosaic")),
+    # A mask at head dim 256 in every Mosaic role: the wide dQ's ring holds each
+    # consumer's keys of the tile's mask, the wide dK/dV's consumers read theirs from
+    # global memory; GQA, causal.
+    "mosaic_all_h256_mask": dict(
+        H=256, T=256, S=320, N=4, K=2, is_causal=True, mask=jnp.ones((2, 1, 256, 320), bool),
+        block_sizes=pallas_attn.BlockSizes(forward_backend="mosaic", dq_backend="mosaic",
+                                           dkv_backend="mosaic")),
     # Dropout's hash tables beside the fullest buffers of head dim 128: a bias per batch
     # entry in every Mosaic role (the kernels' shared memory is what config counts).
     "mosaic_all_bias_per_batch_dropout": dict(

@@ -93,6 +93,11 @@ CASES = [
     # so each consumer hashes its positions in registers (`config.with_hash_tables`).
     ("wide_H256_dropout_hashed_in_registers", dict(B=2, T=130, S=200, N=2, H=256), None,
      dict(is_causal=True, dropout_rate=0.2, dropout_rng=jax.random.key(7)), WIDE),
+    # Head dim 256 with a mask per batch entry: the consumers read their tiles of it from
+    # global memory (two slots leave no room to stage them); rows hidden whole, GQA.
+    ("wide_H256_mask_per_batch_causal_gqa_empty_rows",
+     dict(B=2, T=130, S=200, N=4, K=2, H=256), None,
+     dict(is_causal=True, mask=random_mask(4, (2, 1, 130, 200), hidden_rows=(3, 100))), WIDE),
     ("wide_H192_Hv64_gqa_window_soft_cap_shared_bias",
      dict(B=2, T=100, S=140, N=4, K=2, H=192, Hv=64), (1, 4),
      dict(local_window_size=(40, 10), logits_soft_cap=5.0), WIDE),
@@ -260,8 +265,6 @@ def test_batch_shared_dbias_under_vmap(blocks):
      r"dkv_backend='mosaic'.*the mask needs its own entry per key, got a mask of shape"),
     (dict(bias=(2, 2, 16, 1)),
      r"dkv_backend='mosaic'.*the bias needs its own entry per key, got a bias of shape"),
-    (dict(mask=(1, 1, 16, 16), H=256),
-     "dkv_backend='mosaic'.*a mask only up to a padded head dim of 128"),
     (dict(dtype=jnp.float32), "dkv_backend='mosaic'.*bfloat16 or float16"),
     (dict(bias=(2, 1, 16, 16), fuse_dbias=True), "fuse_dbias=True with the Mosaic dK/dV"),
     (dict(bias_dtype=jnp.float32, fuse_dbias=True), "Mosaic dK/dV kernel needs a bias"),

@@ -84,6 +84,12 @@ CASES = [
     # with packed documents, lengths, dropout and ALiBi. (Head dim 256 with a bias tile
     # of each consumer's keys: test_gradients_with_the_mosaic_dq_against_reference_and_
     # float64's wide_H256_with_mosaic_dkv_shared_bias.)
+    # Head dim 256 with a mask per head: each consumer's keys of the tile's mask land in
+    # the ring with K; bottom-right causal, T > S, rows hidden whole.
+    ("wide_H256_mask_per_head_bottom_right_T>S_empty_rows",
+     dict(B=2, T=200, S=150, N=2, H=256), None,
+     dict(is_causal=True, causal_alignment="bottom_right",
+          mask=random_mask(5, (1, 2, 200, 150), hidden_rows=(120,))), WIDE),
     ("wide_H192_Hv64_features", dict(B=2, T=250, S=250, N=2, H=192, Hv=64), None,
      dict(is_causal=True, q_segment_ids=np.repeat(np.arange(5), 50)[None].repeat(2, 0),
           key_value_seq_lengths=np.array([180, 250]), dropout_rate=0.2,
@@ -235,8 +241,6 @@ def test_gradients_with_the_mosaic_dq_against_reference_and_float64(shapes, bias
 @pytest.mark.parametrize("kwargs,match", [
     (dict(mask=(1, 1, 16, 1)),
      r"dq_backend='mosaic'.*the mask needs its own entry per key, got a mask of shape"),
-    (dict(mask=(1, 1, 16, 16), H=256),
-     "dq_backend='mosaic'.*a mask only up to a padded head dim of 128"),
     (dict(dtype=jnp.float32), "dq_backend='mosaic'.*bfloat16 or float16"),
 ])
 def test_unsupported_problems_name_the_reason(kwargs, match):

@@ -388,20 +388,23 @@ class Walk:
         ring: the (k_loaded, v_loaded, k_consumed, v_consumed) barriers, one of each
         per slot; a slot is refilled once both consumers released it. on_item(item,
         tiles, steps), if given, runs before each item's copies. mask: (the mask ref
-        [B or 1, N or 1, Tp, Sp], its ring [stages, consumers, 64, block_k]) or None; each
-        consumer's rows of the key tile's mask land with K (`mask_tile`), except in the
-        tiles every row of the item sees whole, which no consumer masks (`own_band`)."""
+        [B or 1, N or 1, Tp, Sp], its ring [stages, consumers, 64, block_k, or half of it
+        where the consumers share the rows]) or None; each consumer's rows (shared: its
+        keys) of the key tile's mask land with K (`mask_tile`), except in the tiles every
+        row of the item sees whole, which no consumer masks (`own_band`)."""
         k_loaded, v_loaded, k_consumed, v_consumed = ring
         block_k, stages, problem = self.block_k, self.stages, self.problem
 
-        def copy_mask(mask, item, rows, slot, needed):
+        def copy_mask(mask, item, t, slot, needed):
             mask_ref, mask_smem = mask
             heads = mask_ref.at[item.b if mask_ref.shape[0] > 1 else 0,
                                 item.n if mask_ref.shape[1] > 1 else 0]
+            width = mask_smem.shape[-1]  # the tile's keys, or (shared) each consumer's half
             for c in range(self.consumers):
                 # Rows before 0 (an idle consumer's): any in range, never read.
-                row0 = jnp.maximum(item.q0 + c * ROWS_PER_CONSUMER, 0)
-                copy_where(needed, heads.at[pl.ds(row0, ROWS_PER_CONSUMER), rows],
+                row0 = jnp.maximum(item.q0 + (0 if self.shared else c * ROWS_PER_CONSUMER), 0)
+                keys = pl.ds(t * block_k + (c * width if self.shared else 0), width)
+                copy_where(needed, heads.at[pl.ds(row0, ROWS_PER_CONSUMER), keys],
                            mask_smem.at[slot, c], k_loaded.at[slot])
 
         def stream(r, step):
@@ -428,7 +431,7 @@ class Walk:
                                         v_loaded.at[slot])
                 if mask is not None:
                     t = tiles.first + i
-                    copy_mask(mask, item, rows, slot,
+                    copy_mask(mask, item, t, slot,
                               (t < tiles.full_first) | (t >= tiles.full_stop))
 
             return step + steps

@@ -218,9 +218,6 @@ def unsupported(dtype: str, spec: AttentionSpec, present: tuple[str, ...], head_
     if role == "dbias" and not set(dims) <= set(DBIAS_HEAD_DIMS):
         return (f"head dims must pad to {DBIAS_HEAD_DIMS}, got {head_dim} and "
                 f"{value_head_dim}")
-    if spec.has_mask and role in ("dq", "dkdv") and is_wide(*dims):
-        return (f"a mask only up to a padded head dim of {WIDE_HEAD_DIM} (the consumers "
-                f"share each tile above), got {head_dim} and {value_head_dim}")
     return ""
 
 
@@ -365,7 +362,8 @@ def dq_scratch(hp: int, hvp: int, block_k: int, stages: int, consumers: int, dty
     many as float16 may need), dS and
     bias tile, or (`is_wide`) one item's rows, two dS tiles that both consumers fill and a
     bias tile of each consumer's keys; the K/V ring; with dbias (batch entry 0's tiles)
-    a zeroed tile; with a mask each consumer's mask rows (int8) per slot; with dropout
+    a zeroed tile; with a mask each consumer's mask rows (int8; wide: of its keys) per
+    slot; with dropout
     each consumer's hash table. Barriers: rows per consumer (wide: per item), loaded (K:
     and the mask rows) and consumed per slot for K and V, the turns of two consumers
     (wide: their exchange), the bias buffers'."""
@@ -375,6 +373,7 @@ def dq_scratch(hp: int, hvp: int, block_k: int, stages: int, consumers: int, dty
         stats_rows = 4 if _name(dtype) == "float16" else 3
     swizzle = operand_swizzle(hp, hvp)
     owners = 1 if split else c  # the rows' buffers
+    keys = block_k // c if split else block_k  # each consumer's keys of a tile
     dtype = _name(dtype)
     return Scratch(
         buffers=(("q", Buffer((owners, rows, hp), dtype, swizzle)),
@@ -385,10 +384,9 @@ def dq_scratch(hp: int, hvp: int, block_k: int, stages: int, consumers: int, dty
                  ("ds", Buffer((2, rows, block_k) if split else (c, rows, block_k), dtype,
                                swizzle)),
                  ("bias", None if bias_dtype is None
-                  else Buffer((c, rows, block_k // c if split else block_k),
-                              _name(bias_dtype), swizzle)),
+                  else Buffer((c, rows, keys), _name(bias_dtype), swizzle)),
                  ("zeros", Buffer((rows, block_k), dtype, swizzle) if dbias else None),
-                 ("mask", Buffer((stages, c, rows, block_k), MASK_DTYPE, swizzle=block_k)
+                 ("mask", Buffer((stages, c, rows, keys), MASK_DTYPE, swizzle=keys)
                   if has_mask else None),
                  ("hashes", _hash_tables(c, dropout))),
         barriers=(("rows_loaded", Barriers(owners, 3)),  # Q, dO, residuals
@@ -405,7 +403,7 @@ def dkv_scratch(hp: int, hvp: int, stages: int, dtype: Any, bias_dtype: Any = No
                 zeros: bool = False, has_mask: bool = False, ones: bool = False,
                 dropout: bool = False) -> Scratch:
     """The dK/dV kernel: per slot Q, dO, the three float32 row residuals and the bias
-    tile and mask tile (int8) of each consumer; the K and V of each consumer's keys;
+    tile and mask tile (int8; not wide) of each consumer; the K and V of each consumer's keys;
     per consumer P and two dS buffers, or (`is_wide`) two P and two dS tiles of the
     unit's keys that both consumers fill; the zeroed dbias tile; each consumer's tile of
     ones (dS's column sums, `key_sums`); with dropout each consumer's hash table.
@@ -417,6 +415,8 @@ def dkv_scratch(hp: int, hvp: int, stages: int, dtype: Any, bias_dtype: Any = No
     keys = unit // c  # each consumer's keys of S and dP
     swizzle = operand_swizzle(hp, hvp)
     dtype = _name(dtype)
+    # Wide, no room is left for mask tiles: the consumers read theirs from global memory.
+    has_mask = has_mask and not wide
     # Q, dO, residuals, bias and mask tiles
     copies = 3 + (c if bias_dtype is not None else 0) + (c if has_mask else 0)
     tiles = (rows, unit) if wide else (c, rows, keys)  # P and dS: shared or per consumer

@@ -73,9 +73,9 @@ by keys: the tiles stay queries by keys, as with a bias) unless the unit's keys 
 whole there, and the entries it clears give P = dS = 0. A mask per key (a key padding
 mask) is read from global memory instead, each consumer's keys (`common.KeyRows`).
 
-Scope: the Mosaic kernels' (`config.unsupported`; a mask not in the wide kernel), and a
-bias gradient for a bias of shape [B, N, T, S] or [1, N, T, S] in the inputs' dtype, or
-one per key of any broadcast and dtype (`config.fusable_dbias`).
+Scope: the Mosaic kernels' (`config.unsupported`), and a bias gradient for a bias of
+shape [B, N, T, S] or [1, N, T, S] in the inputs' dtype, or one per key of any broadcast
+and dtype (`config.fusable_dbias`).
 """
 
 from __future__ import annotations
@@ -412,9 +412,14 @@ def _consume(problem: Problem, tiles_of: _Tiles, wg, unit_of, units, add_dbias: 
                 if mask_smem is not None and masked is not False:
                     mask = plgpu.load(mask_smem.at[slot, wg], layout=plgpu.Layout.WGMMA) != 0
                 if key_mask is not None and masked is not False:
-                    row = head_entries(key_mask, b, n).at[0]
-                    mask = KeyRows(row, keys_n, query_dim=query_dim).tile(
-                        lax.div(k_own, keys_n)) != 0
+                    entries = head_entries(key_mask, b, n)
+                    if entries.shape[0] == 1:  # a mask per key
+                        mask = KeyRows(entries.at[0], keys_n, query_dim=query_dim).tile(
+                            lax.div(k_own, keys_n)) != 0
+                    else:  # the wide kernel's tiles, which stage none
+                        tile = entries.at[pl.ds(row0, rows_n), pl.ds(k_own, keys_n)]
+                        mask = plgpu.load(tile, layout=plgpu.Layout.WGMMA,
+                                          optimized=False) != 0
                 # NOTE: both read here: ptxas places the wait for dP itself, whatever
                 # the source order (docs/decisions.md, "Soft cap tanh during dP").
                 return s_ref[...], dp_ref[...], residuals, bias, mask
@@ -585,8 +590,6 @@ def dkdv(problem: Problem, q: jax.Array, k: jax.Array, v: jax.Array, do: jax.Arr
     if route.keys_major and (bias is not None or mask_tiles(problem.spec) or tiles_of.wide):
         raise AssertionError(f"{name} computes keys by queries only without a bias or "
                              f"mask tiles, and not above head dim 128: {route}")
-    if mask is not None and tiles_of.wide:
-        raise AssertionError(f"{name} takes a mask only up to head dim 128: {route}")
     if ds_scale is not None and bias_grad:
         raise AssertionError(f"{name} scales no dS that is also the bias's gradient")
     # A bias shared by the batch entries gets their dS tiles added into one buffer

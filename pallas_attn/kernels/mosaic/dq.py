@@ -39,10 +39,10 @@ and read the mask (`common.Segments`, `common.own_band`); with sequence lengths,
 bands stop at the key length (positions past the lengths are zeroed in q, k, v and dO
 before the call); with dropout, dS takes the kept dP (`common.Dropout`); with a
 boolean mask,
-the producer copies each consumer's rows of the key tile's mask (int8) into the ring slot
-with K where a consumer reads it (`Walk.stream`), and the entries it clears give dS = 0
-(`common.mask_tile`). Scope:
-the Mosaic kernels' (`config.unsupported`; a mask not in the wide kernel).
+the producer copies each consumer's rows (wide: its keys) of the key tile's mask (int8)
+into the ring slot with K where a consumer reads it (`Walk.stream`), and the entries it
+clears give dS = 0 (`common.mask_tile`). Scope: the Mosaic kernels'
+(`config.unsupported`).
 
 `dq_and_dbias` also starts the gradient of a bias shared by the batch entries: the
 consumers bulk-copy batch entry 0's dS tiles (already staged in shared memory for
