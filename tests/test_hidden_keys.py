@@ -176,3 +176,11 @@ def test_decode_kernel(case):
                                interpret=True, **_hiding(case, 2, 3, 200)[0])
     assert plan.forward.backend == "decode"
     _check(case, shapes, jnp.float32, implementation="pallas", interpret=True)
+
+
+def test_mosaic_repairs_in_runs_of_tiles():
+    """T=300 at head dim 64 pads to 384 rows (items of 192): six repair tiles of 64, read
+    in runs of two by three programs (`context.repair_marked_tiles`); the one row that
+    sees the key lies in the third run."""
+    _check("mask_causal_last_row", (1, 300, 128, 1, 64), jnp.bfloat16, exact=False,
+           implementation="pallas", interpret=True, block_sizes=MOSAIC)

@@ -16,10 +16,10 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_attn.kernels.core import Problem, finite, run_tile_loops
 from pallas_attn.kernels.triton.context import (
     TileContext,
-    any_nan,
     launch,
     launch_repair,
     name_refs,
+    repair_marked_tiles,
 )
 
 
@@ -63,13 +63,13 @@ def _dq_tile(problem: Problem, r: dict, i, b, n) -> None:
     r["dq"][b, pl.ds(q0, block_q), n, :] = dq.astype(r["dq"].dtype)
 
 
-def repair_kernel(*refs, problem: Problem, names: tuple[str, ...]):
-    """Recomputes query tile i of (b, n) if a row of it is marked (its dq holds a NaN)."""
+def repair_kernel(*refs, problem: Problem, names: tuple[str, ...], chunk: int):
+    """Recomputes the query tiles of (b, n) in its run that hold a marked row (its dq
+    holds a NaN)."""
     r = name_refs(names, refs)
-    i, b, n = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    block_q = problem.plan.dq.block_q
-    marks = r["dq_marks"][b, n, :, pl.ds(i * block_q, block_q)]
-    pl.when(any_nan(marks))(lambda: _dq_tile(problem, r, i, b, n))
+    b, n = pl.program_id(1), pl.program_id(2)
+    repair_marked_tiles(lambda rows: r["dq_marks"][b, n, :, rows], problem.plan.dq.block_q,
+                        chunk, lambda i: _dq_tile(problem, r, i, b, n))
 
 
 def repair(problem: Problem, names: tuple[str, ...], inputs: list, dq_out: jax.Array,

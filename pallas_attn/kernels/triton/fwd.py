@@ -35,10 +35,10 @@ from pallas_attn.kernels.core import (
 )
 from pallas_attn.kernels.triton.context import (
     TileContext,
-    any_nan,
     launch,
     launch_repair,
     name_refs,
+    repair_marked_tiles,
     schedule_query_tiles,
     scheduled_grid_size,
 )
@@ -110,13 +110,14 @@ def _forward_tile(problem: Problem, r: dict, ctx: TileContext, i) -> None:
     r["log2_sum"][b, n, pl.ds(q0, block_q)] = jnp.log2(jnp.where(valid, l_sum, 1.0))
 
 
-def repair_kernel(*refs, problem: Problem, names: tuple[str, ...]):
-    """Recomputes query tile i of (b, n) if a row of it is marked (a NaN log2 row sum)."""
+def repair_kernel(*refs, problem: Problem, names: tuple[str, ...], chunk: int):
+    """Recomputes the query tiles of (b, n) in its run that hold a marked row (a NaN log2
+    row sum)."""
     r = name_refs(names, refs)
-    i, b, n = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    block_q = problem.plan.forward.block_q
-    marks = r["sum_in"][b, n, pl.ds(i * block_q, block_q)]
-    pl.when(any_nan(marks))(lambda: _forward_tile(problem, r, _context(problem, r, b, n), i))
+    b, n = pl.program_id(1), pl.program_id(2)
+    repair_marked_tiles(lambda rows: r["sum_in"][b, n, rows], problem.plan.forward.block_q,
+                        chunk, lambda i: _forward_tile(problem, r, _context(problem, r, b, n),
+                                                       i))
 
 
 def repair(problem: Problem, q: jax.Array, k: jax.Array, v: jax.Array,
