@@ -95,6 +95,13 @@ def dkv_keys_major(hp: int, hvp: int, has_bias: bool, has_alibi: bool,
     return hp == hvp and hp <= 64 and not (has_bias or has_alibi or has_mask)
 
 
+def forward_loads_q_early(spec: AttentionSpec) -> bool:
+    """Whether a forward consumer loads its next item's Q right after the item's last
+    Q K^T rather than after its last P V: d128 1.5-3% faster, not with a soft cap (4% slower
+    there; docs/decisions.md)."""
+    return spec.logits_soft_cap is None
+
+
 def dkv_releases_early(spec: AttentionSpec) -> bool:
     """Whether the dK/dV kernel's consumers give each unit's K and V back after its last
     S and dP rather than after its last step: with segment ids, whose units are short

@@ -123,6 +123,7 @@ from pallas_attn.kernels.mosaic.config import (
     ROWS_PER_CONSUMER,
     bias_tiles_dtype,
     consumer_registers,
+    forward_loads_q_early,
     forward_output_staging,
     forward_scratch,
     mask_tiles,
@@ -146,6 +147,7 @@ def _kernel(q_ref, k_ref, v_ref, bias_ref, mask_ref, slopes_ref, sinks_ref, leng
     route = problem.plan.forward
     consumers = route.consumers
     rows_n = ROWS_PER_CONSUMER
+    early_q = staging != "q" and forward_loads_q_early(problem.spec)
     walk = Walk(problem, programs, route.block_k, route.num_stages, consumers * rows_n,
                 segments=segments, lengths=lengths, origin=origin)
     wg = lax.axis_index("wg")
@@ -189,7 +191,7 @@ def _kernel(q_ref, k_ref, v_ref, bias_ref, mask_ref, slopes_ref, sinks_ref, leng
                 tiles.first + steps, active, q_mine, k_smem, v_smem, p_mine,
                 o_mine.shape[-1], ring, turns, bias, walk.mask_rows(mask_ref, item, smem["mask"]),
                 head_slope(slopes_ref, item.valid, item.b, item.n), segments, dropout, item.b,
-                item.n, None if staging == "q" else lambda: load_q(walk.item(r + 1)))
+                item.n, (lambda: load_q(walk.item(r + 1))) if early_q else None)
 
             if sinks_ref is not None:  # the head's sink: one more logit, no value
                 sink = sinks_ref[jnp.where(item.valid, item.n, 0)]
@@ -220,7 +222,7 @@ def _kernel(q_ref, k_ref, v_ref, bias_ref, mask_ref, slopes_ref, sinks_ref, leng
                                          log2_sum)
                 log2_sum_ref.at[item.b, item.n, out_rows][...] = log2_sum
 
-            if staging == "q":  # the next Q goes where the output has just left
+            if not early_q:  # after the output (which, staged in Q, has just left its buffer)
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)
                 load_q(walk.item(r + 1))
             return step + steps
