@@ -77,6 +77,8 @@ def make_inputs(shape: Shape, seed: int = 0) -> dict[str, Any]:
         if name in ("bias", "bias_per_batch"):  # [1, N, T, S] or [B, N, T, S]
             rows = B if name == "bias_per_batch" else 1
             args["kwargs"]["bias"] = jax.random.normal(keys[4], (rows, N, T, S), dtype)
+        elif name == "bias_float32":  # [1, N, T, S] in float32 whatever the inputs' dtype
+            args["kwargs"]["bias"] = jax.random.normal(keys[4], (1, N, T, S), jnp.float32)
         elif name == "bias_per_key":  # [B, N, 1, S]
             args["kwargs"]["bias"] = jax.random.normal(keys[4], (B, N, 1, S), dtype)
         elif name == "mask_per_key":  # [B, 1, 1, S]: a key padding mask, 1/8 hidden
@@ -483,6 +485,9 @@ def check_shapes(on_device: bool) -> list[Shape]:
         # A mask at head dim 256: the wide dQ's ring holds each consumer's keys of it, the
         # wide dK/dV's consumers read their tiles from global memory (causal, ragged, GQA).
         Shape(2, 1000, 1100, 8, 2, 256, True, (("mask", None),), dtype="bfloat16"),
+        # A float32 bias next to bfloat16 inputs at d128: the Mosaic forward's 64-key tiles
+        # (128-key slots leave no room), the Triton dK/dV, the separate dbias kernel.
+        Shape(2, 1000, 1100, 8, 2, 128, True, (("bias_float32", None),), dtype="bfloat16"),
         # Four batch entries sharing a bias: three additions to its gradient, in turn.
         Shape(4, 1024, 1024, 4, 4, 128, True, (("bias", None), ("alibi", None),
                                                 ("softcap", 20.0)), dtype="bfloat16"),

@@ -331,18 +331,21 @@ def _mosaic_route(role: str, call: Call, device: DeviceInfo, overrides: BlockSiz
                  or (stages is not None and stages < 2))
         rule = (f"block_q={mosaic.ITEM_ROWS}, block_k in {mosaic.FORWARD_BLOCK_K} and "
                 f"num_stages >= 2")
-        block_k = block_k or mosaic.forward_default_block_k(hp, hvp)
         stages = stages or mosaic.FORWARD_STAGES
         budget = device.max_shared_memory_per_block
-        consumers = mosaic.forward_consumers(hp, hvp, block_k, stages, call.dtype,
-                                             bias_dtype=bias_dtype, budget=budget,
-                                             has_mask=has_mask)
+        options = (block_k,) if block_k else mosaic.forward_block_k_options(hp, hvp)
+        for block_k in options:  # the first that fits, else the last (refused below)
+            consumers = mosaic.forward_consumers(hp, hvp, block_k, stages, call.dtype,
+                                                 bias_dtype=bias_dtype, budget=budget,
+                                                 has_mask=has_mask)
+            staging = mosaic.forward_output_staging(hp, hvp, block_k, stages, call.dtype,
+                                                    bias_dtype, budget, consumers, has_mask)
+            need = mosaic.forward_scratch(hp, hvp, block_k, stages, call.dtype, bias_dtype,
+                                          staging=staging, consumers=consumers,
+                                          has_mask=has_mask).bytes
+            if need <= budget:
+                break
         route = Route("mosaic", mosaic.ITEM_ROWS, block_k, 0, stages, consumers)
-        staging = mosaic.forward_output_staging(hp, hvp, block_k, stages, call.dtype,
-                                                bias_dtype, budget, consumers, has_mask)
-        need = mosaic.forward_scratch(hp, hvp, block_k, stages, call.dtype, bias_dtype,
-                                      staging=staging, consumers=consumers,
-                                      has_mask=has_mask).bytes
     elif role == "dkdv":
         dkv_tiles = mosaic.dkv_tiles(hp, hvp)
         wrong = block_q not in (None, dkv_tiles[0]) or block_k not in (None, dkv_tiles[1])

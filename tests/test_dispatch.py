@@ -112,10 +112,10 @@ TABLE = {
                              ("mosaic", "mosaic", "mosaic", "mosaic")),
     "bias_d64_shared_by_heads": (call(64, bias_shape=(4, 1, 4096, 4096)), "sm90",
                                  ("mosaic", "mosaic", "mosaic", "mosaic")),
-    # A float32 bias leaves no room next to two 128-key slots (forward) or the dK/dV
-    # kernel's slots; the separate Mosaic dbias kernel fits with one slot.
+    # A float32 bias leaves no room next to two 128-key slots (the forward takes 64-key
+    # ones) or the dK/dV kernel's slots; the separate Mosaic dbias kernel fits with one.
     "bias_float32": (call(bias_shape=(1, 16, 4096, 4096), bias_dtype="float32"), "sm90",
-                     ("triton", "mosaic", "triton", "mosaic")),
+                     ("mosaic", "mosaic", "triton", "mosaic")),
     # A bias per key: every Mosaic kernel reads it per key tile; its gradient (the column
     # sums of dS) is the Mosaic dK/dV kernel's, whatever its broadcast and dtype.
     "bias_per_key": (call(bias_shape=(4, 16, 1, 4096)), "sm90",
@@ -230,7 +230,11 @@ def test_reasons_name_what_refuses():
                  .dbias.declined)
     assert "no dropout" in dbias["mosaic"]
     assert "fewer query rows (100)" in reasons["short"]
-    assert "232448" in reasons["bias_float32"]  # its buffers do not fit
+    assert "232448" in reasons["d256_bias_float32"]  # not even with 64-key tiles
+    f32 = dispatch.plan(TABLE["bias_float32"][0], device=H100)
+    assert f32.forward.block_k == 64  # 128-key slots would not fit
+    assert "232448" in dict(f32.dkdv.declined)["mosaic"]
+    assert dispatch.plan(call(bias_shape=(1, 16, 4096, 4096)), device=H100).forward.block_k == 128
 
 
 @pytest.mark.parametrize("name", ["d64", "bias_per_key", "bias_shared_by_heads"])
@@ -463,7 +467,12 @@ def test_oversized_overrides_are_rejected_before_compiling():
                   block_sizes=BlockSizes(block_q=256, block_k=256, num_stages=8))
     with pytest.raises(ValueError, match=r"forward_backend='mosaic'.*over the device's 232448"):
         dispatch.plan(call(), device=H100,
-                      block_sizes=BlockSizes(forward_backend="mosaic", num_stages=3))
+                      block_sizes=BlockSizes(forward_backend="mosaic", block_k=128,
+                                             num_stages=3))
+    # Without block_k, three slots of 64 keys fit where three of 128 do not.
+    three = dispatch.plan(call(), device=H100,
+                          block_sizes=BlockSizes(forward_backend="mosaic", num_stages=3))
+    assert (three.forward.block_k, three.forward.num_stages) == (64, 3)
 
 
 def test_narrow_in_turn_passes_take_the_dbias_kernel_unless_any_order():

@@ -309,8 +309,10 @@ def with_hash_tables(scratch: Callable[[bool], Scratch], dropout: bool,
     return scratch(False)
 
 
-def forward_default_block_k(hp: int, hvp: int) -> int:
-    return 64 if max(hp, hvp) > WIDE_HEAD_DIM else 128
+def forward_block_k_options(hp: int, hvp: int) -> tuple[int, ...]:
+    """The forward's key tiles, first choice first: 64 above head dim 128; else 128, or
+    64 where 128-key slots do not fit (a float32 bias tile per consumer)."""
+    return (64,) if max(hp, hvp) > WIDE_HEAD_DIM else (128, 64)
 
 
 def forward_output_staging(hp: int, hvp: int, block_k: int, stages: int, dtype: Any,
