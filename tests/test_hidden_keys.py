@@ -100,7 +100,7 @@ def _assert_same(got: np.ndarray, want: np.ndarray, name: str, exact: bool) -> N
         np.testing.assert_array_equal(got, want, err_msg=name)
         return
     np.testing.assert_array_equal(np.isnan(got), np.isnan(want), err_msg=name)
-    scale = np.abs(want[np.isfinite(want)]).max()
+    scale = np.abs(want[np.isfinite(want)]).max(initial=0.0)  # none: lse of rows that see none
     np.testing.assert_allclose(got, want, rtol=0, atol=2e-2 * scale, err_msg=name)
 
 
@@ -130,7 +130,7 @@ def _check(case: str, shapes: tuple, dtype, exact: bool = True, **kwargs) -> Non
 
 
 @pytest.mark.parametrize("case", ["mask", "segment", "segment_unsorted", "window",
-                                  "query_lengths", "causal_last_row",
+                                  "query_lengths", "unseen_rows", "causal_last_row",
                                   "bias_per_key_causal_last_row"])
 def test_triton_kernels(case):
     """16-row tiles, T=32, S=48: the hidden key lies in a tile inside the band for the
@@ -140,13 +140,15 @@ def test_triton_kernels(case):
            block_sizes=SMALL_BLOCKS)
 
 
-@pytest.mark.parametrize("case", ["query_lengths", "mask_causal_last_row",
+@pytest.mark.parametrize("case", ["query_lengths", "unseen_rows", "mask_causal_last_row",
                                   "mask_and_bias_per_key", "bias_per_key_causal_last_row"])
 def test_mosaic_kernels(case):
     """The Mosaic forward, dQ and dK/dV kernels, T=100 (padded rows), S=128, head dim 64.
     The mask and bottom-right causal masking each hide a key in one run; a key padding
     mask hides one from every row, with a bias per key and its gradient, which a key
-    only the last row sees turns NaN (dS's column sums in the dK/dV kernel). (A causal key
+    only the last row sees turns NaN (dS's column sums in the dK/dV kernel). With no
+    query row at all (unseen_rows, B=1), no key reaches the output, though nothing
+    else hides it. (A causal key
     that only rows past the valid ones see: query_lengths here, at head dim 64; the
     padded rows' causal_future at head dim 176: test_mosaic_kernels_at_head_dim_192.)"""
     _check(case, (1, 100, 128, 1, 64), jnp.bfloat16, exact=False, implementation="pallas",

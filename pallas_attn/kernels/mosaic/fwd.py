@@ -209,7 +209,9 @@ def _kernel(q_ref, k_ref, v_ref, bias_ref, mask_ref, slopes_ref, sinks_ref, leng
                 inv = jnp.where(valid, problem.dropout_scale / jnp.where(valid, l_sum, 1.0),
                                 0.0)
                 out = acc * lax.broadcast_in_dim(inv, acc.shape, [0])
-                if problem.spec.hides_keys:  # 0 * NaN: a hidden NaN key in a row that sees nothing
+                # 0 * NaN: a NaN key in a row that sees nothing (hidden, or the row past its
+                # length, whose zeroed Q still meets every key)
+                if problem.spec.hides_keys or problem.spec.has_q_lengths:
                     out = jnp.where(lax.broadcast_in_dim(valid, acc.shape, [0]), out, 0.0)
                 o_mine[...] = out.astype(o_mine.dtype)
                 plgpu.commit_smem()
