@@ -74,11 +74,10 @@ def make_inputs(shape: Shape, seed: int = 0) -> dict[str, Any]:
         kwargs=dict(is_causal=shape.causal),
     )
     for name, value in shape.features:
-        if name in ("bias", "bias_per_batch"):  # [1, N, T, S] or [B, N, T, S]
+        if name in ("bias", "bias_per_batch", "bias_float32"):  # [1 or B, N, T, S]
             rows = B if name == "bias_per_batch" else 1
-            args["kwargs"]["bias"] = jax.random.normal(keys[4], (rows, N, T, S), dtype)
-        elif name == "bias_float32":  # [1, N, T, S] in float32 whatever the inputs' dtype
-            args["kwargs"]["bias"] = jax.random.normal(keys[4], (1, N, T, S), jnp.float32)
+            bias_dtype = jnp.float32 if name == "bias_float32" else dtype  # whatever q's
+            args["kwargs"]["bias"] = jax.random.normal(keys[4], (rows, N, T, S), bias_dtype)
         elif name == "bias_per_key":  # [B, N, 1, S]
             args["kwargs"]["bias"] = jax.random.normal(keys[4], (B, N, 1, S), dtype)
         elif name == "mask_per_key":  # [B, 1, 1, S]: a key padding mask, 1/8 hidden
