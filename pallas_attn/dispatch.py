@@ -351,7 +351,7 @@ def _mosaic_route(role: str, call: Call, device: DeviceInfo, overrides: BlockSiz
         wrong = block_q not in (None, dkv_tiles[0]) or block_k not in (None, dkv_tiles[1])
         rule = f"(block_q_dkv, block_k_dkv) = {dkv_tiles}"
         stages, need = _first_fitting(
-            (stages,) if stages is not None else mosaic.dkv_stage_options(hp, hvp),
+            (stages,) if stages is not None else mosaic.DKV_STAGE_OPTIONS,
             lambda s: mosaic.dkv_scratch(hp, hvp, s, call.dtype, bias_dtype,
                                          zeros=bias_dtype is not None, has_mask=has_mask,
                                          ones=mosaic.key_sums(spec)).bytes,

@@ -61,6 +61,10 @@ CASES = [
     ("bottom_right_T>S_H128_no_grad_bias_one_slot", dict(B=2, T=200, S=100, N=2, H=128),
      (1, 2), dict(is_causal=True, causal_alignment="bottom_right"),
      dict(bias_grad=False, num_stages_dkv=1)),
+    # A float32 bias at head dim 128: two slots do not fit beside its tiles, so the
+    # routing table gives it one (its gradient is the separate dbias kernel's).
+    ("float32_bias_H128_one_slot", dict(B=2, T=130, S=200, N=2, H=128), (1, 2),
+     dict(is_causal=True), dict(bias_grad=False, num_stages_dkv=1, bias_dtype="float32")),
     # Packed documents (each unit's query tiles narrow to its keys' documents) with a
     # per-batch bias's gradient (tiles outside them zero) under causal masking, ragged;
     # a per-batch mask on top (tiles inside the band but not seen whole compare ids and
@@ -110,8 +114,9 @@ def _kernel_outputs(dtype: str, shapes: dict, bias_shape: tuple | None, kwargs: 
     forward's residuals and a random dO, and the caller's (T, S)."""
     blocks = dict(blocks)
     bias_grad = blocks.pop("bias_grad", True) and bias_shape is not None
+    bias_dtype = blocks.pop("bias_dtype", None)
     x = kernel_backward(dtype, shapes, bias_shape, kwargs,
-                        dataclasses.replace(MOSAIC_DKV, **blocks))
+                        dataclasses.replace(MOSAIC_DKV, **blocks), bias_dtype=bias_dtype)
     bias = x.operands.get("bias")
     mosaic = mosaic_dkv.dkdv(x.problem, x.q, x.k, x.v, x.do, x.stats, bias, bias_grad,
                              x.operands.get("alibi_slopes"),

@@ -48,6 +48,9 @@ MASK_DTYPE = "int8"
 # Default slots (stages) per kernel ring (docs/decisions.md).
 FORWARD_STAGES = 2
 DKV_STAGES = 2
+# One slot where two do not fit (a bias above head dim 128, a float32 bias at 128) measured
+# faster than the Triton dK/dV kernel it replaces (docs/decisions.md).
+DKV_STAGE_OPTIONS = (DKV_STAGES, 1)
 DQ_STAGES = 2
 DBIAS_STAGES = (2, 1)  # the first that fits
 
@@ -135,13 +138,6 @@ def dkv_tiles(hp: int, hvp: int) -> tuple[int, int]:
 def dq_tiles(hp: int, hvp: int) -> tuple[int, int]:
     """(query rows per item, keys per tile) of the dQ kernel."""
     return DQ_WIDE_TILES if is_wide(hp, hvp) else DQ_TILES
-
-
-def dkv_stage_options(hp: int, hvp: int) -> tuple[int, ...]:
-    """The dK/dV kernel's slots to try, the first that fits: above head dim 128 one
-    slot where two do not (a bias), the Triton dK/dV kernel being far slower there; else
-    two (one measured slower than the Triton kernel, docs/decisions.md)."""
-    return (DKV_STAGES, 1) if is_wide(hp, hvp) else (DKV_STAGES,)
 
 
 def consumer_registers(consumers: int) -> int:
