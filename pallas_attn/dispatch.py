@@ -345,7 +345,8 @@ def _mosaic_route(role: str, call: Call, device: DeviceInfo, overrides: BlockSiz
                                           has_mask=has_mask).bytes
             if need <= budget:
                 break
-        route = Route("mosaic", mosaic.ITEM_ROWS, block_k, 0, stages, consumers)
+        route = Route("mosaic", mosaic.ITEM_ROWS, block_k, 0, stages, consumers,
+                      early_q=staging != "q" and mosaic.forward_loads_q_early(spec))
     elif role == "dkdv":
         dkv_tiles = mosaic.dkv_tiles(hp, hvp)
         wrong = block_q not in (None, dkv_tiles[0]) or block_k not in (None, dkv_tiles[1])
@@ -358,7 +359,8 @@ def _mosaic_route(role: str, call: Call, device: DeviceInfo, overrides: BlockSiz
             device)
         route = Route("mosaic", *dkv_tiles, 0, stages, mosaic.CONSUMERS,
                       keys_major=mosaic.dkv_keys_major(hp, hvp, spec.has_bias, spec.has_alibi,
-                                                       has_mask))
+                                                       has_mask),
+                      early_release=mosaic.dkv_releases_early(spec))
     elif role == "dq":
         dq_tiles = mosaic.dq_tiles(hp, hvp)
         wrong = (block_q not in (None, dq_tiles[0]) or block_k not in (None, dq_tiles[1])

@@ -141,7 +141,10 @@ class Route:
     the dK/dV kernel (its backend and tiles then). any_order: a fused dbias only, of a
     bias shared by the batch entries, summed by concurrent programs in no fixed order
     (else each program adds an item's batch entries in turn). keys_major: the Mosaic dK/dV kernel
-    computes its tiles keys by queries (S^T = K Q^T). declined: (backend, reason) for
+    computes its tiles keys by queries (S^T = K Q^T). early_q: the Mosaic forward's
+    consumers load their next item's Q right after its last Q K^T, not after its output.
+    early_release: the Mosaic dK/dV kernel gives each unit's K and V back after its last
+    S and dP, not after its last step. declined: (backend, reason) for
     each backend preferred over this one that does not run it. repair: the Triton
     kernel that recomputes the rows of a Mosaic forward or dQ that a hidden non-finite
     key reached (those kernels mark them), or None.
@@ -157,6 +160,8 @@ class Route:
     fused: bool = False
     any_order: bool = False
     keys_major: bool = False
+    early_q: bool = False
+    early_release: bool = False
     declined: tuple[tuple[str, str], ...] = ()
     repair: Route | None = None
 
@@ -175,8 +180,11 @@ class Route:
         text = f"{self.backend} {self.block_q}x{self.block_k}"
         if self.backend == "mosaic":
             slots = "1 slot" if self.num_stages == 1 else f"{self.num_stages} slots"
-            major = ", keys by queries" if self.keys_major else ""
-            return f"{text}, {slots}, {self.consumers} consumer warpgroups{major}"
+            extra = "".join(note for flag, note in (
+                (self.keys_major, ", keys by queries"),
+                (self.early_q, ", next Q loaded after the last Q K^T"),
+                (self.early_release, ", K/V given back after the last S and dP")) if flag)
+            return f"{text}, {slots}, {self.consumers} consumer warpgroups{extra}"
         text = f"{text}, {self.num_warps} warps, {self.num_stages} stages"
         return f"{text}, {self.splits} key splits" if self.backend == "decode" else text
 

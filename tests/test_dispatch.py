@@ -174,7 +174,7 @@ def test_the_routing_table(name):
 
 def test_mosaic_routes_have_their_fixed_tiles_and_consumers():
     plan = dispatch.plan(call(), device=H100)
-    assert plan.forward == Route("mosaic", 128, 128, 0, 2, 2)
+    assert plan.forward == Route("mosaic", 128, 128, 0, 2, 2, early_q=True)
     assert plan.dkdv == Route("mosaic", 64, 128, 0, 2, 2)
     assert plan.dq == Route("mosaic", 128, 64, 0, 2, 3)
     biased = dispatch.plan(call(bias_shape=(1, 1, 4096, 4096)), device=H100)
@@ -192,6 +192,22 @@ def test_mosaic_routes_have_their_fixed_tiles_and_consumers():
     f32 = dispatch.plan(call(bias_shape=(1, 1, 4096, 4096), bias_dtype="float32"), device=H100)
     assert (f32.dbias.backend, f32.dbias.num_stages) == ("mosaic", 1)
     assert plan.programs == 132 and plan.programs_for(40) == 40 and plan.programs_for(0) == 1
+
+
+def test_the_mosaic_schedules_are_the_routes_and_explain_names_them():
+    """The forward loads the next item's Q early except under a soft cap or where its
+    output is staged in Q's buffer (d256); the dK/dV kernel gives K and V back early with
+    segment ids only; `explain` says so."""
+    plain = dispatch.plan(call(), device=H100)
+    assert plain.forward.early_q and not plain.dkdv.early_release
+    assert not dispatch.plan(call(logits_soft_cap=30.0), device=H100).forward.early_q
+    assert not dispatch.plan(call(256), device=H100).forward.early_q
+    packed = dispatch.plan(call(has_segments=True, present=("q_segment_ids", "kv_segment_ids")),
+                           device=H100)
+    assert packed.dkdv.backend == "mosaic" and packed.dkdv.early_release
+    text = str(packed)
+    assert "next Q loaded after the last Q K^T" in text
+    assert "K/V given back after the last S and dP" in text
 
 
 def test_the_interpreter_runs_triton_unless_block_sizes_name_mosaic():

@@ -117,7 +117,6 @@ from pallas_attn.kernels.mosaic.config import (
     ONES_COLUMNS,
     bias_tiles_dtype,
     consumer_registers,
-    dkv_releases_early,
     dkv_scratch,
     dkv_tiles,
     fusable_dbias,
@@ -321,7 +320,7 @@ def _consume(problem: Problem, tiles_of: _Tiles, wg, unit_of, units, add_dbias: 
     has_dbias = dbias_ref is not None
     # Without a dbias or its sums, no output needs the true dS of a tile.
     gain_later = dropout is not None and not has_dbias and key_sums_ref is None
-    early_release = dkv_releases_early(problem.spec)
+    early_release = problem.plan.dkdv.early_release
     (q_smem, do_smem, stats_smem, bias_smem, mask_smem, k_mine, v_mine, p_tiles, ds_tiles,
      ones) = buffers
     step_loaded, step_consumed, kv_loaded, kv_consumed, exchange = barriers

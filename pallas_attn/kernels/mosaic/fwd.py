@@ -123,7 +123,6 @@ from pallas_attn.kernels.mosaic.config import (
     ROWS_PER_CONSUMER,
     bias_tiles_dtype,
     consumer_registers,
-    forward_loads_q_early,
     forward_output_staging,
     forward_scratch,
     mask_tiles,
@@ -147,7 +146,7 @@ def _kernel(q_ref, k_ref, v_ref, bias_ref, mask_ref, slopes_ref, sinks_ref, leng
     route = problem.plan.forward
     consumers = route.consumers
     rows_n = ROWS_PER_CONSUMER
-    early_q = staging != "q" and forward_loads_q_early(problem.spec)
+    early_q = route.early_q
     walk = Walk(problem, programs, route.block_k, route.num_stages, consumers * rows_n,
                 segments=segments, lengths=lengths, origin=origin)
     wg = lax.axis_index("wg")
