@@ -329,7 +329,8 @@ def wide_shapes() -> list[Shape]:
 
 def decode_shapes() -> list[Shape]:
     """Decoding: one query token per sequence against a cache of S keys (lengths set),
-    GQA 32/8 and MHA, head dims 64 to 256; and a 4-token speculative step."""
+    GQA 32/8 and MHA, head dims 64 to 256 (96: no power of two, contiguous and paged);
+    and a 4-token speculative step."""
     lengths = (("lengths", 0),)
     shapes = [Shape(batch, 1, kv_len, 32, 8, 128, features=lengths)
               for batch, kv_len in ((1, 4096), (1, 32768), (1, 131072), (8, 4096), (8, 32768),
@@ -338,6 +339,8 @@ def decode_shapes() -> list[Shape]:
                Shape(1, 1, 131072, 32, 32, 128, features=lengths),
                Shape(8, 1, 32768, 32, 8, 64, features=lengths),
                Shape(8, 1, 32768, 16, 4, 256, features=lengths),
+               Shape(8, 1, 32768, 32, 8, 96, features=lengths),
+               Shape(8, 1, 32768, 32, 8, 96, features=(*lengths, ("paged", 64))),
                Shape(8, 4, 32768, 32, 8, 128,
                      features=(*lengths, ("causal_bottom_right", None)))]
     shapes += [Shape(8, 1, 32768, 32, 8, 128, features=(*lengths, ("paged", size)))
@@ -547,9 +550,11 @@ def check_shapes(on_device: bool) -> list[Shape]:
         Shape(2, 1000, 1100, 8, 2, 64, False, (("sinks", None), ("softcap", 20.0),
                                                 ("lengths", 300)), dtype="float16"),
         # The decode kernel: one token against ragged lengths with the keys split over
-        # programs (GQA, bf16); a 5-token bottom-right causal chunk with a soft cap and
-        # ALiBi (float16, MQA).
+        # programs (GQA, bf16; at head dim 80 the cache read in place, its tiles' last
+        # head dims and keys past 20000 as zeros); a 5-token bottom-right causal chunk
+        # with a soft cap and ALiBi (float16, MQA).
         Shape(3, 1, 20000, 16, 4, 128, False, (("lengths", 1234),), dtype="bfloat16"),
+        Shape(3, 1, 20000, 16, 4, 80, False, (("lengths", 1234),), dtype="bfloat16"),
         Shape(2, 5, 3000, 8, 1, 64, False, (("causal_bottom_right", None), ("softcap", 20.0),
                                             ("alibi", None)), dtype="float16"),
     ]

@@ -484,9 +484,9 @@ def paged_kernel_refusal(q_len: int, num_heads: int, num_kv_heads: int, head_dim
                          value_head_dim: int) -> str:
     """Why the decode kernel cannot read a paged cache in place, or ""."""
     for name, dim in (("query/key", head_dim), ("value", value_head_dim)):
-        if dim < 16 or dim != next_power_of_2(dim) or dim > MAX_KERNEL_HEAD_DIM:
-            return (f"the paged kernel reads the cache in place and needs power-of-two head "
-                    f"dims from 16 to {MAX_KERNEL_HEAD_DIM}, got {name} {dim}")
+        if dim > MAX_KERNEL_HEAD_DIM:
+            return (f"the paged kernel takes head dims up to {MAX_KERNEL_HEAD_DIM}, got "
+                    f"{name} {dim}")
     rows = q_len * (num_heads // num_kv_heads)
     if rows > DECODE_MAX_ROWS:
         return (f"the paged kernel's tile holds at most {DECODE_MAX_ROWS} query rows "

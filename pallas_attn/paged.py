@@ -180,9 +180,10 @@ def _kernel(spec, implementation, interpret, q, k_cache, v_cache, table, lengths
             jnp.asarray(extra["alibi_slopes"], jnp.float32).reshape(-1, N), (B, N))
     if "sinks" in extra:
         operands["sinks"] = jnp.asarray(extra["sinks"], jnp.float32)
+    q = jnp.pad(q, ((0, 0),) * 3 + ((0, plan.head_dims[0] - H),))  # the pages stay as stored
     out, row_stats = decode.forward(problem, q, k_cache, v_cache, operands)
     lse = problem.logsumexp(*row_stats)
-    return out, jnp.where(lse == jnp.inf, -jnp.inf, lse)
+    return out[..., :Hv], jnp.where(lse == jnp.inf, -jnp.inf, lse)
 
 
 def paged_cache_update(key_cache: jax.Array, value_cache: jax.Array, new_keys: jax.Array,

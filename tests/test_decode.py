@@ -53,7 +53,9 @@ CASES = {
                                  lambda B: dict(key_value_seq_lengths=jnp.array([300, 77, 1]),
                                                 query_seq_lengths=jnp.array([1, 0, 1]),
                                                 sinks=jnp.linspace(-1.0, 2.0, 8))),
-    "mha_softcap_alibi": (dict(B=1, T=3, S=260, N=2, K=2),
+    # Head dims no power of two (24, 80) and 260 keys: the cache read in place, its
+    # tiles past them as zeros (the backward pads it).
+    "mha_softcap_alibi_H24_Hv80": (dict(B=1, T=3, S=260, N=2, K=2, H=24, Hv=80),
                           lambda B: dict(is_causal=True, causal_alignment="bottom_right",
                                          logits_soft_cap=7.0,
                                          alibi_slopes=jnp.array([0.05, 0.3]))),
@@ -149,3 +151,28 @@ def test_splits_merged_in_chunks_with_a_partial_last_chunk(monkeypatch):
     np.testing.assert_allclose(lse, lse_ref, atol=2e-5, rtol=2e-5)
     for got, want in zip(grads, grads_ref, strict=True):
         np.testing.assert_allclose(got, want, atol=2e-5, rtol=2e-5)
+
+
+def _equations(jaxpr):
+    """Every equation of a jaxpr and of the jaxprs inside its equations."""
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for param in eqn.params.values():
+            for sub in param if isinstance(param, (tuple, list)) else (param,):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    yield from _equations(inner)
+
+
+def test_a_decode_step_reads_the_cache_in_place():
+    """No copy of the cache per decode step: head dims no power of two and a length no
+    multiple of the key tile leave K and V as stored (the kernel masks its loads)."""
+    q, k, v, _ = _inputs(B=2, T=1, S=260, N=4, K=2, H=24, Hv=80)
+    call = functools.partial(pallas_attn.dot_product_attention, implementation="pallas",
+                             interpret=True)
+    assert pallas_attn.explain(q, k, v, interpret=True).forward.backend == "decode"
+    jaxpr = jax.make_jaxpr(call)(q, k, v).jaxpr
+    copies = [eqn for eqn in _equations(jaxpr)
+              if any(np.prod(out.aval.shape) >= k.size for out in eqn.outvars)
+              and eqn.primitive.name not in ("pallas_call", "custom_vjp_call", "pjit", "jit")]
+    assert not copies, [eqn.primitive.name for eqn in copies]

@@ -151,8 +151,11 @@ def prepare(spec: AttentionSpec, ops: Operands, plan: Plan):
         kv_pad=kv_pad, head_dim=H, value_head_dim=Hv, dtype=jnp.dtype(q.dtype).name,
         plan=plan, present=tuple(optional), interpret=plan.interpret)
     differentiable = {name: optional.pop(name) for name in ("bias", "sinks") if name in optional}
-    # The decode kernel gathers its rows from the T queries; the backward pads them.
-    qp = _pad_axis(q if plan.forward.backend == "decode" else _pad_axis(q, 1, q_pad), 3, hp)
+    if plan.forward.backend == "decode":
+        # The decode kernel gathers its rows from the T queries and reads the cache in
+        # place (padding it would copy it on every step); the backward pads them.
+        return problem, _pad_axis(q, 3, hp), k, v, differentiable, optional
+    qp = _pad_axis(_pad_axis(q, 1, q_pad), 3, hp)
     kp = _pad_axis(_pad_axis(k, 1, kv_pad), 3, hp)
     vp = _pad_axis(_pad_axis(v, 1, kv_pad), 3, hvp)
     return problem, qp, kp, vp, differentiable, optional
@@ -199,7 +202,8 @@ def gradients(spec: AttentionSpec, ops: Operands, plan: Plan, out: jax.Array, ls
     row_max = _pad_axis(jnp.where(lse == -jnp.inf, jnp.inf, lse * units), 2, problem.q_pad,
                         jnp.inf)
     row_stats = (row_max, jnp.zeros_like(row_max))
-    do = _pad_axis(_pad_axis(d_out.astype(ops.query.dtype), 1, problem.q_pad), 3, vp.shape[-1])
+    do = _pad_axis(_pad_axis(d_out.astype(ops.query.dtype), 1, problem.q_pad), 3,
+                   plan.head_dims[1])
     dq, dk, dv, _ = _backward((problem, False), qp, kp, vp, optional, row_stats, do,
                               _pad_axis(delta, 2, problem.q_pad))
     return dq[:, :T, :, :H], dk[:, :S, :, :H], dv[:, :S, :, :Hv]
@@ -330,10 +334,13 @@ def _run_backward(static: tuple[Problem, bool], q, k, v, operands: dict, row_sta
     back at q's rows). static: (problem, whether the bias needs a gradient)."""
     problem, bias_grad = static
     plan = problem.plan
-    # A decoded forward leaves q, its output and row statistics at T rows: padded here,
-    # and dq returned at q's rows.
-    rows = q.shape[1]
+    # A decoded forward leaves q, its output and row statistics at T rows and K, V as
+    # the caller's: padded here, and the gradients returned at their shapes.
+    rows, keys, hk, hv = q.shape[1], k.shape[1], k.shape[3], v.shape[3]
+    hp, hvp = plan.head_dims
     q, do = (_pad_axis(x, 1, problem.q_pad) for x in (q, do))
+    k = _pad_axis(_pad_axis(k, 1, problem.kv_pad), 3, hp)
+    v = _pad_axis(_pad_axis(v, 1, problem.kv_pad), 3, hvp)
     row_stats = (_pad_axis(row_stats[0], 2, problem.q_pad, jnp.inf),
                  _pad_axis(row_stats[1], 2, problem.q_pad))
     delta = _pad_axis(delta, 2, problem.q_pad)
@@ -391,7 +398,7 @@ def _run_backward(static: tuple[Problem, bool], q, k, v, operands: dict, row_sta
         dbias = mosaic_dbias.dbias(problem, q, k, v, do, stats, bias, slopes)
     elif separate_dbias:
         dbias = triton_dbias.dbias(problem, names, inputs, bias)
-    return dq[:, :rows], dk, dv, dbias
+    return dq[:, :rows], dk[:, :keys, :, :hk], dv[:, :keys, :, :hv], dbias
 
 
 def _scales_ds(problem: Problem, bias_grad: bool) -> bool:

@@ -104,13 +104,27 @@ def decode_kernel(*refs, problem: Problem, names: tuple[str, ...]):
         return table[b, jnp.minimum(lax.div(at, page_size), table.shape[1] - 1)]
 
     def load(name, k0, pages):
+        """A key tile of K or V [block_k, the padded head dim], read in place: head dims
+        past the cache's and keys past an unpadded cache's length come as zeros."""
+        ref = r[name]
+        width = q.shape[-1] if name == "k" else problem.plan.head_dims[1]
+        stored = None  # the keys an unpadded contiguous cache holds
         if not paged:
-            return r[name][b, pl.ds(k0, block_k), kh, :]
-        page_size = r[name].shape[1]
-        if page_size % block_k == 0:
-            return r[name][pages, pl.ds(lax.rem(k0, page_size), block_k), kh, :]
-        at = k0 + lax.broadcasted_iota(jnp.int32, (block_k,), 0)
-        return r[name][pages, lax.rem(at, page_size), kh, :]
+            at, stored = (b, pl.ds(k0, block_k)), ref.shape[1]
+        elif ref.shape[1] % block_k == 0:
+            at = (pages, pl.ds(lax.rem(k0, ref.shape[1]), block_k))
+        else:  # each row from its page
+            at = (pages, lax.rem(k0 + lax.iota(jnp.int32, block_k), ref.shape[1]))
+        if ref.shape[-1] == width and stored in (None, problem.kv_pad):
+            return ref[(*at, kh, slice(None))]
+        tile = (block_k, width)
+        inside = lax.broadcasted_iota(jnp.int32, tile, 1) < ref.shape[-1]
+        if stored not in (None, problem.kv_pad):
+            inside = inside & (k0 + lax.broadcasted_iota(jnp.int32, tile, 0) < stored)
+        dims = pl.ds(0, width)
+        if paged and ref.shape[1] % block_k:  # a gather: every index an array, rows x dims
+            at, dims = (at[0][:, None], at[1][:, None]), lax.iota(jnp.int32, width)[None, :]
+        return plgpu.load(ref.at[(*at, kh, dims)], mask=inside, other=0)
 
     def body(t, carry, masked):
         acc, m_prev, l_prev, pages = carry
@@ -141,7 +155,7 @@ def decode_kernel(*refs, problem: Problem, names: tuple[str, ...]):
         acc = acc + plgpu.dot(prob.astype(v.dtype), v, precision=problem.precision)
         return acc, m_next, l_next, next_pages
 
-    init = (jnp.zeros((R, r["v"].shape[-1]), jnp.float32),
+    init = (jnp.zeros((R, problem.plan.head_dims[1]), jnp.float32),
             jnp.full((R,), MAX_FLOOR, jnp.float32),
             jnp.zeros((R,), jnp.float32), pages_of(lo * block_k))
     acc, m, l_sum, _ = run_tile_loops(lo, hi, full_lo, jnp.clip(full_stop, full_lo, hi), body,
@@ -220,12 +234,14 @@ def _store_rows(r: dict, b, token, head, out, m, log2_sum) -> None:
 def forward(problem: Problem, q: jax.Array, k: jax.Array, v: jax.Array,
             optional: dict[str, jax.Array]) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
     """(out [B, T, N, Hvp], (row_max, log2_sum) [B, N, T]): the forward kernel's results
-    for the T query rows, from q [B, T or more, N, Hp]; k, v [B, S, K, H] or, with
-    optional["page_table"], the caches [pages, size, K, H]. With the keys split over
-    several programs, a second kernel merges their partial results."""
+    for the T query rows, from q [B, T or more, N, Hp] (the plan's padded head dims);
+    k, v [B, S or kv_pad, K, H or Hp] or, with optional["page_table"], the caches
+    [pages, size, K, H]: read in place, never padded (a copy of the whole cache per
+    step). With the keys split over several programs, a second kernel merges their
+    partial results."""
     B, N = q.shape[0], q.shape[2]
     T, K, R = problem.q_len, problem.num_kv_heads, rows(problem)
-    Hvp = v.shape[-1]
+    Hvp = problem.plan.head_dims[1]
     route = problem.plan.forward
     names, inputs = ["q", "k", "v"], [q, k, v]
     for name in (*DECODE_OPERANDS, "page_table"):
