@@ -471,13 +471,17 @@ def ring_implementation(implementation: str | None, interpret: bool) -> str:
     return "pallas" if interpret or on_nvidia_gpu() else "xla_chunked"
 
 
-def paged_implementation(implementation: str | None, interpret: bool, why_not_kernel: str
-                         ) -> str:
+def paged_implementation(implementation: str | None, interpret: bool, why_not_kernel: str,
+                         q_len: int, capacity: int) -> str:
     """paged_attention's implementation: the decode kernel reading the pages in place
-    where it can (why_not_kernel empty), else the reference on the gathered pages."""
+    where it can (why_not_kernel empty), else a jnp path on the gathered pages: the
+    blockwise one where T x capacity reaches the causal CPU default's threshold (no
+    T x S scores), the reference below it."""
     if implementation is not None:
         return implementation
-    return "pallas" if (interpret or on_nvidia_gpu()) and not why_not_kernel else "xla"
+    if (interpret or on_nvidia_gpu()) and not why_not_kernel:
+        return "pallas"
+    return "xla_chunked" if q_len * capacity >= PREFER_CHUNKED_ELEMENTS else "xla"
 
 
 def paged_kernel_refusal(q_len: int, num_heads: int, num_kv_heads: int, head_dim: int,

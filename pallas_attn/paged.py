@@ -54,8 +54,9 @@ def paged_attention(
       scale, logits_soft_cap, local_window_size, alibi_slopes, sinks: as in
         dot_product_attention (ALiBi and the window count cache positions).
       return_residual: also return the logsumexp [B, T, N].
-      implementation: None (the decode kernel on an NVIDIA GPU where it applies, the
-        reference elsewhere), "pallas", "xla" or "xla_chunked".
+      implementation: None (the decode kernel on an NVIDIA GPU where it applies;
+        elsewhere the blockwise path from T x capacity >= 2**20, below it the
+        reference), "pallas", "xla" or "xla_chunked".
       interpret: run the kernel in the Pallas interpreter.
 
     Returns out [B, T, N, Hv] (and the logsumexp). A query whose position is below 0
@@ -108,7 +109,8 @@ def paged_attention(
 
     jax.eval_shape(trace, query, gathered, gathered_v, lengths)
     implementation = dispatch.paged_implementation(
-        implementation, interpret, dispatch.paged_kernel_refusal(T, N, K, H, v_shape[3]))
+        implementation, interpret, dispatch.paged_kernel_refusal(T, N, K, H, v_shape[3]), T,
+        capacity)
     run = _kernel if implementation == "pallas" else _reference
     extra = {name: x for name, x in (("alibi_slopes", alibi_slopes), ("sinks", sinks))
              if x is not None}

@@ -422,6 +422,25 @@ def test_the_default_falls_back_for_head_dims_past_the_kernels():
     np.testing.assert_allclose(got, want, atol=1e-5)
 
 
+def test_the_default_takes_the_blockwise_path_for_long_chunks():
+    """Off the kernel (no GPU here), paged_attention runs the blockwise path where T x
+    capacity reaches 2**20, so a long chunk builds no T x S scores, and the reference
+    below it; the interpreter runs the kernel."""
+    from pallas_attn import dispatch
+
+    assert dispatch.paged_implementation(None, False, "", 1, 4096) == "xla"
+    assert dispatch.paged_implementation(None, False, "", 256, 4096) == "xla_chunked"
+    assert dispatch.paged_implementation(None, True, "", 256, 4096) == "pallas"
+    assert dispatch.paged_implementation("xla", True, "", 256, 4096) == "xla"
+    k_cache, v_cache, table = (jnp.asarray(x) for x in _random_cache(1, 16, 256, 1, 16, seed=9))
+    q = jnp.asarray(np.random.default_rng(9).standard_normal((1, 256, 2, 16)), jnp.float32)
+    lengths = jnp.array([3000], jnp.int32)
+    got = _paged(None, q, k_cache, v_cache, table, lengths)
+    _assert_matches(got, [np.asarray(x, np.float64)
+                          for x in _paged("xla", q, k_cache, v_cache, table, lengths)],
+                    atol=1e-4)
+
+
 def test_cache_update_takes_floating_new_tokens_only():
     k_cache, v_cache, table = (jnp.asarray(x) for x in _random_cache(2, 2, 16, 1, 16))
     new = jnp.ones((2, 1, 1, 16))
