@@ -107,20 +107,21 @@ def decode_kernel(*refs, problem: Problem, names: tuple[str, ...]):
         """A key tile of K or V [block_k, the padded head dim], read in place: head dims
         past the cache's and keys past an unpadded cache's length come as zeros."""
         ref = r[name]
-        width = q.shape[-1] if name == "k" else problem.plan.head_dims[1]
-        stored = None  # the keys an unpadded contiguous cache holds
+        width = problem.plan.head_dims[name == "v"]
+        # A contiguous cache shorter than the padded keys: its last tile runs past its end.
+        short = not paged and ref.shape[1] != problem.kv_pad
         if not paged:
-            at, stored = (b, pl.ds(k0, block_k)), ref.shape[1]
+            at = (b, pl.ds(k0, block_k))
         elif ref.shape[1] % block_k == 0:
             at = (pages, pl.ds(lax.rem(k0, ref.shape[1]), block_k))
         else:  # each row from its page
             at = (pages, lax.rem(k0 + lax.iota(jnp.int32, block_k), ref.shape[1]))
-        if ref.shape[-1] == width and stored in (None, problem.kv_pad):
+        if ref.shape[-1] == width and not short:
             return ref[(*at, kh, slice(None))]
         tile = (block_k, width)
         inside = lax.broadcasted_iota(jnp.int32, tile, 1) < ref.shape[-1]
-        if stored not in (None, problem.kv_pad):
-            inside = inside & (k0 + lax.broadcasted_iota(jnp.int32, tile, 0) < stored)
+        if short:
+            inside = inside & (k0 + lax.broadcasted_iota(jnp.int32, tile, 0) < ref.shape[1])
         dims = pl.ds(0, width)
         if paged and ref.shape[1] % block_k:  # a gather: every index an array, rows x dims
             at, dims = (at[0][:, None], at[1][:, None]), lax.iota(jnp.int32, width)[None, :]
