@@ -426,9 +426,9 @@ def _decode_route(call: Call, device: DeviceInfo, overrides: BlockSizes, interpr
     if others or call.spec.has_dropout:
         why = ("it reads no operand besides q, k, v, ALiBi slopes and lengths, got "
                f"{', '.join(others or ['dropout'])}")
-    elif rows > DECODE_MAX_ROWS:
+    elif rows > DECODE_MAX_ROWS and forced is None:
         why = (f"its tile holds at most {DECODE_MAX_ROWS} query rows (tokens x query heads "
-               f"per kv head), got {rows}")
+               f"per kv head), got {rows}: tiles of them would each read the keys again")
     if why and forced == "decode":
         raise ValueError(f"block_sizes.forward_backend='decode' does not cover this call: {why}")
     if why:
@@ -442,7 +442,8 @@ def _decode_route(call: Call, device: DeviceInfo, overrides: BlockSizes, interpr
     block_k = block_k or DECODE_TILES[0]
     warps = warps or DECODE_TILES[1]
     budget = device.max_shared_memory_per_block
-    rows_pad = max(16, next_power_of_2(rows))
+    rows_pad = min(DECODE_MAX_ROWS, max(16, next_power_of_2(rows)))
+    row_tiles = -(-rows // rows_pad)
     options = (stages,) if stages is not None else (DECODE_TILES[2], 1)
 
     def need(s):
@@ -458,7 +459,7 @@ def _decode_route(call: Call, device: DeviceInfo, overrides: BlockSizes, interpr
     # At most `programs` in all (rounding up left a few multiprocessors a program more
     # than the rest, the whole launch waiting on them).
     splits = max(1, min(key_tiles // DECODE_MIN_TILES_PER_SPLIT,
-                        programs // (call.batch * call.num_kv_heads)))
+                        programs // (call.batch * call.num_kv_heads * row_tiles)))
     return Route("decode", rows_pad, block_k, warps, stages, splits=splits)
 
 
@@ -484,17 +485,12 @@ def paged_implementation(implementation: str | None, interpret: bool, why_not_ke
     return "xla_chunked" if q_len * capacity >= PREFER_CHUNKED_ELEMENTS else "xla"
 
 
-def paged_kernel_refusal(q_len: int, num_heads: int, num_kv_heads: int, head_dim: int,
-                         value_head_dim: int) -> str:
+def paged_kernel_refusal(head_dim: int, value_head_dim: int) -> str:
     """Why the decode kernel cannot read a paged cache in place, or ""."""
     for name, dim in (("query/key", head_dim), ("value", value_head_dim)):
         if dim > MAX_KERNEL_HEAD_DIM:
             return (f"the paged kernel takes head dims up to {MAX_KERNEL_HEAD_DIM}, got "
                     f"{name} {dim}")
-    rows = q_len * (num_heads // num_kv_heads)
-    if rows > DECODE_MAX_ROWS:
-        return (f"the paged kernel's tile holds at most {DECODE_MAX_ROWS} query rows "
-                f"(tokens x query heads per kv head), got {rows}")
     return ""
 
 

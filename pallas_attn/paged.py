@@ -109,8 +109,7 @@ def paged_attention(
 
     jax.eval_shape(trace, query, gathered, gathered_v, lengths)
     implementation = dispatch.paged_implementation(
-        implementation, interpret, dispatch.paged_kernel_refusal(T, N, K, H, v_shape[3]), T,
-        capacity)
+        implementation, interpret, dispatch.paged_kernel_refusal(H, v_shape[3]), T, capacity)
     run = _kernel if implementation == "pallas" else _reference
     extra = {name: x for name, x in (("alibi_slopes", alibi_slopes), ("sinks", sinks))
              if x is not None}
@@ -165,7 +164,7 @@ def _kernel(spec, implementation, interpret, q, k_cache, v_cache, table, lengths
 
     B, T, N, H = q.shape
     page_size, K, Hv = k_cache.shape[1], k_cache.shape[2], v_cache.shape[3]
-    if why := dispatch.paged_kernel_refusal(T, N, K, H, Hv):
+    if why := dispatch.paged_kernel_refusal(H, Hv):
         raise ValueError(f"{why}; use implementation='xla'")
     present = ("key_value_seq_lengths", *extra)
     call = dispatch.Call(spec, B, T, table.shape[1] * page_size, N, K, H, Hv,

@@ -82,6 +82,10 @@ CASES = {
     "spec7_p64_window_softcap": dict(page_size=64, pages=3, B=2, T=7, N=4, K=1,
                                      lengths=(190, 70),
                                      kw=dict(local_window_size=50, logits_soft_cap=9.0)),
+    # Chunked prefill: 40 tokens x 4 query heads per kv head, three tiles of 64 rows
+    # (each reading the keys its tokens see), a sequence shorter than the chunk.
+    "prefill40_p64_row_tiles_gqa": dict(page_size=64, pages=4, B=2, T=40, N=8, K=2,
+                                        lengths=(250, 30)),
     "p256_alibi_mha_short_sequence": dict(page_size=256, pages=2, B=2, T=7, N=2, K=2,
                                           lengths=(400, 3),
                                           kw=dict(alibi_slopes=jnp.array([0.02, 0.1]))),
@@ -340,6 +344,34 @@ def test_paged_kernel_with_keys_split_over_programs(monkeypatch, page_size, page
     assert (np.asarray(out) == 0).all()
     np.testing.assert_array_equal(np.asarray(lse), np.broadcast_to(sinks, (1, 2, 4)))
     assert min(splits) > 1, splits
+
+
+def test_row_tiles_with_keys_split_over_programs(monkeypatch):
+    """More query rows than one tile (20 tokens x 4 heads: two tiles of 64 rows) with the
+    keys split over programs: each split of each tile writes its own rows' partial
+    results, merged per row; with sinks, under a window, against float64."""
+    from pallas_attn import dispatch
+
+    monkeypatch.setattr(dispatch, "DECODE_PROGRAMS_PER_SM", 8)
+    k_cache, v_cache, table = _random_cache(1, 8, 64, 1, 16, seed=6)
+    q = np.random.default_rng(7).standard_normal((1, 20, 4, 16)).astype(np.float32)
+    sinks = np.array([0.5, -1.0, 2.0, 0.0], np.float32)
+    lengths = np.array([500], np.int32)
+    problem = {}
+    from pallas_attn.kernels.triton import decode
+    forward = decode.forward
+
+    def spy(p, *args):
+        problem["plan"] = p.plan
+        return forward(p, *args)
+
+    monkeypatch.setattr(decode, "forward", spy)
+    want = _numpy_paged(q, k_cache, v_cache, table, lengths, window=(300, 0), sinks=sinks)
+    got = _paged("pallas", q, k_cache, v_cache, table, lengths, sinks=sinks,
+                 local_window_size=(300, 0))
+    _assert_matches(got, want)
+    route = problem["plan"].forward
+    assert route.block_q == 64 and route.splits > 1, route
 
 
 def test_float16_large_logits_stay_finite():

@@ -3,12 +3,14 @@
 Decoding (T = 1), speculative decoding and small chunks of prefill leave the
 forward kernel's grid nearly empty: one query tile per (batch, head), and every
 query head of a kv group reading the same K/V again. Here the query rows of one
-kv group, T new tokens times G query heads, form a single tile (row r is token
-r // G of head r % G), so K/V are read once per group; and the keys are split
-across programs (flash-decoding), so a short batch still fills the device.
+kv group, T new tokens times G query heads, form one tile (row r is token r // G of
+head r % G), so K/V are read once per group; more rows than a tile holds (a chunk of
+prefill against a paged cache) form several, each reading the keys its tokens see;
+and the keys are split across programs (flash-decoding), so a short batch still
+fills the device.
 
-Grid (split, batch, kv head). A program gathers its group's rows from q, runs the
-forward's online softmax over its share of the visible key tiles and writes its
+Grid (split and row tile, batch, kv head). A program gathers its tile's rows from q,
+runs the forward's online softmax over its share of the visible key tiles and writes its
 unnormalised accumulator, row reference and row sum; `combine_kernel` merges the
 splits (one program per query row) into the forward's own output and row residuals,
 so the backward kernels run unchanged on a decoded call. With one split the decode
@@ -52,26 +54,27 @@ COMBINE_CHUNK = 64
 COMBINE_WARPS = 4
 
 
-def rows(problem: Problem) -> int:
-    """The tile's query rows: T tokens x G heads, padded to a power of two >= 16."""
-    count = problem.q_len * problem.group
-    return max(16, 1 << (count - 1).bit_length())
+def row_blocks(problem: Problem) -> int:
+    """Tiles of the route's block_q rows that a kv group's T x G query rows fill."""
+    return -(-problem.q_len * problem.group // problem.plan.forward.block_q)
 
 
-def _row_positions(problem: Problem, kh, count: int) -> tuple[jax.Array, jax.Array]:
-    """(token, query head) of each of a tile's `count` rows (token-major, head-minor);
+def _row_positions(problem: Problem, kh, first, count: int) -> tuple[jax.Array, jax.Array]:
+    """(token, query head) of the `count` rows from row `first` (token-major, head-minor);
     rows past T x G repeat the last one, so they compute and store its exact values."""
     G = problem.group
-    row = jnp.minimum(lax.iota(jnp.int32, count), problem.q_len * G - 1)
+    row = jnp.minimum(first + lax.iota(jnp.int32, count), problem.q_len * G - 1)
     return lax.div(row, G), kh * G + lax.rem(row, G)
 
 
 def decode_kernel(*refs, problem: Problem, names: tuple[str, ...]):
     r = name_refs(names, refs)
-    split, b, kh = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     spec, route = problem.spec, problem.plan.forward
-    block_k, R = route.block_k, rows(problem)
-    token, head = _row_positions(problem, kh, R)
+    block_k, R = route.block_k, route.block_q
+    # Program (split and row tile, batch entry, kv head).
+    split, tile = lax.rem(pl.program_id(0), route.splits), lax.div(pl.program_id(0), route.splits)
+    b, kh = pl.program_id(1), pl.program_id(2)
+    token, head = _row_positions(problem, kh, tile * R, R)
     token_col = token[:, None]
     kv_length = (r["key_value_seq_lengths"][b]
                  if problem.has("key_value_seq_lengths") else None)
@@ -81,7 +84,10 @@ def decode_kernel(*refs, problem: Problem, names: tuple[str, ...]):
         q_length=r["query_seq_lengths"][b] if problem.has("query_seq_lengths") else None,
         kv_length=kv_length,
         origin=(kv_length - problem.q_len, 0) if paged else None)
-    first, stop, full_first, full_stop = ctx.key_tiles(0, problem.q_len, block_k)
+    # The keys the tile's tokens can see (its rows span whole tokens but the last).
+    first_token = lax.div(tile * R, problem.group)
+    stop_token = jnp.minimum(lax.div((tile + 1) * R - 1, problem.group) + 1, problem.q_len)
+    first, stop, full_first, full_stop = ctx.key_tiles(first_token, stop_token, block_k)
     per_split = lax.div(stop - first + (route.splits - 1), route.splits)
     lo = jnp.minimum(first + split * per_split, stop)
     hi = jnp.minimum(lo + per_split, stop)
@@ -166,9 +172,10 @@ def decode_kernel(*refs, problem: Problem, names: tuple[str, ...]):
         _store_rows(r, b, token, head,
                     *_normalise(problem, acc, m, l_sum, sink, _past_length(r, b, token)))
         return
-    r["acc"][b, kh, :, split, :] = acc
-    r["part_max"][b, kh, :, split] = m
-    r["part_sum"][b, kh, :, split] = l_sum
+    rows = pl.ds(tile * R, R)
+    r["acc"][b, kh, rows, split, :] = acc
+    r["part_max"][b, kh, rows, split] = m
+    r["part_sum"][b, kh, rows, split] = l_sum
 
 
 def combine_kernel(*refs, problem: Problem, names: tuple[str, ...], chunk: int):
@@ -241,7 +248,8 @@ def forward(problem: Problem, q: jax.Array, k: jax.Array, v: jax.Array,
     step). With the keys split over several programs, a second kernel merges their
     partial results."""
     B, N = q.shape[0], q.shape[2]
-    T, K, R = problem.q_len, problem.num_kv_heads, rows(problem)
+    T, K = problem.q_len, problem.num_kv_heads
+    R = problem.plan.forward.block_q * row_blocks(problem)  # every tile's rows
     Hvp = problem.plan.head_dims[1]
     route = problem.plan.forward
     names, inputs = ["q", "k", "v"], [q, k, v]
@@ -255,8 +263,9 @@ def forward(problem: Problem, q: jax.Array, k: jax.Array, v: jax.Array,
     splits = route.splits
     if splits == 1:
         out, row_max, log2_sum = launch(
-            decode_kernel, problem, (*names, *result_names), inputs, results, (1, B, K),
-            route.num_warps, route.num_stages, "pallas_attn_decode")
+            decode_kernel, problem, (*names, *result_names), inputs, results,
+            (row_blocks(problem), B, K), route.num_warps, route.num_stages,
+            "pallas_attn_decode")
         return out, (row_max, log2_sum)
     chunk = min(COMBINE_CHUNK, next_power_of_2(splits))
     slots = -(-splits // chunk) * chunk  # slots past `splits` are never written or read
@@ -264,7 +273,8 @@ def forward(problem: Problem, q: jax.Array, k: jax.Array, v: jax.Array,
     acc, part_max, part_sum = launch(
         decode_kernel, problem, (*names, "acc", "part_max", "part_sum"), inputs,
         [jax.ShapeDtypeStruct((B, K, R, slots, Hvp), jnp.float32), partial, partial],
-        (splits, B, K), route.num_warps, route.num_stages, "pallas_attn_decode")
+        (splits * row_blocks(problem), B, K), route.num_warps, route.num_stages,
+        "pallas_attn_decode")
     extra = [name for name in ("sinks", "query_seq_lengths") if name in optional]
     merged = [acc, part_max, part_sum, *(optional[name] for name in extra)]
     merged_names = ("acc", "part_max", "part_sum", *extra)
