@@ -330,7 +330,8 @@ def wide_shapes() -> list[Shape]:
 def decode_shapes() -> list[Shape]:
     """Decoding: one query token per sequence against a cache of S keys (lengths set),
     GQA 32/8 and MHA, head dims 64 to 256 (96: no power of two, contiguous and paged);
-    and a 4-token speculative step."""
+    a 4-token speculative step; and a 40-token chunk of prefill against a paged cache
+    (160 query rows per kv group: three tiles of rows)."""
     lengths = (("lengths", 0),)
     shapes = [Shape(batch, 1, kv_len, 32, 8, 128, features=lengths)
               for batch, kv_len in ((1, 4096), (1, 32768), (1, 131072), (8, 4096), (8, 32768),
@@ -346,6 +347,8 @@ def decode_shapes() -> list[Shape]:
     shapes += [Shape(8, 1, 32768, 32, 8, 128, features=(*lengths, ("paged", size)))
                for size in (16, 64, 256)]
     shapes.append(Shape(1, 1, 131072, 32, 8, 128, features=(*lengths, ("paged", 64))))
+    shapes.append(Shape(8, 40, 32768, 32, 8, 128,
+                        features=(*lengths, ("causal_bottom_right", None), ("paged", 64))))
     return shapes
 
 
