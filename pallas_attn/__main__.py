@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 
 
@@ -33,7 +34,10 @@ def main(argv: list[str] | None = None) -> int:
                             "K/V read bandwidth)")
     bench.add_argument("--match", help="only shapes whose label matches this regex (re.search)")
     bench.add_argument("--impl", nargs="+", metavar="NAME",
-                       help="only these implementations: pallas_attn, cudnn, xla")
+                       help="only these implementations: pallas_attn, cudnn, xla, mgpu "
+                            "(JAX's own Mosaic GPU kernel: float16, causal masking only)")
+    bench.add_argument("--dtype", choices=["bfloat16", "float16"],
+                       help="run every shape in this dtype instead of its own")
     bench.add_argument("--json", help="write the rows to this file")
     bench.add_argument("--plot", help="write a TFLOP/s bar chart (PNG) to this file")
     check = sub.add_parser("check", help="kernel numerics vs the reference",
@@ -106,6 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "bench" and not gpu:
         given = [flag for flag, on in (("--plot", args.plot), ("--quick", args.quick),
                                        ("--impl", args.impl), ("--match", args.match),
+                                       ("--dtype", args.dtype),
                                        ("--set", args.set != "standard")) if on]
         if given:
             parser.error(f"{' '.join(given)} time shapes on an NVIDIA GPU; this machine has "
@@ -146,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
             bench_lib.write_json(args.json, rows)
         return 0
     rows = bench_lib.benchmark(shapes, only=only)
-    print(bench_lib.describe_device())
+    print(bench_lib.describe_device() + (f", every shape in {args.dtype}" if args.dtype else ""))
     print(bench_lib.format_table(rows))
     if args.json:
         bench_lib.write_json(args.json, rows)
@@ -158,12 +163,15 @@ def main(argv: list[str] | None = None) -> int:
 def _bench_shapes(args: argparse.Namespace, parser: argparse.ArgumentParser,
                   bench_lib) -> list:
     if args.set == "decode":
-        return _matching(bench_lib.decode_shapes(), args.match, parser, "--set decode")
-    if args.set == "wide":
-        return _matching(bench_lib.wide_shapes(), args.match, parser, "--set wide")
-    shapes = [] if args.set == "features" else bench_lib.standard_shapes(args.quick)
-    if args.set != "standard":
-        shapes += bench_lib.feature_shapes()
+        shapes = bench_lib.decode_shapes()
+    elif args.set == "wide":
+        shapes = bench_lib.wide_shapes()
+    else:
+        shapes = [] if args.set == "features" else bench_lib.standard_shapes(args.quick)
+        if args.set != "standard":
+            shapes += bench_lib.feature_shapes()
+    if args.dtype:
+        shapes = [dataclasses.replace(shape, dtype=args.dtype) for shape in shapes]
     return _matching(shapes, args.match, parser, f"--set {args.set}")
 
 

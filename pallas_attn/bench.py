@@ -137,7 +137,27 @@ def _loss_and_grad(fn: Callable[..., jax.Array], args: dict[str, Any]):
     return lambda q, k, v, bias, ct: step(q, k, v, bias, ct, arrays)
 
 
-IMPLEMENTATIONS = ("pallas_attn", "jax.nn cudnn", "jax.nn xla")
+IMPLEMENTATIONS = ("pallas_attn", "jax.nn cudnn", "jax.nn xla", "jax mgpu")
+
+
+def _jax_mosaic_gpu(q, k, v, *, is_causal: bool = False, **unsupported):
+    """JAX's own Pallas Mosaic GPU attention (sm90; `attention_mgpu`): float16 only, no
+    feature but causal masking, no causal backward. It applies no softmax scale, so the
+    scale is folded into q here (timed with it): without it the nearly one-hot softmax
+    leaves P mostly zero and the tensor cores draw less power, faster by 3-7% on an H200
+    (docs/decisions.md, "JAX's Mosaic GPU attention as a peer")."""
+    from jax.experimental.pallas.ops.gpu import attention_mgpu
+
+    if unsupported:
+        raise NotImplementedError(f"takes no {', '.join(sorted(unsupported))}")
+    head_dim = q.shape[-1]
+    # 64-key tiles at 256 (two slots of 128 do not fit); the backward's best of four
+    # tilings at d128 (H200).
+    config = attention_mgpu.TuningConfig(
+        block_q=64, block_kv=128 if head_dim <= 128 else 64, max_concurrent_steps=2,
+        causal=is_causal, block_q_dkv=64, block_kv_dkv=64, block_q_dq=64, block_kv_dq=64,
+        compute_wgs_bwd=2)
+    return attention_mgpu.attention((q * head_dim ** -0.5).astype(q.dtype), k, v, config)
 
 
 def implementations(interpret: bool) -> dict[str, Callable[..., jax.Array]]:
@@ -149,6 +169,7 @@ def implementations(interpret: bool) -> dict[str, Callable[..., jax.Array]]:
             q, k, v, implementation="cudnn", **kw)
         impls["jax.nn xla"] = lambda q, k, v, **kw: jax.nn.dot_product_attention(
             q, k, v, implementation="xla", **kw)
+        impls["jax mgpu"] = _jax_mosaic_gpu
     return impls
 
 
@@ -189,6 +210,10 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     lines = ["| shape | implementation | fwd ms | fwd TFLOP/s | fwd+bwd ms | fwd+bwd TFLOP/s |",
              "|---|---|---|---|---|---|"]
     for row in rows:
+        if "error" in row and "fwd_ms" in row:  # the forward ran, its gradient failed
+            lines.append(f"| {row['shape']} | {row['impl']} | {row['fwd_ms']:.3f} | "
+                         f"{row['fwd_tflops']:.0f} | fails: {row['error']} | |")
+            continue
         if "error" in row:
             lines.append(f"| {row['shape']} | {row['impl']} | fails: {row['error']} | | | |")
             continue

@@ -63,12 +63,24 @@ def test_tune_needs_a_gpu(capsys):
                                   ["explain", "--heads", "3", "--kv-heads", "2"],
                                   ["check", "--jobs", "0"], ["check", "--shard", "2/2"],
                                   ["check", "--shard", "x"], ["bench", "--set", "wide"],
-                                  ["bench", "--set", "wide", "--match", "H999"]])
+                                  ["bench", "--set", "wide", "--match", "H999"],
+                                  ["bench", "--dtype", "float16"], ["bench", "--dtype", "f8"]])
 def test_bad_arguments_exit_with_usage(argv, capsys):
     with pytest.raises(SystemExit) as e:
         main(argv)
     assert e.value.code == 2
     assert "usage" in capsys.readouterr().err
+
+
+def test_the_mosaic_gpu_peer_refuses_what_it_does_not_compute():
+    """JAX's own Mosaic GPU kernel in the bench takes causal masking only: any other
+    feature fails its row by name rather than being dropped."""
+    import jax.numpy as jnp
+
+    from pallas_attn import bench
+    x = jnp.zeros((1, 128, 1, 64), jnp.float16)
+    with pytest.raises(NotImplementedError, match="takes no bias, logits_soft_cap"):
+        bench._jax_mosaic_gpu(x, x, x, is_causal=True, logits_soft_cap=5.0, bias=x)
 
 
 def test_decode_rows_time_a_loop_of_chained_steps(monkeypatch):
