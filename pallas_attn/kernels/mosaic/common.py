@@ -419,14 +419,13 @@ class Walk:
             def _load(i):
                 slot = self.slot(step + i)
 
-                @pl.when(step + i >= stages)
-                def _wait_released():
-                    plgpu.barrier_wait(k_consumed.at[slot])
-                    plgpu.barrier_wait(v_consumed.at[slot])
-
+                reused = step + i >= stages
                 rows = pl.ds((tiles.first + i) * block_k, block_k)
+                # Each of K and V refills as soon as its own slot is released.
+                pl.when(reused)(lambda: plgpu.barrier_wait(k_consumed.at[slot]))
                 plgpu.copy_gmem_to_smem(k_ref.at[item.b, rows, kh], k_smem.at[slot],
                                         k_loaded.at[slot])
+                pl.when(reused)(lambda: plgpu.barrier_wait(v_consumed.at[slot]))
                 plgpu.copy_gmem_to_smem(v_ref.at[item.b, rows, kh], v_smem.at[slot],
                                         v_loaded.at[slot])
                 if mask is not None:
