@@ -386,7 +386,9 @@ class Walk:
         """The producer: bulk-copies every item's K and V tiles into the ring.
 
         ring: the (k_loaded, v_loaded, k_consumed, v_consumed) barriers, one of each
-        per slot; a slot is refilled once both consumers released it. on_item(item,
+        per slot; a slot's K refills once every consumer released its K (the forward's
+        consumers release K after Q K^T, V after P V), then its V once they released
+        V; the mask's rows land with K after both. on_item(item,
         tiles, steps), if given, runs before each item's copies. mask: (the mask ref
         [B or 1, N or 1, Tp, Sp], its ring [stages, consumers, 64, block_k, or half of it
         where the consumers share the rows]) or None; each consumer's rows (shared: its
@@ -421,7 +423,7 @@ class Walk:
 
                 reused = step + i >= stages
                 rows = pl.ds((tiles.first + i) * block_k, block_k)
-                # Each of K and V refills as soon as its own slot is released.
+                # K first: its copy overlaps the consumers' last products of the slot.
                 pl.when(reused)(lambda: plgpu.barrier_wait(k_consumed.at[slot]))
                 plgpu.copy_gmem_to_smem(k_ref.at[item.b, rows, kh], k_smem.at[slot],
                                         k_loaded.at[slot])
