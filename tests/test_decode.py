@@ -59,6 +59,26 @@ CASES = {
                           lambda B: dict(is_causal=True, causal_alignment="bottom_right",
                                          logits_soft_cap=7.0,
                                          alibi_slopes=jnp.array([0.05, 0.3]))),
+    # Flax's cached decoding: a mask per key ([B, 1, 1, S]) and a bias per head, the keys
+    # split over programs.
+    "mask_per_key_bias_per_head_splits": (
+        dict(B=1, T=1, S=1000, N=4, K=1),
+        lambda B: dict(mask=jax.random.bernoulli(jax.random.key(5), 0.6, (B, 1, 1, 1000)),
+                       bias=jax.random.normal(jax.random.key(6), (1, 4, 1, 1000)))),
+    # A speculative step: a mask and a bias per token and head, gathered row by row,
+    # under bottom-right causal masking; one row masked whole.
+    "tokens_mask_bias_per_row": (
+        dict(B=2, T=3, S=200, N=4, K=2),
+        lambda B: dict(is_causal=True, causal_alignment="bottom_right",
+                       mask=jax.random.bernoulli(jax.random.key(7), 0.5, (B, 4, 3, 200))
+                       .at[1, 2, 0].set(False),
+                       bias=jax.random.normal(jax.random.key(8), (1, 4, 3, 200)),
+                       key_value_seq_lengths=jnp.array([200, 150]))),
+    # A bias broadcast along the keys and a mask shared by the batch entries.
+    "bias_per_row_mask_per_head": (
+        dict(B=2, T=2, S=130, N=4, K=2),
+        lambda B: dict(bias=jax.random.normal(jax.random.key(9), (B, 4, 2, 1)),
+                       mask=jax.random.bernoulli(jax.random.key(10), 0.7, (1, 4, 1, 130)))),
     "chunk_window_qlengths": (dict(B=2, T=7, S=333, N=8, K=8, Hv=32),
                               lambda B: dict(local_window_size=(60, 0), is_causal=True,
                                              causal_alignment="bottom_right",
@@ -108,19 +128,38 @@ def test_rows_without_keys_and_nan_rows():
     assert np.isfinite(np.asarray(out[2, :, :2])).all() and np.isfinite(np.asarray(out[0])).all()
 
 
+def test_keys_a_mask_hides_never_reach_a_result():
+    """NaN keys and values where a per-key mask hides them (left padding in a batch of
+    cached sequences): the results equal those of clean inputs, bit for bit."""
+    q, k, v, _ = _inputs(B=2, T=1, S=700, N=4, K=1)
+    mask = jnp.arange(700)[None, None, None, :] >= jnp.array([0, 333])[:, None, None, None]
+    hidden = ~mask[:, 0, 0, :, None, None]
+    run = jax.jit(lambda q, k, v: pallas_attn.dot_product_attention(
+        q, k, v, mask=mask, interpret=True, return_residual=True))
+    assert pallas_attn.explain(q, k, v, mask=mask, interpret=True).forward.splits > 1
+    clean = run(q, k, v)
+    poisoned = run(q, jnp.where(hidden, jnp.nan, k), jnp.where(hidden, jnp.inf, v))
+    for got, want in zip(poisoned, clean, strict=True):
+        assert np.isfinite(np.asarray(got)).all()
+        np.testing.assert_array_equal(got, want)
+
+
 def test_routing_of_few_query_rows():
     q, k, v, _ = _inputs(B=2, T=1, S=64, N=8, K=2)
-    bias = jnp.zeros((2, 8, 1, 64))
-    plan = pallas_attn.explain(q, k, v, bias, interpret=True)
+    dropout = dict(dropout_rate=0.1, dropout_rng=jax.random.key(1))
+    plan = pallas_attn.explain(q, k, v, interpret=True, **dropout)
     assert plan.forward.backend == "triton"
-    assert any(backend == "decode" and "bias" in why for backend, why in plan.forward.declined)
+    assert any(backend == "decode" and "dropout" in why
+               for backend, why in plan.forward.declined)
+    bias, mask = jnp.zeros((2, 8, 1, 64)), jnp.ones((2, 1, 1, 64), bool)
+    assert pallas_attn.explain(q, k, v, bias, mask, interpret=True).forward.backend == "decode"
     many = _inputs(B=1, T=32, S=64, N=8, K=2)
     assert pallas_attn.explain(*many[:3], interpret=True).forward.backend == "triton"
     forced = pallas_attn.BlockSizes(forward_backend="decode", block_k=32, num_stages=2)
     plan = pallas_attn.explain(q, k, v, interpret=True, block_sizes=forced)
     assert (plan.forward.block_k, plan.forward.num_stages) == (32, 2)
     with pytest.raises(ValueError, match="forward_backend='decode' does not cover"):
-        pallas_attn.explain(q, k, v, bias, interpret=True, block_sizes=forced)
+        pallas_attn.explain(q, k, v, interpret=True, block_sizes=forced, **dropout)
     with pytest.raises(ValueError, match="block_q does not apply"):
         pallas_attn.explain(q, k, v, interpret=True, block_sizes=pallas_attn.BlockSizes(
             forward_backend="decode", block_q=16))

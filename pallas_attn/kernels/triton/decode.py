@@ -9,6 +9,10 @@ prefill against a paged cache) form several, each reading the keys its tokens se
 and the keys are split across programs (flash-decoding), so a short batch still
 fills the device.
 
+A bias or a mask ([B or 1, N or 1, T or 1, S or 1]) is read per key tile beside K,
+gathered row by row where its entries differ by token or head; with a mask every tile
+keeps the NaN of the keys it hides out of its products.
+
 Grid (split and row tile, batch, kv head). A program gathers its tile's rows from q,
 runs the forward's online softmax over its share of the visible key tiles and writes its
 unnormalised accumulator, row reference and row sum; `combine_kernel` merges the
@@ -88,6 +92,8 @@ def decode_kernel(*refs, problem: Problem, names: tuple[str, ...]):
     first_token = lax.div(tile * R, problem.group)
     stop_token = jnp.minimum(lax.div((tile + 1) * R - 1, problem.group) + 1, problem.q_len)
     first, stop, full_first, full_stop = ctx.key_tiles(first_token, stop_token, block_k)
+    if problem.has("mask"):  # any tile may hide keys: each keeps their NaN out
+        full_first = full_stop = first
     per_split = lax.div(stop - first + (route.splits - 1), route.splits)
     lo = jnp.minimum(first + split * per_split, stop)
     hi = jnp.minimum(lo + per_split, stop)
@@ -133,6 +139,22 @@ def decode_kernel(*refs, problem: Problem, names: tuple[str, ...]):
             at, dims = (at[0][:, None], at[1][:, None]), lax.iota(jnp.int32, width)[None, :]
         return plgpu.load(ref.at[(*at, kh, dims)], mask=inside, other=0)
 
+    def entries(name, k0):
+        """The rows' entries of a bias or mask [B or 1, N or 1, T or 1, keys or 1] for
+        key tile k0, broadcasting against the [rows, block_k] scores (a dimension of 1
+        where every row or every key shares them); None without it."""
+        if not problem.has(name):
+            return None
+        ref = r[name]
+        batch = b if ref.shape[0] > 1 else 0
+        keys = pl.ds(k0, block_k) if ref.shape[3] > 1 else pl.ds(0, 1)
+        if ref.shape[1] == ref.shape[2] == 1:
+            return ref[batch, 0, 0, keys][None, :]
+        keys = (k0 + lax.iota(jnp.int32, block_k) if ref.shape[3] > 1
+                else jnp.zeros((1,), jnp.int32))[None, :]
+        return plgpu.load(ref.at[batch, head[:, None] if ref.shape[1] > 1 else 0,
+                                 token_col if ref.shape[2] > 1 else 0, keys])
+
     def body(t, carry, masked):
         acc, m_prev, l_prev, pages = carry
         k0 = t * block_k
@@ -142,8 +164,10 @@ def decode_kernel(*refs, problem: Problem, names: tuple[str, ...]):
         v = load("v", k0, pages) if masked else None
         s = plgpu.dot(q, k, trans_b=True, precision=problem.precision)
         cols = k0 + lax.broadcasted_iota(jnp.int32, (1, block_k), 1)
-        s, _ = logit_scores(problem, s, token_col, cols, slope=slope, tanh=tanh,
-                            offset=ctx.offset)
+        bias = entries("bias", k0)
+        s, _ = logit_scores(problem, s, token_col, cols,
+                            bias=None if bias is None else bias.astype(jnp.float32),
+                            slope=slope, tanh=tanh, offset=ctx.offset)
         if masked:  # a tile the band or the length crosses: hidden keys stay out
             s = s + (nonfinite_rows(k) + nonfinite_rows(v))[None, :]
             keys = k0 + lax.broadcasted_iota(jnp.int32, (block_k, 1), 0)
@@ -153,6 +177,9 @@ def decode_kernel(*refs, problem: Problem, names: tuple[str, ...]):
             token_col, cols, spec, ctx.offset,
             kv_bound=problem.kv_len if problem.kv_pad != problem.kv_len else None,
             q_length=ctx.q_length, kv_length=ctx.kv_length)
+        keep = entries("mask", k0)
+        if keep is not None:
+            visible = keep != 0 if visible is None else visible & (keep != 0)
         if visible is not None:
             s = jnp.where(visible, s, -jnp.inf)
         prob, m_next, l_next, alpha = softmax_step(problem, s, m_prev, l_prev)
