@@ -355,8 +355,8 @@ def wide_shapes() -> list[Shape]:
 def decode_shapes() -> list[Shape]:
     """Decoding: one query token per sequence against a cache of S keys (lengths set),
     GQA 32/8 and MHA, head dims 64 to 256 (96: no power of two, contiguous and paged);
-    a 4-token speculative step; and a 40-token chunk of prefill against a paged cache
-    (160 query rows per kv group: three tiles of rows)."""
+    a 4-token speculative step; a 40-token chunk of prefill against a paged cache
+    (160 query rows per kv group: three tiles of rows); and a mask per key."""
     lengths = (("lengths", 0),)
     shapes = [Shape(batch, 1, kv_len, 32, 8, 128, features=lengths)
               for batch, kv_len in ((1, 4096), (1, 32768), (1, 131072), (8, 4096), (8, 32768),
@@ -374,6 +374,8 @@ def decode_shapes() -> list[Shape]:
     shapes.append(Shape(1, 1, 131072, 32, 8, 128, features=(*lengths, ("paged", 64))))
     shapes.append(Shape(8, 40, 32768, 32, 8, 128,
                         features=(*lengths, ("causal_bottom_right", None), ("paged", 64))))
+    # Flax's cached decoding through attention_fn: a mask per key (1/8 of the keys hidden).
+    shapes.append(Shape(8, 1, 32768, 32, 8, 128, features=(*lengths, ("mask_per_key", None))))
     return shapes
 
 
@@ -583,6 +585,9 @@ def check_shapes(on_device: bool) -> list[Shape]:
         # with a soft cap and ALiBi (float16, MQA).
         Shape(3, 1, 20000, 16, 4, 128, False, (("lengths", 1234),), dtype="bfloat16"),
         Shape(3, 1, 20000, 16, 4, 80, False, (("lengths", 1234),), dtype="bfloat16"),
+        # A mask per key and a bias per head read by the decode kernel, row by row.
+        Shape(3, 1, 20000, 16, 4, 128, False, (("mask_per_key", None), ("bias", None)),
+              dtype="bfloat16"),
         Shape(2, 5, 3000, 8, 1, 64, False, (("causal_bottom_right", None), ("softcap", 20.0),
                                             ("alibi", None)), dtype="float16"),
     ]
