@@ -186,6 +186,10 @@ CASES = {
         sinks=jnp.zeros(8), alibi_slopes=jnp.ones(8), query_seq_lengths=jnp.array([2, 1])),
     "decode_one_split": dict(T=1, S=128, N=8, K=2, H=64,
                              key_value_seq_lengths=jnp.array([100, 7])),
+    # A bias gathered per token and head, a mask shared by a batch entry's rows.
+    "decode_bias_rows_mask_per_key": dict(
+        T=2, S=256, N=8, K=2, H=128, bias=jnp.ones((1, 8, 2, 256), jnp.bfloat16),
+        mask=jnp.ones((2, 1, 1, 256), bool)),
 }
 
 
