@@ -59,7 +59,9 @@ sections=(); [ "${STALLS:-0}" = 1 ] && sections=(--section WarpStateStats)
 csv_out="$OUT/step_kernels_${feature}${dq:+_$dq}$( [ "$causal" = 1 ] && echo _causal)${sections:+_stalls}.csv"
 ncu --clock-control none --cache-control none --profile-from-start off \
   --metrics gpu__time_duration.sum "${sections[@]}" --csv --print-units base \
-  --print-metric-name name python3 "$script" "$feature" "$dq" "$causal" > "$csv_out" 2> /dev/null
+  --print-metric-name name python3 "$script" "$feature" "$dq" "$causal" > "$csv_out" \
+  2> "${csv_out%.csv}.stderr" || { echo "step_kernels.sh: ncu failed, see ${csv_out%.csv}.stderr" >&2
+                                   tail -5 "${csv_out%.csv}.stderr" >&2; exit 1; }
 python3 - "$csv_out" <<'PY'
 import collections, csv, sys
 kernels = collections.defaultdict(dict)
