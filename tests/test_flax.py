@@ -453,6 +453,28 @@ def test_pallas_interpreter_inside_nnx_module():
     _assert_trees_close(g, g_ref, atol=1e-5, rtol=1e-4)
 
 
+def test_flax_decoding_through_attention_fn_runs_the_decode_kernel(monkeypatch):
+    """nnx.MultiHeadAttention's own cached decoding hands attention_fn a mask per key
+    ([B, 1, 1, max_length]): the decode kernel (Pallas interpreter) takes it and every
+    step equals Flax's own attention."""
+    from pallas_attn.kernels.triton import decode
+
+    calls = []
+    kernel = decode.forward
+    monkeypatch.setattr(decode, "forward", lambda *a, **k: calls.append(1) or kernel(*a, **k))
+    fn = functools.partial(paf.attention_fn, implementation="pallas", interpret=True)
+    flax_layer, fused = (nnx.MultiHeadAttention(4, F, num_kv_heads=2, decode=True,
+                                                rngs=nnx.Rngs(0), **kw)
+                         for kw in (dict(), dict(attention_fn=fn)))
+    for layer in (flax_layer, fused):
+        layer.init_cache((B, 5, F))
+    x = _normal(2, (B, 5, F))
+    for i in range(5):
+        np.testing.assert_allclose(fused(x[:, i:i + 1]), flax_layer(x[:, i:i + 1]),
+                                   atol=1e-5, rtol=1e-4)
+    assert len(calls) == 5
+
+
 def test_the_adapter_without_flax_names_the_missing_package():
     import subprocess
     import sys
