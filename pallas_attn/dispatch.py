@@ -424,7 +424,8 @@ def _decode_route(call: Call, device: DeviceInfo, overrides: BlockSizes, interpr
     others = [name for name in call.present if name not in triton.DECODE_OPERANDS]
     why = ""
     if others or call.spec.has_dropout:
-        why = ("it reads no operand besides q, k, v, ALiBi slopes and lengths, got "
+        why = ("it reads no operand besides q, k, v, a bias, a mask, ALiBi slopes, sinks "
+               "and lengths, got "
                f"{', '.join(others or ['dropout'])}")
     elif rows > DECODE_MAX_ROWS and forced is None:
         why = (f"its tile holds at most {DECODE_MAX_ROWS} query rows (tokens x query heads "

@@ -70,7 +70,7 @@ WARPS = (1, 2, 4, 8, 16)
 REPAIR_TILES = (64, 32, 4, 1)
 
 # The optional operands the decode kernel reads (decode.py); the routing table sends
-# a call with any other (a bias, a mask, segments, dropout, an origin) to the forward.
+# a call with any other (segments, dropout, an origin) to the forward.
 DECODE_OPERANDS = ("bias", "mask", "alibi_slopes", "query_seq_lengths", "key_value_seq_lengths",
                    "sinks")
 
