@@ -145,7 +145,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if ok else 1
     if args.set == "decode":
         rows = bench_lib.decode_benchmark(shapes, only=only)
-        print(bench_lib.describe_device())
+        dtype = f", every shape in {args.dtype}" if args.dtype else ""
+        print(bench_lib.describe_device() + dtype)
         print(bench_lib.format_decode_table(rows, bench_lib.copy_bandwidth() / 1e12))
         if args.json:
             bench_lib.write_json(args.json, rows)

@@ -440,6 +440,7 @@ def _decode_route(call: Call, device: DeviceInfo, overrides: BlockSizes, interpr
                          "holds every query row of a kv group)")
     if block_q is not None:
         return f"block_sizes.block_q={block_q} sets the forward kernel's query tile"
+    chosen = forced == "decode" or block_k is not None or stages is not None
     block_k = block_k or DECODE_TILES[0]
     warps = warps or DECODE_TILES[1]
     budget = device.max_shared_memory_per_block
@@ -447,14 +448,18 @@ def _decode_route(call: Call, device: DeviceInfo, overrides: BlockSizes, interpr
     row_tiles = -(-rows // rows_pad)
     options = (stages,) if stages is not None else (DECODE_TILES[2], 1)
 
-    def need(s):
+    def need(s):  # a bias's and a mask's tiles are staged beside K and V
         return triton.shared_memory("forward", (rows_pad, block_k, warps, s), call.head_dim,
-                                    call.value_head_dim, call.dtype)
+                                    call.value_head_dim, call.dtype,
+                                    bias_dtype=call.bias_dtype, has_mask=call.spec.has_mask)
 
     stages = next((s for s in options if need(s) <= budget), options[-1])
     if need(stages) > budget and not interpret:
-        raise ValueError(f"the decode kernel with block_k={block_k} and {stages} stages needs "
-                         f"{need(stages)} bytes of shared memory, over the device's {budget}")
+        why = (f"the decode kernel with block_k={block_k} and {stages} stages needs "
+               f"{need(stages)} bytes of shared memory, over the device's {budget}")
+        if chosen:
+            raise ValueError(why)
+        return why
     key_tiles = -(-call.kv_len // block_k)
     programs = DECODE_PROGRAMS_PER_SM * (2 if interpret else device.num_multiprocessors)
     # At most `programs` in all (rounding up left a few multiprocessors a program more

@@ -270,7 +270,7 @@ def test_the_triton_routes_are_the_ladders_first_fitting_rung(name):
 def _need(plan: pallas_attn.Plan, c: dispatch.Call, role: str) -> int:
     route = plan.route(role)
     hp, hvp = plan.head_dims  # the Mosaic kernels' (whole tiles, or powers of two)
-    if route.backend == "triton":
+    if route.backend in ("triton", "decode"):
         return triton.shared_memory(role, (route.block_q, route.block_k, route.num_warps,
                                            route.num_stages), c.head_dim, c.value_head_dim,
                                     c.dtype, bias_dtype=c.bias_dtype, has_mask=c.spec.has_mask,
@@ -314,6 +314,33 @@ def test_chosen_tiles_fit_every_device(device, dtype):
                     continue
                 assert _need(plan, c, role) <= info.max_shared_memory_per_block, (
                     head_dim, features, role)
+
+
+@pytest.mark.parametrize("device", DEVICES, ids=str)
+def test_decode_routes_fit_with_a_bias_and_a_mask(device):
+    """A decode step's bias and mask tiles sit beside K and V in the decode kernel's
+    shared memory: its stages are chosen with them counted, and where even one stage
+    does not fit (head dims past 128 with a bias or mask tile on 100 KB), the forward
+    kernel runs the call, the reason named; forced, the decode kernel's tiles raise."""
+    info = DEVICES[device]
+    decode = dict(q_len=8, heads=64, kv_heads=8)  # 64 rows per kv group: the largest tile
+    for head_dim in HEAD_DIMS:
+        for features in (dict(), dict(bias_shape=(1, 64, 8, 4096), bias_dtype="float32"),
+                         dict(mask_shape=(4, 64, 8, 4096)),
+                         dict(bias_shape=(4, 64, 8, 4096), mask_shape=(4, 1, 1, 4096))):
+            c = call(head_dim, **decode, **features)
+            plan = dispatch.plan(c, device=info)
+            if plan.forward.backend != "decode":
+                assert head_dim > 128 and features and info.max_shared_memory_per_block < 2 ** 17, (
+                    head_dim, features)
+                assert any(b == "decode" and "shared memory" in why
+                           for b, why in plan.forward.declined)
+                with pytest.raises(ValueError, match="bytes of shared memory"):
+                    dispatch.plan(c, device=info,
+                                  block_sizes=BlockSizes(forward_backend="decode"))
+                continue
+            assert _need(plan, c, "forward") <= info.max_shared_memory_per_block, (
+                head_dim, features)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
