@@ -113,7 +113,10 @@ def prepare(spec: AttentionSpec, ops: Operands, plan: Plan):
     q, k, v = ops.query, ops.key, ops.value
     B, T, N, H = q.shape
     S, K, Hv = k.shape[1], k.shape[2], v.shape[-1]
-    routes = [plan.forward, plan.dkdv, plan.dq, *(() if plan.dbias is None else (plan.dbias,))]
+    # The decode kernel's tiles are rows of tokens x heads over a cache read in place:
+    # only the backward's tiles pad T and S (and the bias and mask with them).
+    routes = [*(() if plan.forward.backend == "decode" else (plan.forward,)), plan.dkdv,
+              plan.dq, *(() if plan.dbias is None else (plan.dbias,))]
     q_tile = max(route.block_q for route in routes)
     kv_tile = max(route.block_k for route in routes)
     q_pad = -(-T // q_tile) * q_tile

@@ -120,8 +120,8 @@ def decode_kernel(*refs, problem: Problem, names: tuple[str, ...]):
         past the cache's and keys past an unpadded cache's length come as zeros."""
         ref = r[name]
         width = problem.plan.head_dims[name == "v"]
-        # A contiguous cache shorter than the padded keys: its last tile runs past its end.
-        short = not paged and ref.shape[1] != problem.kv_pad
+        # A contiguous cache of a partial last tile: that tile runs past its end.
+        short = not paged and ref.shape[1] % block_k != 0
         if not paged:
             at = (b, pl.ds(k0, block_k))
         elif ref.shape[1] % block_k == 0:
@@ -147,13 +147,14 @@ def decode_kernel(*refs, problem: Problem, names: tuple[str, ...]):
             return None
         ref = r[name]
         batch = b if ref.shape[0] > 1 else 0
-        keys = pl.ds(k0, block_k) if ref.shape[3] > 1 else pl.ds(0, 1)
-        if ref.shape[1] == ref.shape[2] == 1:
-            return ref[batch, 0, 0, keys][None, :]
         keys = (k0 + lax.iota(jnp.int32, block_k) if ref.shape[3] > 1
-                else jnp.zeros((1,), jnp.int32))[None, :]
+                else jnp.zeros((1,), jnp.int32))
+        inside = keys < ref.shape[3]  # its keys are padded to the backward's tiles only
+        if ref.shape[1] == ref.shape[2] == 1:
+            return plgpu.load(ref.at[batch, 0, 0, keys], mask=inside, other=0)[None, :]
         return plgpu.load(ref.at[batch, head[:, None] if ref.shape[1] > 1 else 0,
-                                 token_col if ref.shape[2] > 1 else 0, keys])
+                                 token_col if ref.shape[2] > 1 else 0, keys[None, :]],
+                          mask=inside[None, :], other=0)
 
     def body(t, carry, masked):
         acc, m_prev, l_prev, pages = carry
@@ -175,7 +176,7 @@ def decode_kernel(*refs, problem: Problem, names: tuple[str, ...]):
                        else jnp.where(keys < ctx.kv_length, v, jnp.zeros_like(v)))
         visible = scores.visibility(
             token_col, cols, spec, ctx.offset,
-            kv_bound=problem.kv_len if problem.kv_pad != problem.kv_len else None,
+            kv_bound=problem.kv_len if problem.kv_len % block_k else None,
             q_length=ctx.q_length, kv_length=ctx.kv_length)
         keep = entries("mask", k0)
         if keep is not None:
