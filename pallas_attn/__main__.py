@@ -145,20 +145,24 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if ok else 1
     if args.set == "decode":
         rows = bench_lib.decode_benchmark(shapes, only=only)
-        dtype = f", every shape in {args.dtype}" if args.dtype else ""
-        print(bench_lib.describe_device() + dtype)
+        print(_bench_header(args, bench_lib))
         print(bench_lib.format_decode_table(rows, bench_lib.copy_bandwidth() / 1e12))
         if args.json:
             bench_lib.write_json(args.json, rows)
         return 0
     rows = bench_lib.benchmark(shapes, only=only)
-    print(bench_lib.describe_device() + (f", every shape in {args.dtype}" if args.dtype else ""))
+    print(_bench_header(args, bench_lib))
     print(bench_lib.format_table(rows))
     if args.json:
         bench_lib.write_json(args.json, rows)
     if args.plot:
         bench_lib.plot(rows, args.plot)
     return 0
+
+
+def _bench_header(args: argparse.Namespace, bench_lib) -> str:
+    """The device line over a bench table, with the dtype --dtype gave every shape."""
+    return bench_lib.describe_device() + (f", every shape in {args.dtype}" if args.dtype else "")
 
 
 def _bench_shapes(args: argparse.Namespace, parser: argparse.ArgumentParser,

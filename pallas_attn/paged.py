@@ -159,6 +159,7 @@ def _reference(spec, implementation, interpret, q, k_cache, v_cache, table, leng
 
 def _kernel(spec, implementation, interpret, q, k_cache, v_cache, table, lengths, extra):
     """The decode kernel reading the pages in place."""
+    from pallas_attn.kernels import pad_axis
     from pallas_attn.kernels.core import Problem
     from pallas_attn.kernels.triton import decode
 
@@ -181,7 +182,7 @@ def _kernel(spec, implementation, interpret, q, k_cache, v_cache, table, lengths
             jnp.asarray(extra["alibi_slopes"], jnp.float32).reshape(-1, N), (B, N))
     if "sinks" in extra:
         operands["sinks"] = jnp.asarray(extra["sinks"], jnp.float32)
-    q = jnp.pad(q, ((0, 0),) * 3 + ((0, plan.head_dims[0] - H),))  # the pages stay as stored
+    q = pad_axis(q, 3, plan.head_dims[0])  # the pages stay as stored
     out, row_stats = decode.forward(problem, q, k_cache, v_cache, operands)
     lse = problem.logsumexp(*row_stats)
     return out[..., :Hv], jnp.where(lse == jnp.inf, -jnp.inf, lse)

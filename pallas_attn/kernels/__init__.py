@@ -4,6 +4,7 @@ and the custom_vjp that runs a plan's kernels."""
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 
 
 def next_power_of_2(x: int) -> int:
@@ -30,6 +31,15 @@ def mosaic_head_dim(head_dim: int) -> int:
         return padded_head_dim(head_dim)
     step = 16 if head_dim <= 96 else 32
     return -(-head_dim // step) * step
+
+
+def pad_axis(x: jax.Array, axis: int, size: int, value: Any = 0) -> jax.Array:
+    """x padded with `value` at the end of `axis` to `size` (x itself at that size)."""
+    if x.shape[axis] == size:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, size - x.shape[axis])
+    return jnp.pad(x, widths, constant_values=value)
 
 
 def cast_varying_like(results: Any, operands: Any) -> Any:

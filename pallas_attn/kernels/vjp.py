@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 from jax.custom_derivatives import SymbolicZero
 
-from pallas_attn.kernels import padded_head_dim
+from pallas_attn.kernels import pad_axis, padded_head_dim
 from pallas_attn.kernels.core import (
     KERNEL_INPUTS,
     LOG2E,
@@ -57,16 +57,8 @@ from pallas_attn.sharding import per_shard
 from pallas_attn.spec import OPTIONAL_INPUTS, AttentionSpec, Operands
 
 
-def _pad_axis(x: jax.Array, axis: int, size: int, value: Any = 0) -> jax.Array:
-    if x.shape[axis] == size:
-        return x
-    widths = [(0, 0)] * x.ndim
-    widths[axis] = (0, size - x.shape[axis])
-    return jnp.pad(x, widths, constant_values=value)
-
-
 def _power_of_two_heads(x: jax.Array) -> jax.Array:
-    return _pad_axis(x, 3, padded_head_dim(x.shape[3]))
+    return pad_axis(x, 3, padded_head_dim(x.shape[3]))
 
 
 def _repaired_forward(problem: Problem, q, k, v, operands: dict, out: jax.Array,
@@ -132,11 +124,11 @@ def prepare(spec: AttentionSpec, ops: Operands, plan: Plan):
     for name, fill in (("bias", 0), ("mask", False)):
         if name in optional:
             x = optional[name]
-            x = _pad_axis(x, 2, q_pad, fill) if x.shape[2] > 1 else x
-            optional[name] = _pad_axis(x, 3, kv_pad, fill) if x.shape[3] > 1 else x
+            x = pad_axis(x, 2, q_pad, fill) if x.shape[2] > 1 else x
+            optional[name] = pad_axis(x, 3, kv_pad, fill) if x.shape[3] > 1 else x
     if "q_segment_ids" in optional:
-        optional["q_segment_ids"] = _pad_axis(optional["q_segment_ids"], 1, q_pad)
-        optional["kv_segment_ids"] = _pad_axis(optional["kv_segment_ids"], 1, kv_pad)
+        optional["q_segment_ids"] = pad_axis(optional["q_segment_ids"], 1, q_pad)
+        optional["kv_segment_ids"] = pad_axis(optional["kv_segment_ids"], 1, kv_pad)
         # Packed sequences: the Triton kernels skip the key tiles outside each query
         # tile's segments, and the query tiles outside each key tile's.
         optional["key_ranges"], optional["query_ranges"] = segment_ranges(
@@ -157,10 +149,10 @@ def prepare(spec: AttentionSpec, ops: Operands, plan: Plan):
     if plan.forward.backend == "decode":
         # The decode kernel gathers its rows from the T queries and reads the cache in
         # place (padding it would copy it on every step); the backward pads them.
-        return problem, _pad_axis(q, 3, hp), k, v, differentiable, optional
-    qp = _pad_axis(_pad_axis(q, 1, q_pad), 3, hp)
-    kp = _pad_axis(_pad_axis(k, 1, kv_pad), 3, hp)
-    vp = _pad_axis(_pad_axis(v, 1, kv_pad), 3, hvp)
+        return problem, pad_axis(q, 3, hp), k, v, differentiable, optional
+    qp = pad_axis(pad_axis(q, 1, q_pad), 3, hp)
+    kp = pad_axis(pad_axis(k, 1, kv_pad), 3, hp)
+    vp = pad_axis(pad_axis(v, 1, kv_pad), 3, hvp)
     return problem, qp, kp, vp, differentiable, optional
 
 
@@ -202,13 +194,13 @@ def gradients(spec: AttentionSpec, ops: Operands, plan: Plan, out: jax.Array, ls
     # The whole softmax's lse as the row statistics: row maximum lse (in the problem's
     # units), row sum 1; +inf for rows that see no key anywhere.
     units = LOG2E if problem.exp2_factor == 1.0 else 1.0
-    row_max = _pad_axis(jnp.where(lse == -jnp.inf, jnp.inf, lse * units), 2, problem.q_pad,
+    row_max = pad_axis(jnp.where(lse == -jnp.inf, jnp.inf, lse * units), 2, problem.q_pad,
                         jnp.inf)
     row_stats = (row_max, jnp.zeros_like(row_max))
-    do = _pad_axis(_pad_axis(d_out.astype(ops.query.dtype), 1, problem.q_pad), 3,
+    do = pad_axis(pad_axis(d_out.astype(ops.query.dtype), 1, problem.q_pad), 3,
                    plan.head_dims[1])
     dq, dk, dv, _ = _backward((problem, False), qp, kp, vp, optional, row_stats, do,
-                              _pad_axis(delta, 2, problem.q_pad))
+                              pad_axis(delta, 2, problem.q_pad))
     return dq[:, :T, :, :H], dk[:, :S, :, :H], dv[:, :S, :, :Hv]
 
 
@@ -341,12 +333,12 @@ def _run_backward(static: tuple[Problem, bool], q, k, v, operands: dict, row_sta
     # the caller's: padded here, and the gradients returned at their shapes.
     rows, keys, hk, hv = q.shape[1], k.shape[1], k.shape[3], v.shape[3]
     hp, hvp = plan.head_dims
-    q, do = (_pad_axis(x, 1, problem.q_pad) for x in (q, do))
-    k = _pad_axis(_pad_axis(k, 1, problem.kv_pad), 3, hp)
-    v = _pad_axis(_pad_axis(v, 1, problem.kv_pad), 3, hvp)
-    row_stats = (_pad_axis(row_stats[0], 2, problem.q_pad, jnp.inf),
-                 _pad_axis(row_stats[1], 2, problem.q_pad))
-    delta = _pad_axis(delta, 2, problem.q_pad)
+    q, do = (pad_axis(x, 1, problem.q_pad) for x in (q, do))
+    k = pad_axis(pad_axis(k, 1, problem.kv_pad), 3, hp)
+    v = pad_axis(pad_axis(v, 1, problem.kv_pad), 3, hvp)
+    row_stats = (pad_axis(row_stats[0], 2, problem.q_pad, jnp.inf),
+                 pad_axis(row_stats[1], 2, problem.q_pad))
+    delta = pad_axis(delta, 2, problem.q_pad)
     bias = operands.get("bias")
     fused = bias_grad and plan.dbias.fused
     separate_dbias = bias_grad and not fused
@@ -354,7 +346,7 @@ def _run_backward(static: tuple[Problem, bool], q, k, v, operands: dict, row_sta
     origin = origin_of(operands)
     scales = None
     if _scales_ds(problem, bias_grad):
-        do_norms = _pad_axis(operands["do_norms"], 2, problem.q_pad)
+        do_norms = pad_axis(operands["do_norms"], 2, problem.q_pad)
         scales = ds_scales(problem, do_norms, v, delta, lengths, origin)
     row_scales, key_scales = (None, None) if scales is None else scales
     names, inputs = backward_inputs(q, k, v, operands, row_stats, do, delta,
