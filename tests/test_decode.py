@@ -144,6 +144,27 @@ def test_keys_a_mask_hides_never_reach_a_result():
         np.testing.assert_array_equal(got, want)
 
 
+@pytest.mark.parametrize("cap", [None, 5.0])
+def test_visible_non_finite_keys_under_a_mask(cap):
+    """A mask's tiles run uncleaned first: an inf or -inf in a visible key's K (a soft
+    cap would squash its score to a finite one) or an inf in its V still makes NaN rows
+    where the reference does, and a hidden one in the same program changes nothing."""
+    q, k, v, _ = _inputs(B=3, T=1, S=700, N=4, K=2)
+    mask = jnp.arange(700)[None, None, None, :] != jnp.array([5, 9, 11])[:, None, None, None]
+    k = k.at[0, 300, 1, 3].set(jnp.inf).at[1, 650, 0, 0].set(-jnp.inf).at[1, 9, 1].set(jnp.nan)
+    v = v.at[2, 100, 0, 7].set(jnp.inf).at[2, 11, 1].set(jnp.inf)
+    kw = dict(mask=mask, logits_soft_cap=cap)
+    assert pallas_attn.explain(q, k, v, interpret=True, **kw).forward.backend == "decode"
+    got = jax.jit(lambda q, k, v: pallas_attn.dot_product_attention(
+        q, k, v, interpret=True, **kw))(q, k, v)
+    want = jax.jit(lambda q, k, v: pallas_attn.dot_product_attention(
+        q, k, v, implementation="xla", **kw))(q, k, v)
+    nan = np.isnan(np.asarray(want))
+    assert nan[0, :, 2:].all() and nan[1, :, :2].all() and nan[2, :, :2].all()
+    np.testing.assert_array_equal(np.isnan(np.asarray(got)), nan)
+    np.testing.assert_allclose(np.asarray(got)[~nan], np.asarray(want)[~nan], atol=1e-5)
+
+
 def test_routing_of_few_query_rows():
     q, k, v, _ = _inputs(B=2, T=1, S=64, N=8, K=2)
     dropout = dict(dropout_rate=0.1, dropout_rng=jax.random.key(1))

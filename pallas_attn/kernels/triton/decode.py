@@ -10,8 +10,10 @@ and the keys are split across programs (flash-decoding), so a short batch still
 fills the device.
 
 A bias or a mask ([B or 1, N or 1, T or 1, S or 1]) is read per key tile beside K,
-gathered row by row where its entries differ by token or head; with a mask every tile
-keeps the NaN of the keys it hides out of its products.
+gathered row by row where its entries differ by token or head. The tiles a mask crosses
+run as if its hidden keys were finite, marking any non-finite score; a program whose
+marks or accumulator show one runs its tiles again, each keeping the NaN of the keys it
+hides out of its products (a hidden NaN is rare; cleaning every tile doubled a step).
 
 Grid (split and row tile, batch, kv head). A program gathers its tile's rows from q,
 runs the forward's online softmax over its share of the visible key tiles and writes its
@@ -43,7 +45,6 @@ from pallas_attn.kernels.core import (
     finite,
     logit_scores,
     merge_sink,
-    nonfinite_rows,
     run_tile_loops,
     softmax_step,
 )
@@ -92,8 +93,6 @@ def decode_kernel(*refs, problem: Problem, names: tuple[str, ...]):
     first_token = lax.div(tile * R, problem.group)
     stop_token = jnp.minimum(lax.div((tile + 1) * R - 1, problem.group) + 1, problem.q_len)
     first, stop, full_first, full_stop = ctx.key_tiles(first_token, stop_token, block_k)
-    if problem.has("mask"):  # any tile may hide keys: each keeps their NaN out
-        full_first = full_stop = first
     per_split = lax.div(stop - first + (route.splits - 1), route.splits)
     lo = jnp.minimum(first + split * per_split, stop)
     hi = jnp.minimum(lo + per_split, stop)
@@ -157,23 +156,22 @@ def decode_kernel(*refs, problem: Problem, names: tuple[str, ...]):
                           mask=inside[None, :], other=0)
 
     def body(t, carry, masked):
-        acc, m_prev, l_prev, pages = carry
+        acc, m_prev, l_prev, pages, marks = carry
         k0 = t * block_k
         # The next tile's pages are read a step ahead: its K/V loads need not wait on them.
         next_pages = pages_of(k0 + block_k)
         k = load("k", k0, pages)
         v = load("v", k0, pages) if masked else None
         s = plgpu.dot(q, k, trans_b=True, precision=problem.precision)
+        if masked is None:  # a key the mask hides may hold a NaN: marked, not cleaned
+            marks = marks + s * 0.0
         cols = k0 + lax.broadcasted_iota(jnp.int32, (1, block_k), 1)
         bias = entries("bias", k0)
         s, _ = logit_scores(problem, s, token_col, cols,
                             bias=None if bias is None else bias.astype(jnp.float32),
                             slope=slope, tanh=tanh, offset=ctx.offset)
-        if masked:  # a tile the band or the length crosses: hidden keys stay out
-            s = s + (nonfinite_rows(k) + nonfinite_rows(v))[None, :]
-            keys = k0 + lax.broadcasted_iota(jnp.int32, (block_k, 1), 0)
-            v = finite(v if ctx.kv_length is None
-                       else jnp.where(keys < ctx.kv_length, v, jnp.zeros_like(v)))
+        if masked:  # a tile the band, the length or the mask crosses: hidden keys stay out
+            s, v = _nonfinite_keys(problem, s, k, v, k0, ctx.kv_length)
         visible = scores.visibility(
             token_col, cols, spec, ctx.offset,
             kv_bound=problem.kv_len if problem.kv_len % block_k else None,
@@ -188,13 +186,25 @@ def decode_kernel(*refs, problem: Problem, names: tuple[str, ...]):
         if v is None:
             v = load("v", k0, pages)
         acc = acc + plgpu.dot(prob.astype(v.dtype), v, precision=problem.precision)
-        return acc, m_next, l_next, next_pages
+        return acc, m_next, l_next, next_pages, marks
 
     init = (jnp.zeros((R, problem.plan.head_dims[1]), jnp.float32),
             jnp.full((R,), MAX_FLOOR, jnp.float32),
-            jnp.zeros((R,), jnp.float32), pages_of(lo * block_k))
-    acc, m, l_sum, _ = run_tile_loops(lo, hi, full_lo, jnp.clip(full_stop, full_lo, hi), body,
-                                      init)
+            jnp.zeros((R,), jnp.float32), pages_of(lo * block_k),
+            jnp.zeros((R, block_k), jnp.float32) if problem.has("mask") else None)
+    full_hi = jnp.clip(full_stop, full_lo, hi)
+    if problem.has("mask"):
+        # The tiles inside the band run without cleaning the keys the mask hides: where
+        # a score or the accumulator shows a NaN or inf, the program runs its tiles again,
+        # every one cleaned (the forward's `repair`, inside the program).
+        acc, m, l_sum, _, marks = run_tile_loops(lo, hi, full_lo, full_hi, body, init,
+                                                 whole=False)
+        acc, m, l_sum = lax.cond(
+            jnp.isnan(jnp.sum(marks) + jnp.sum(acc * 0.0)),
+            lambda: run_tile_loops(lo, hi, lo, lo, body, init)[:3],
+            lambda: (acc, m, l_sum))
+    else:
+        acc, m, l_sum, _, _ = run_tile_loops(lo, hi, full_lo, full_hi, body, init)
     if route.splits == 1:  # the program holds whole rows: it writes the results
         sink = r["sinks"][head] if problem.has("sinks") else None
         _store_rows(r, b, token, head,
@@ -204,6 +214,26 @@ def decode_kernel(*refs, problem: Problem, names: tuple[str, ...]):
     r["acc"][b, kh, rows, split, :] = acc
     r["part_max"][b, kh, rows, split] = m
     r["part_sum"][b, kh, rows, split] = l_sum
+
+
+def _nonfinite_keys(problem: Problem, s, k, v, k0, kv_length):
+    """(scores, V) of a tile that may hide keys: the score column of a key whose K or V
+    row holds a NaN or inf turns NaN (the visibility rules then hide it from the rows
+    that do not see it) and V's non-finite entries, and the rows past the length, are
+    zeroed where the tile holds any. The marks are products with zero on the tensor
+    cores (0 * inf and 0 * NaN are NaN), so a tile of finite keys costs two small
+    products, not a pass over its K and V."""
+    marks = sum(plgpu.dot(jnp.zeros((s.shape[0], x.shape[1]), x.dtype), x, trans_b=True,
+                          precision=problem.precision) for x in (k, v))
+    s = s + marks
+
+    def clean(v):
+        if kv_length is not None:
+            keys = k0 + lax.broadcasted_iota(jnp.int32, (v.shape[0], 1), 0)
+            v = jnp.where(keys < kv_length, v, jnp.zeros_like(v))
+        return finite(v)
+
+    return s, lax.cond(jnp.isnan(jnp.sum(marks)), clean, lambda v: v, v)
 
 
 def combine_kernel(*refs, problem: Problem, names: tuple[str, ...], chunk: int):
