@@ -210,6 +210,31 @@ def nonfinite_rows(x: jax.Array) -> jax.Array:
     return jnp.sum(jnp.where(jnp.abs(x) < jnp.inf, 0.0, jnp.nan), axis=1)
 
 
+def nonfinite_marks(raw: jax.Array) -> jax.Array:
+    """0 where an entry of the raw product Q K^T is finite, NaN where not (0 x inf and
+    0 x NaN are NaN, on the tensor cores' results too). Added to the scores before the
+    visibility rules, a visible key whose K holds a NaN or inf turns its rows NaN, as the
+    reference's poison does, without a pass over the key tile; a hidden one stays hidden.
+    Its V is not covered: a program that skips `nonfinite_rows` checks its accumulator."""
+    return raw * 0.0
+
+
+def again_cleaned(acc: jax.Array, rest: tuple[Any, ...], rerun: Callable[[], Any],
+                  ran: Any) -> Any:
+    """(acc, *rest), or rerun()'s results where acc holds a NaN or inf after `ran` (any)
+    tiles ran without cleaning the keys their ids or mask hide (`nonfinite_marks`): a
+    hidden V's NaN or inf reaches acc through 0 x NaN; rerun, every tile cleaned, keeps
+    it out (and turns a visible one's inf into the reference's NaN). Branches inside the
+    program: the sum only where such tiles ran."""
+    def keep():
+        return (acc, *rest)
+
+    def check():
+        return jax.lax.cond(jnp.isnan(jnp.sum(acc * 0.0)), rerun, keep)
+
+    return jax.lax.cond(ran, check, keep)
+
+
 def run_tile_loops(first: Any, stop: Any, full_first: Any, full_stop: Any,
                    body: Callable[[Any, Any, bool | None], Any], carry: Any,
                    whole: Any = None) -> Any:

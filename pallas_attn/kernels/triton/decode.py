@@ -11,9 +11,10 @@ fills the device.
 
 A bias or a mask ([B or 1, N or 1, T or 1, S or 1]) is read per key tile beside K,
 gathered row by row where its entries differ by token or head. The tiles a mask crosses
-run as if its hidden keys were finite, marking any non-finite score; a program whose
-marks or accumulator show one runs its tiles again, each keeping the NaN of the keys it
-hides out of its products (a hidden NaN is rare; cleaning every tile doubled a step).
+run as if its hidden keys were finite (`core.nonfinite_marks` for the visible ones'
+K); a program whose accumulator then holds a NaN or inf runs its tiles again, each
+keeping the NaN of the keys it hides out of its products (a hidden NaN is rare;
+cleaning every tile doubled a step).
 
 Grid (split and row tile, batch, kv head). A program gathers its tile's rows from q,
 runs the forward's online softmax over its share of the visible key tiles and writes its
@@ -42,9 +43,11 @@ from pallas_attn.kernels.core import (
     MAX_FLOOR,
     Problem,
     TileRanges,
+    again_cleaned,
     finite,
     logit_scores,
     merge_sink,
+    nonfinite_marks,
     run_tile_loops,
     softmax_step,
 )
@@ -156,22 +159,22 @@ def decode_kernel(*refs, problem: Problem, names: tuple[str, ...]):
                           mask=inside[None, :], other=0)
 
     def body(t, carry, masked):
-        acc, m_prev, l_prev, pages, marks = carry
+        acc, m_prev, l_prev, pages = carry
         k0 = t * block_k
         # The next tile's pages are read a step ahead: its K/V loads need not wait on them.
         next_pages = pages_of(k0 + block_k)
         k = load("k", k0, pages)
         v = load("v", k0, pages) if masked else None
-        s = plgpu.dot(q, k, trans_b=True, precision=problem.precision)
-        if masked is None:  # a key the mask hides may hold a NaN: marked, not cleaned
-            marks = marks + s * 0.0
+        raw = plgpu.dot(q, k, trans_b=True, precision=problem.precision)
         cols = k0 + lax.broadcasted_iota(jnp.int32, (1, block_k), 1)
         bias = entries("bias", k0)
-        s, _ = logit_scores(problem, s, token_col, cols,
+        s, _ = logit_scores(problem, raw, token_col, cols,
                             bias=None if bias is None else bias.astype(jnp.float32),
                             slope=slope, tanh=tanh, offset=ctx.offset)
         if masked:  # a tile the band, the length or the mask crosses: hidden keys stay out
             s, v = _nonfinite_keys(problem, s, k, v, k0, ctx.kv_length)
+        elif masked is None:  # inside the band, a mask's tile: not cleaned (see the end)
+            s = s + nonfinite_marks(raw)
         visible = scores.visibility(
             token_col, cols, spec, ctx.offset,
             kv_bound=problem.kv_len if problem.kv_len % block_k else None,
@@ -186,25 +189,19 @@ def decode_kernel(*refs, problem: Problem, names: tuple[str, ...]):
         if v is None:
             v = load("v", k0, pages)
         acc = acc + plgpu.dot(prob.astype(v.dtype), v, precision=problem.precision)
-        return acc, m_next, l_next, next_pages, marks
+        return acc, m_next, l_next, next_pages
 
     init = (jnp.zeros((R, problem.plan.head_dims[1]), jnp.float32),
             jnp.full((R,), MAX_FLOOR, jnp.float32),
-            jnp.zeros((R,), jnp.float32), pages_of(lo * block_k),
-            jnp.zeros((R, block_k), jnp.float32) if problem.has("mask") else None)
+            jnp.zeros((R,), jnp.float32), pages_of(lo * block_k))
     full_hi = jnp.clip(full_stop, full_lo, hi)
-    if problem.has("mask"):
-        # The tiles inside the band run without cleaning the keys the mask hides: where
-        # a score or the accumulator shows a NaN or inf, the program runs its tiles again,
-        # every one cleaned (the forward's `repair`, inside the program).
-        acc, m, l_sum, _, marks = run_tile_loops(lo, hi, full_lo, full_hi, body, init,
-                                                 whole=False)
-        acc, m, l_sum = lax.cond(
-            jnp.isnan(jnp.sum(marks) + jnp.sum(acc * 0.0)),
-            lambda: run_tile_loops(lo, hi, lo, lo, body, init)[:3],
-            lambda: (acc, m, l_sum))
-    else:
-        acc, m, l_sum, _, _ = run_tile_loops(lo, hi, full_lo, full_hi, body, init)
+    # With a mask the tiles inside the band run without cleaning the keys it hides.
+    acc, m, l_sum, _ = run_tile_loops(lo, hi, full_lo, full_hi, body, init,
+                                      whole=False if problem.has("mask") else None)
+    if problem.has("mask"):  # a hidden V's NaN or inf reached the accumulator: again, cleaned
+        acc, m, l_sum = again_cleaned(acc, (m, l_sum),
+                                      lambda: run_tile_loops(lo, hi, lo, lo, body, init)[:3],
+                                      ran=full_hi > full_lo)
     if route.splits == 1:  # the program holds whole rows: it writes the results
         sink = r["sinks"][head] if problem.has("sinks") else None
         _store_rows(r, b, token, head,
