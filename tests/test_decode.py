@@ -128,11 +128,17 @@ def test_rows_without_keys_and_nan_rows():
     assert np.isfinite(np.asarray(out[2, :, :2])).all() and np.isfinite(np.asarray(out[0])).all()
 
 
-def test_keys_a_mask_hides_never_reach_a_result():
+@pytest.mark.parametrize("padding", ["left", "right"])
+def test_keys_a_mask_hides_never_reach_a_result(padding):
     """NaN keys and values where a per-key mask hides them (left padding in a batch of
-    cached sequences): the results equal those of clean inputs, bit for bit."""
+    cached sequences; right: Flax's cache slots past the current position, the kernel
+    reading only the tiles up to it, and an entry whose mask shows no key): the results
+    equal those of clean inputs, bit for bit."""
     q, k, v, _ = _inputs(B=2, T=1, S=700, N=4, K=1)
-    mask = jnp.arange(700)[None, None, None, :] >= jnp.array([0, 333])[:, None, None, None]
+    keys = jnp.arange(700)[None, None, None, :]
+    # 321 keys: the last visible one alone in its 64-key tile.
+    mask = (keys >= jnp.array([0, 333])[:, None, None, None] if padding == "left"
+            else keys < jnp.array([0, 321])[:, None, None, None])
     hidden = ~mask[:, 0, 0, :, None, None]
     run = jax.jit(lambda q, k, v: pallas_attn.dot_product_attention(
         q, k, v, mask=mask, interpret=True, return_residual=True))
@@ -140,8 +146,12 @@ def test_keys_a_mask_hides_never_reach_a_result():
     clean = run(q, k, v)
     poisoned = run(q, jnp.where(hidden, jnp.nan, k), jnp.where(hidden, jnp.inf, v))
     for got, want in zip(poisoned, clean, strict=True):
-        assert np.isfinite(np.asarray(got)).all()
+        assert not np.isnan(np.asarray(got)).any()
         np.testing.assert_array_equal(got, want)
+    want = jax.jit(lambda q, k, v: pallas_attn.dot_product_attention(
+        q, k, v, mask=mask, implementation="xla", return_residual=True))(q, k, v)
+    for got, ref in zip(clean, want, strict=True):
+        np.testing.assert_allclose(got, ref, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("cap", [None, 5.0])
@@ -163,6 +173,16 @@ def test_visible_non_finite_keys_under_a_mask(cap):
     assert nan[0, :, 2:].all() and nan[1, :, :2].all() and nan[2, :, :2].all()
     np.testing.assert_array_equal(np.isnan(np.asarray(got)), nan)
     np.testing.assert_allclose(np.asarray(got)[~nan], np.asarray(want)[~nan], atol=1e-5)
+
+
+def test_mask_keys():
+    """The keys between the first and the last that a mask shows any row of an entry."""
+    from pallas_attn.kernels.triton.decode import mask_keys
+    mask = np.zeros((3, 2, 2, 40), bool)
+    mask[1, 0, 1, 5] = mask[1, 1, 0, 17] = True
+    mask[2] = True
+    np.testing.assert_array_equal(mask_keys(jnp.asarray(mask)), [[0, 0], [5, 18], [0, 40]])
+    np.testing.assert_array_equal(mask_keys(jnp.asarray(mask[1:2], jnp.int8)), [[5, 18]])
 
 
 def test_routing_of_few_query_rows():

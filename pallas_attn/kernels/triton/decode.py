@@ -95,7 +95,12 @@ def decode_kernel(*refs, problem: Problem, names: tuple[str, ...]):
     # The keys the tile's tokens can see (its rows span whole tokens but the last).
     first_token = lax.div(tile * R, problem.group)
     stop_token = jnp.minimum(lax.div((tile + 1) * R - 1, problem.group) + 1, problem.q_len)
-    first, stop, full_first, full_stop = ctx.key_tiles(first_token, stop_token, block_k)
+    limits = None
+    if "mask_keys" in r:  # the keys from the mask's first visible one to its last
+        at = b if r["mask_keys"].shape[0] > 1 else 0
+        limits = (r["mask_keys"][at, 0], r["mask_keys"][at, 1])
+    first, stop, full_first, full_stop = ctx.key_tiles(first_token, stop_token, block_k,
+                                                       limits=limits)
     per_split = lax.div(stop - first + (route.splits - 1), route.splits)
     lo = jnp.minimum(first + split * per_split, stop)
     hi = jnp.minimum(lo + per_split, stop)
@@ -262,6 +267,18 @@ def combine_kernel(*refs, problem: Problem, names: tuple[str, ...], chunk: int):
                 *_normalise(problem, acc, m, total, sink, _past_length(r, b, token)))
 
 
+def mask_keys(mask: jax.Array) -> jax.Array:
+    """[B or 1, 2] int32: the first key the mask shows to any row of a batch entry and
+    one past the last (0, 0 where it shows none). One small reduction per step, over the
+    mask alone, so that the kernel reads only the tiles between them: Flax's cached
+    decoding hides the cache's slots past the current position with its mask."""
+    seen = jnp.any(mask != 0, axis=(1, 2))  # [B or 1, S]
+    keys = lax.broadcasted_iota(jnp.int32, seen.shape, 1)
+    stop = jnp.max(jnp.where(seen, keys + 1, 0), axis=1)
+    start = jnp.min(jnp.where(seen, keys, seen.shape[1]), axis=1)
+    return jnp.stack([jnp.where(stop > 0, start, 0), stop], axis=1)
+
+
 def _past_length(r: dict, b, token) -> jax.Array | None:
     """Whether each row's token lies past its sequence's query length (None without)."""
     if "query_seq_lengths" not in r:
@@ -312,6 +329,9 @@ def forward(problem: Problem, q: jax.Array, k: jax.Array, v: jax.Array,
         if name in optional:
             names.append(name)
             inputs.append(optional[name])
+    if "mask" in optional and optional["mask"].shape[3] > 1:
+        names.append("mask_keys")
+        inputs.append(mask_keys(optional["mask"]))
     stats = jax.ShapeDtypeStruct((B, N, T), jnp.float32)
     results = [jax.ShapeDtypeStruct((B, T, N, Hvp), q.dtype), stats, stats]
     result_names = ("out", "row_max", "log2_sum")
