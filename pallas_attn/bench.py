@@ -44,9 +44,9 @@ class Shape:
 
     @property
     def label(self) -> str:
-        # Rows of documents and pages name their count / size: the sets hold several.
-        extra = "".join(f" {k}{v}" if k in ("packed", "paged", "mask_documents") else f" {k}"
-                        for k, v in self.features)
+        # Rows of documents, pages and shown keys name their count / size: several per set.
+        counted = ("packed", "paged", "mask_documents", "mask_prefix")
+        extra = "".join(f" {k}{v}" if k in counted else f" {k}" for k, v in self.features)
         gqa = f"/{self.kv_heads}" if self.kv_heads != self.heads else ""
         return (f"B{self.batch} T{self.q_len} S{self.kv_len} N{self.heads}{gqa} "
                 f"H{self.head_dim}{' causal' if self.causal else ''}{extra}")
@@ -82,6 +82,8 @@ def make_inputs(shape: Shape, seed: int = 0) -> dict[str, Any]:
             args["kwargs"]["bias"] = jax.random.normal(keys[4], (B, N, 1, S), dtype)
         elif name == "mask_per_key":  # [B, 1, 1, S]: a key padding mask, 1/8 hidden
             args["kwargs"]["mask"] = jax.random.bernoulli(keys[6], 0.875, (B, 1, 1, S))
+        elif name == "mask_prefix":  # [B, 1, 1, S]: the first `value` keys shown
+            args["kwargs"]["mask"] = jnp.broadcast_to(jnp.arange(S) < int(value), (B, 1, 1, S))
         elif name == "bias_shared_by_heads":  # [B, 1, T, S]
             args["kwargs"]["bias"] = jax.random.normal(keys[4], (B, 1, T, S), dtype)
         elif name == "window":
@@ -356,7 +358,8 @@ def decode_shapes() -> list[Shape]:
     """Decoding: one query token per sequence against a cache of S keys (lengths set),
     GQA 32/8 and MHA, head dims 64 to 256 (96: no power of two, contiguous and paged);
     a 4-token speculative step; a 40-token chunk of prefill against a paged cache
-    (160 query rows per kv group: three tiles of rows); and a mask per key."""
+    (160 query rows per kv group: three tiles of rows); a mask per key, and one that
+    shows the first quarter of the cache."""
     lengths = (("lengths", 0),)
     shapes = [Shape(batch, 1, kv_len, 32, 8, 128, features=lengths)
               for batch, kv_len in ((1, 4096), (1, 32768), (1, 131072), (8, 4096), (8, 32768),
@@ -374,8 +377,10 @@ def decode_shapes() -> list[Shape]:
     shapes.append(Shape(1, 1, 131072, 32, 8, 128, features=(*lengths, ("paged", 64))))
     shapes.append(Shape(8, 40, 32768, 32, 8, 128,
                         features=(*lengths, ("causal_bottom_right", None), ("paged", 64))))
-    # Flax's cached decoding through attention_fn: a mask per key (1/8 of the keys hidden).
+    # Flax's cached decoding through attention_fn: a mask per key (1/8 of the keys hidden);
+    # as Flax builds it, without lengths: the cache past the current position (a quarter).
     shapes.append(Shape(8, 1, 32768, 32, 8, 128, features=(*lengths, ("mask_per_key", None))))
+    shapes.append(Shape(8, 1, 32768, 32, 8, 128, features=(("mask_prefix", 8192),)))
     return shapes
 
 
@@ -429,6 +434,8 @@ def decode_benchmark(shapes: Sequence[Shape], *, log: Callable[[str], None] = pr
         q, k, v, kwargs = args["query"], args["key"], args["value"], args["kwargs"]
         lengths = kwargs.get("key_value_seq_lengths")
         keys = shape.batch * shape.kv_len if lengths is None else int(jnp.sum(lengths))
+        if "mask_prefix" in dict(shape.features):  # the keys the mask shows
+            keys = shape.batch * int(dict(shape.features)["mask_prefix"])
         kv_bytes = keys * shape.kv_heads * 2 * shape.head_dim * jnp.dtype(shape.dtype).itemsize
         page_size = dict(shape.features).get("paged")
         if page_size is not None:
