@@ -158,7 +158,7 @@ def test_keys_a_mask_hides_never_reach_a_result(padding):
 def test_visible_non_finite_keys_under_a_mask(cap):
     """A mask's tiles run uncleaned first: an inf or -inf in a visible key's K (a soft
     cap would squash its score to a finite one) or an inf in its V still makes NaN rows
-    where the reference does, and a hidden one in the same program changes nothing."""
+    where the reference does, and hidden ones (other kv heads' programs) change nothing."""
     q, k, v, _ = _inputs(B=3, T=1, S=700, N=4, K=2)
     mask = jnp.arange(700)[None, None, None, :] != jnp.array([5, 9, 11])[:, None, None, None]
     k = k.at[0, 300, 1, 3].set(jnp.inf).at[1, 650, 0, 0].set(-jnp.inf).at[1, 9, 1].set(jnp.nan)
@@ -173,6 +173,28 @@ def test_visible_non_finite_keys_under_a_mask(cap):
     assert nan[0, :, 2:].all() and nan[1, :, :2].all() and nan[2, :, :2].all()
     np.testing.assert_array_equal(np.isnan(np.asarray(got)), nan)
     np.testing.assert_allclose(np.asarray(got)[~nan], np.asarray(want)[~nan], atol=1e-5)
+
+
+def test_a_program_whose_rows_differ_on_a_non_finite_key():
+    """One program's rows (the four query heads of a kv head) under a mask per head: the
+    heads shown a key whose V holds an inf turn NaN, the heads it is hidden from keep
+    their values, beside a NaN key hidden from all (the rerun, cleaned, sorts them)."""
+    q, k, v, _ = _inputs(B=1, T=1, S=200, N=4, K=1)
+    mask = jnp.ones((1, 4, 1, 200), bool).at[:, 2:, :, 70].set(False).at[..., 130].set(False)
+    v = v.at[0, 70, 0, 5].set(jnp.inf)
+    k = k.at[0, 130, 0, 2].set(jnp.nan)
+    assert pallas_attn.explain(q, k, v, mask=mask, interpret=True).forward.backend == "decode"
+    got = jax.jit(lambda q, k, v: pallas_attn.dot_product_attention(
+        q, k, v, mask=mask, interpret=True, return_residual=True))(q, k, v)
+    want = jax.jit(lambda q, k, v: pallas_attn.dot_product_attention(
+        q, k, v, mask=mask, implementation="xla", return_residual=True))(q, k, v)
+    out, lse = (np.asarray(x) for x in got)
+    assert np.isnan(out[0, 0, :2]).all() and np.isnan(lse[0, 0, :2]).all()
+    for got_x, want_x in zip(got, want, strict=True):
+        got_x, want_x = np.asarray(got_x), np.asarray(want_x)
+        np.testing.assert_array_equal(np.isnan(got_x), np.isnan(want_x))
+        seen = ~np.isnan(want_x)
+        np.testing.assert_allclose(got_x[seen], want_x[seen], atol=1e-5)
 
 
 def test_mask_keys():

@@ -168,10 +168,12 @@ def test_mosaic_kernels_at_head_dim_192(case):
            interpret=True, block_sizes=MOSAIC)
 
 
-@pytest.mark.parametrize("case", ["window", "unseen_rows", "causal_last_row"])
+@pytest.mark.parametrize("case", ["window", "unseen_rows", "causal_last_row", "mask",
+                                  "mask_and_bias_per_key", "mask_causal_last_row"])
 def test_decode_kernel(case):
     """Three query rows against 200 keys (tiles of 64): the window's first tile and the
-    causal band's last tile hide keys."""
+    causal band's last tile hide keys; a mask's tiles inside the band run uncleaned, then
+    again cleaned where the hidden key reached their accumulator."""
     shapes = (2, 3, 200, 2, 16)
     plan = pallas_attn.explain(*(jnp.zeros(s) for s in ((2, 3, 2, 16), (2, 200, 2, 16),
                                                         (2, 200, 2, 16))),

@@ -215,14 +215,15 @@ def nonfinite_marks(raw: jax.Array) -> jax.Array:
     0 x NaN are NaN, on the tensor cores' results too). Added to the scores before the
     visibility rules, a visible key whose K holds a NaN or inf turns its rows NaN, as the
     reference's poison does, without a pass over the key tile; a hidden one stays hidden.
-    Its V is not covered: a program that skips `nonfinite_rows` checks its accumulator."""
+    V is not covered: a program that runs such tiles checks its accumulator
+    (`again_cleaned`)."""
     return raw * 0.0
 
 
 def again_cleaned(acc: jax.Array, rest: tuple[Any, ...], rerun: Callable[[], Any],
                   ran: Any) -> Any:
     """(acc, *rest), or rerun()'s results where acc holds a NaN or inf after `ran` (any)
-    tiles ran without cleaning the keys their ids or mask hide (`nonfinite_marks`): a
+    tiles ran without cleaning the keys a mask (or ids) hides (`nonfinite_marks`): a
     hidden V's NaN or inf reaches acc through 0 x NaN; rerun, every tile cleaned, keeps
     it out (and turns a visible one's inf into the reference's NaN). Branches inside the
     program: the sum only where such tiles ran."""
@@ -240,14 +241,16 @@ def run_tile_loops(first: Any, stop: Any, full_first: Any, full_stop: Any,
                    whole: Any = None) -> Any:
     """Loops tiles [first, stop): body(t, carry, masked) with masked True at the edges
     (the band's rules, the ids and the mask), False in the middle (nothing hidden);
-    where `whole` (`whole_tiles`) is false at run time, None in the middle (the ids and
-    the mask, not the band)."""
+    where `whole` (`whole_tiles`; or the constant False) is false at run time, None in the
+    middle (the ids and the mask, not the band)."""
     def loop(lo, hi, masked, c):
         return lax.fori_loop(lo, hi, lambda t, c: body(t, c, masked), c)
 
     carry = loop(first, full_first, True, carry)
     if whole is None:
         carry = loop(full_first, full_stop, False, carry)
+    elif whole is False:  # never whole: no loop of full tiles is built
+        carry = loop(full_first, full_stop, None, carry)
     else:
         carry = loop(full_first, jnp.where(whole, full_stop, full_first), False, carry)
         carry = loop(full_first, jnp.where(whole, full_first, full_stop), None, carry)

@@ -10,8 +10,8 @@ and the keys are split across programs (flash-decoding), so a short batch still
 fills the device.
 
 A bias or a mask ([B or 1, N or 1, T or 1, S or 1]) is read per key tile beside K,
-gathered row by row where its entries differ by token or head. The tiles a mask crosses
-run as if its hidden keys were finite (`core.nonfinite_marks` for the visible ones'
+gathered row by row where its entries differ by token or head. With a mask the tiles
+inside the band run as if its hidden keys were finite (`core.nonfinite_marks` for the visible ones'
 K); a program whose accumulator then holds a NaN or inf runs its tiles again, each
 keeping the NaN of the keys it hides out of its products (a hidden NaN is rare;
 cleaning every tile doubled a step).
@@ -176,9 +176,9 @@ def decode_kernel(*refs, problem: Problem, names: tuple[str, ...]):
         s, _ = logit_scores(problem, raw, token_col, cols,
                             bias=None if bias is None else bias.astype(jnp.float32),
                             slope=slope, tanh=tanh, offset=ctx.offset)
-        if masked:  # a tile the band, the length or the mask crosses: hidden keys stay out
+        if masked:  # a band's or a length's edge tile, or the rerun: hidden keys stay out
             s, v = _nonfinite_keys(problem, s, k, v, k0, ctx.kv_length)
-        elif masked is None:  # inside the band, a mask's tile: not cleaned (see the end)
+        elif masked is None:  # inside the band with a mask: not cleaned (see the end)
             s = s + nonfinite_marks(raw)
         visible = scores.visibility(
             token_col, cols, spec, ctx.offset,
@@ -204,9 +204,10 @@ def decode_kernel(*refs, problem: Problem, names: tuple[str, ...]):
     acc, m, l_sum, _ = run_tile_loops(lo, hi, full_lo, full_hi, body, init,
                                       whole=False if problem.has("mask") else None)
     if problem.has("mask"):  # a hidden V's NaN or inf reached the accumulator: again, cleaned
-        acc, m, l_sum = again_cleaned(acc, (m, l_sum),
-                                      lambda: run_tile_loops(lo, hi, lo, lo, body, init)[:3],
-                                      ran=full_hi > full_lo)
+        acc, m, l_sum = again_cleaned(
+            acc, (m, l_sum),
+            lambda: lax.fori_loop(lo, hi, lambda t, c: body(t, c, True), init)[:3],
+            ran=full_hi > full_lo)
     if route.splits == 1:  # the program holds whole rows: it writes the results
         sink = r["sinks"][head] if problem.has("sinks") else None
         _store_rows(r, b, token, head,
