@@ -432,12 +432,13 @@ def decode_benchmark(shapes: Sequence[Shape], *, log: Callable[[str], None] = pr
     for shape in shapes:
         args = make_inputs(shape)
         q, k, v, kwargs = args["query"], args["key"], args["value"], args["kwargs"]
+        features = dict(shape.features)
         lengths = kwargs.get("key_value_seq_lengths")
         keys = shape.batch * shape.kv_len if lengths is None else int(jnp.sum(lengths))
-        if "mask_prefix" in dict(shape.features):  # the keys the mask shows
-            keys = shape.batch * int(dict(shape.features)["mask_prefix"])
+        if "mask_prefix" in features:  # the keys the mask shows
+            keys = shape.batch * int(features["mask_prefix"])
         kv_bytes = keys * shape.kv_heads * 2 * shape.head_dim * jnp.dtype(shape.dtype).itemsize
-        page_size = dict(shape.features).get("paged")
+        page_size = features.get("paged")
         if page_size is not None:
             fn, operands = _paged(args, page_size)
             t = time_per_step(fn, *operands)

@@ -11,10 +11,10 @@ fills the device.
 
 A bias or a mask ([B or 1, N or 1, T or 1, S or 1]) is read per key tile beside K,
 gathered row by row where its entries differ by token or head. With a mask the tiles
-inside the band run as if its hidden keys were finite (`core.nonfinite_marks` for the visible ones'
-K); a program whose accumulator then holds a NaN or inf runs its tiles again, each
-keeping the NaN of the keys it hides out of its products (a hidden NaN is rare;
-cleaning every tile doubled a step).
+inside the band run as if its hidden keys were finite (`core.nonfinite_marks` for the
+visible ones' K); a program whose accumulator then holds a NaN or inf runs its tiles
+again, each keeping the NaN of the keys it hides out of its products (a hidden NaN is
+rare, and cleaning every tile costs as much as the step's reads).
 
 Grid (split and row tile, batch, kv head). A program gathers its tile's rows from q,
 runs the forward's online softmax over its share of the visible key tiles and writes its
