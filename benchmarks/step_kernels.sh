@@ -3,7 +3,7 @@
 # B=4, T=S=4096, N=16, d128, bf16), from ncu's gpu__time_duration with clocks and
 # caches left alone. Only the third (warm) call is profiled (cudaProfilerStart/Stop).
 # Usage (repo root, on the GPU machine):
-#   [STALLS=1] [CAUSAL=1] bash benchmarks/step_kernels.sh [FEATURE [DQ]]
+#   [STALLS=1] [COUNTS=1] [CAUSAL=1] bash benchmarks/step_kernels.sh [FEATURE [DQ]]
 #   FEATURE: plain (default), softcap, bias, alibi, mask, dropout, segments, packed4,
 #   packed16 or mask_documents4 (the bench features at d128: a random mask 90% visible,
 #   rate 0.1, ragged ids about 4 per row, K equal documents as ids or as a mask);
@@ -11,6 +11,8 @@
 #   default: the plan's). Every kernel of the step is listed, XLA's fusions included.
 set -uo pipefail
 export PYTHONPATH=. PYTHONUNBUFFERED=1
+# ncu's replayed passes (STALLS=1) need device memory that XLA's preallocation would hold.
+export XLA_PYTHON_CLIENT_PREALLOCATE=false
 OUT=${OUT:-out}; mkdir -p "$OUT"
 feature=${1:-plain}; dq=${2:-}
 case "$feature" in
@@ -53,12 +55,16 @@ runtime.cudaProfilerStart()
 jax.block_until_ready(call())
 runtime.cudaProfilerStop()
 PY
-# STALLS=1: also each kernel's warp stall reasons (ncu's WarpStateStats section),
-# the five largest in cycles per issued instruction.
-sections=(); [ "${STALLS:-0}" = 1 ] && sections=(--section WarpStateStats)
-csv_out="$OUT/step_kernels_${feature}${dq:+_$dq}$( [ "$causal" = 1 ] && echo _causal)${sections:+_stalls}.csv"
+# STALLS=1: also each kernel's warp stall reasons, the five largest in warps stalled per
+# issued instruction (the section WarpStateStats shows only their sum).
+metrics=gpu__time_duration.sum
+[ "${STALLS:-0}" = 1 ] && metrics+=",regex:smsp__average_warps_issue_stalled_.*_per_issue_active\\.ratio"
+# COUNTS=1: also instructions issued, local-memory (spill) bytes loaded and shared-memory
+# load bank conflicts, to tell instruction-bound from spill- or conflict-bound kernels.
+[ "${COUNTS:-0}" = 1 ] && metrics+=",smsp__inst_executed.sum,l1tex__t_bytes_pipe_lsu_mem_local_op_ld.sum,l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_ld.sum"
+csv_out="$OUT/step_kernels_${feature}${dq:+_$dq}$( [ "$causal" = 1 ] && echo _causal)$( [ "${STALLS:-0}" = 1 ] && echo _stalls)$( [ "${COUNTS:-0}" = 1 ] && echo _counts).csv"
 ncu --clock-control none --cache-control none --profile-from-start off \
-  --metrics gpu__time_duration.sum "${sections[@]}" --csv --print-units base \
+  --metrics "$metrics" --csv --print-units base \
   --print-metric-name name python3 "$script" "$feature" "$dq" "$causal" > "$csv_out" \
   2> "${csv_out%.csv}.stderr" || { echo "step_kernels.sh: ncu failed, see ${csv_out%.csv}.stderr" >&2
                                    tail -5 "${csv_out%.csv}.stderr" >&2; exit 1; }
@@ -67,7 +73,7 @@ import collections, csv, sys
 kernels = collections.defaultdict(dict)
 names = {}
 for r in csv.reader(open(sys.argv[1])):
-    if len(r) == 15 and r[0].isdigit():
+    if len(r) >= 15 and r[0].isdigit():
         names[r[0]] = (r[4], r[8])
         try:
             kernels[r[0]][r[12]] = float(r[14].replace(",", ""))
@@ -78,7 +84,12 @@ for kid, metrics in kernels.items():
     us = metrics.get("gpu__time_duration.sum", float("nan")) / 1e3
     total += us
     print(f"{us:9.1f} us  {names[kid][0][:40]:40s} grid {names[kid][1]}")
-    stalls = sorted(((v, k) for k, v in metrics.items() if "issue_stalled" in k), reverse=True)
+    for k in ("smsp__inst_executed.sum", "l1tex__t_bytes_pipe_lsu_mem_local_op_ld.sum",
+              "l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_ld.sum"):
+        if k in metrics:
+            print(f"{'':14s}{metrics[k]:11.4g}  {k}")
+    stalls = sorted(((v, k) for k, v in metrics.items() if "issue_stalled" in k and "not_issued" not in k),
+                    reverse=True)
     for v, k in stalls[:5]:
         print(f"{'':14s}{v:7.2f}  {k}")
 print(f"{total / 1e3:9.3f} ms in {len(kernels)} kernels")
