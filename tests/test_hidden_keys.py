@@ -141,10 +141,12 @@ def test_triton_kernels(case):
 
 
 @pytest.mark.parametrize("case", ["query_lengths", "unseen_rows", "mask_causal_last_row",
-                                  "mask_and_bias_per_key", "bias_per_key_causal_last_row"])
+                                  "mask_and_bias_per_key", "bias_per_key_causal_last_row",
+                                  "mask", "segment"])
 def test_mosaic_kernels(case):
     """The Mosaic forward, dQ and dK/dV kernels, T=100 (padded rows), S=128, head dim 64.
-    The mask and bottom-right causal masking each hide a key in one run; a key padding
+    A mask or other segments hide a key from every row inside the tiles; the mask and
+    bottom-right causal masking each hide a key in one run; a key padding
     mask hides one from every row, with a bias per key and its gradient, which a key
     only the last row sees turns NaN (dS's column sums in the dK/dV kernel). With no
     query row at all (unseen_rows, B=1), no key reaches the output, though nothing
