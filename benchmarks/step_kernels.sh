@@ -11,7 +11,7 @@
 #   default: the plan's). Every kernel of the step is listed, XLA's fusions included.
 set -uo pipefail
 export PYTHONPATH=. PYTHONUNBUFFERED=1
-# ncu's replayed passes (STALLS=1) need device memory that XLA's preallocation would hold.
+# ncu's replayed passes (STALLS=1, COUNTS=1) need device memory XLA's preallocation would hold.
 export XLA_PYTHON_CLIENT_PREALLOCATE=false
 OUT=${OUT:-out}; mkdir -p "$OUT"
 feature=${1:-plain}; dq=${2:-}
@@ -84,12 +84,11 @@ for kid, metrics in kernels.items():
     us = metrics.get("gpu__time_duration.sum", float("nan")) / 1e3
     total += us
     print(f"{us:9.1f} us  {names[kid][0][:40]:40s} grid {names[kid][1]}")
-    for k in ("smsp__inst_executed.sum", "l1tex__t_bytes_pipe_lsu_mem_local_op_ld.sum",
-              "l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_ld.sum"):
-        if k in metrics:
-            print(f"{'':14s}{metrics[k]:11.4g}  {k}")
-    stalls = sorted(((v, k) for k, v in metrics.items() if "issue_stalled" in k and "not_issued" not in k),
-                    reverse=True)
+    for k, v in metrics.items():  # COUNTS=1's
+        if k != "gpu__time_duration.sum" and "issue_stalled" not in k:
+            print(f"{'':14s}{v:11.4g}  {k}")
+    stalls = sorted(((v, k) for k, v in metrics.items()
+                     if "issue_stalled" in k and "not_issued" not in k), reverse=True)
     for v, k in stalls[:5]:
         print(f"{'':14s}{v:7.2f}  {k}")
 print(f"{total / 1e3:9.3f} ms in {len(kernels)} kernels")
