@@ -379,7 +379,7 @@ def _run_backward(static: tuple[Problem, bool], q, k, v, operands: dict, row_sta
         else:
             dq, marks = mosaic_dq.dq(problem, q, k, v, do, dq_stats, bias, slopes,
                                      dq_segments, lengths, dropout_keys, mask, origin)
-        if plan.dq.repair is not None:  # rows a hidden NaN key reached through dS K
+        if plan.dq.repair is not None:  # rows a hidden non-finite key or value reached
             dq = _repaired_dq(problem, names, inputs, dq, marks)
     else:
         dq = triton_dq.dq(problem, names, inputs)

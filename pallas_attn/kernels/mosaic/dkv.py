@@ -70,8 +70,11 @@ With sequence lengths, keys past the length are masked and units past it have no
 (positions past the lengths are zeroed in q, k, v and dO before the call). With a
 boolean mask, each step's slot also holds each consumer's tile of the mask (int8, queries
 by keys: the tiles stay queries by keys, as with a bias) unless the unit's keys are seen
-whole there, and the entries it clears give P = dS = 0. A mask per key (a key padding
-mask) is read from global memory instead, each consumer's keys (`common.KeyRows`).
+whole there, and the entries it clears give P = 0 through the scores, and dS = 0
+where P is (a hidden value's NaN dP; `common.tile_gradient`'s hidden_ds "p": the tile
+is dead once the scores have it), or P = dS = 0 selected again where dS is also a bias's
+gradient. A mask per key (a key padding mask) is read from global memory instead, each
+consumer's keys (`common.KeyRows`).
 
 Scope: the Mosaic kernels' (`config.unsupported`), and a bias gradient for a bias of
 shape [B, N, T, S] or [1, N, T, S] in the inputs' dtype, or one per key of any broadcast
@@ -429,7 +432,8 @@ def _consume(problem: Problem, tiles_of: _Tiles, wg, unit_of, units, add_dbias: 
                 pl.when(at == last_at)(lambda: plgpu.barrier_arrive(kv_consumed))
             prob, ds = tile_gradient(problem, s, dp, bias, residuals, row0, k_own, masked,
                                      slope, ids, ranges.kv_length, keep, query_dim, mask,
-                                     ranges.offset, ranges.q_length, ds_scale, gain_later)
+                                     ranges.offset, ranges.q_length, ds_scale, gain_later,
+                                     "mask" if has_dbias or key_sums_ref is not None else "p")
             parity = lax.rem(at, 2)
             ds_tile = ds_tiles.at[parity]
             p_buf = p_tiles.at[parity] if wide else p_tiles
