@@ -384,9 +384,17 @@ def _run_backward(static: tuple[Problem, bool], q, k, v, operands: dict, row_sta
     else:
         dq = triton_dq.dq(problem, names, inputs)
     if plan.dkdv.backend == "mosaic":
-        dk, dv, dbias = mosaic_dkv.dkdv(problem, q, k, v, do, stats, bias, fused, slopes,
-                                        dbias_first, dkv_segments, lengths, dropout_keys, mask,
-                                        origin, key_scales)
+        def dkdv(finite_rows: bool):
+            return mosaic_dkv.dkdv(problem, q, k, v, do, stats, bias, fused, slopes,
+                                   dbias_first, dkv_segments, lengths, dropout_keys, mask,
+                                   origin, key_scales, finite_rows)
+
+        if fused or (mask is None and not dkv_segments):
+            dk, dv, dbias = dkdv(False)
+        else:  # a row that saw a NaN key has NaN P at its hidden entries: the mask again
+            dk, dv, dbias = jax.lax.cond(
+                jnp.isnan(row_stats[0]).any() | jnp.isnan(row_stats[1]).any(),
+                lambda: dkdv(False), lambda: dkdv(True))
     else:
         dk, dv, dbias = triton_dkdv.dkdv(problem, names, inputs, bias if fused else None)
     if separate_dbias and plan.dbias.backend == "mosaic":

@@ -160,7 +160,7 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, bias_ref, mask_ref, slopes_r
             origin, segments, dropout, scale_ref, dk_ref, dv_ref, dbias_ref, key_sums_ref, smem,
             barriers, *,
             problem: Problem, tiles_of: _Tiles, programs: int, passes: int, add_dbias: bool,
-            first_entry: int):
+            first_entry: int, finite_rows: bool):
     q_smem, do_smem, stats_smem, k_smem, v_smem = (
         smem[name] for name in ("q", "do", "stats", "k", "v"))
     bias_smem, mask_smem, zero_tile = smem["bias"], smem["mask"], smem["zeros"]
@@ -300,6 +300,7 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, bias_ref, mask_ref, slopes_r
             ones[...] = plgpu.layout_cast(jnp.ones(ones.shape, ones.dtype), plgpu.Layout.WGMMA)
             plgpu.commit_smem()
         _consume(problem, tiles_of, wg, unit_of, units, add_dbias, first_entry, passes,
+                 finite_rows,
                  (slopes_ref, dk_ref, dv_ref, dbias_ref, key_sums_ref, segments, dropout,
                   scale_ref, bias_ref if bias_smem is None else None,
                   mask_ref if mask_smem is None else None),
@@ -309,7 +310,7 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, bias_ref, mask_ref, slopes_r
 
 
 def _consume(problem: Problem, tiles_of: _Tiles, wg, unit_of, units, add_dbias: bool,
-             first_entry: int, passes: int, refs, buffers, barriers):
+             first_entry: int, passes: int, finite_rows: bool, refs, buffers, barriers):
     """A consumer's loop over its program's units: dK and dV of its 64 keys per unit
     (wide: of the unit's 64 keys, its half of the head dims); dbias tiles from batch
     entries first_entry on, each pass's additions landed before the next pass's; or,
@@ -317,7 +318,8 @@ def _consume(problem: Problem, tiles_of: _Tiles, wg, unit_of, units, add_dbias: 
     zeros where a unit sees no query): dS^T times `ones` beside dK's product (each of its
     columns the sums), taken per head; scale_ref: float16 dS's powers of two (`core.DsScales`
     key_scales) or None. key_bias / key_mask: a bias / mask per key, read from global
-    memory (`common.KeyRows`), or None."""
+    memory (`common.KeyRows`), or None. finite_rows: no row's residuals hold a NaN, so
+    the mask and the ids reach only the scores (`tile_gradient`'s hidden_ds "p")."""
     (slopes_ref, dk_ref, dv_ref, dbias_ref, key_sums_ref, segments, dropout, scale_ref,
      key_bias, key_mask) = refs
     has_dbias = dbias_ref is not None
@@ -433,7 +435,7 @@ def _consume(problem: Problem, tiles_of: _Tiles, wg, unit_of, units, add_dbias: 
             prob, ds = tile_gradient(problem, s, dp, bias, residuals, row0, k_own, masked,
                                      slope, ids, ranges.kv_length, keep, query_dim, mask,
                                      ranges.offset, ranges.q_length, ds_scale, gain_later,
-                                     "mask" if has_dbias or key_sums_ref is not None else "p")
+                                     "p" if finite_rows else "mask")
             parity = lax.rem(at, 2)
             ds_tile = ds_tiles.at[parity]
             p_buf = p_tiles.at[parity] if wide else p_tiles
@@ -561,8 +563,8 @@ def dkdv(problem: Problem, q: jax.Array, k: jax.Array, v: jax.Array, do: jax.Arr
          slopes: jax.Array | None = None, dbias_first: jax.Array | None = None,
          segments: tuple[jax.Array, ...] = (), lengths: tuple[Any, Any] = (None, None),
          dropout_keys: jax.Array | None = None, mask: jax.Array | None = None,
-         origin: jax.Array | None = None, ds_scale: jax.Array | None = None
-         ) -> tuple[jax.Array, jax.Array, jax.Array | None]:
+         origin: jax.Array | None = None, ds_scale: jax.Array | None = None,
+         finite_rows: bool = False) -> tuple[jax.Array, jax.Array, jax.Array | None]:
     """(dk, dv, dbias or None) for padded inputs; stats: the row residuals
     (`common.row_residuals`); slopes: ALiBi slopes [B, N] or None. bias_grad: also write
     the gradient of the (present) bias (`config.fusable_dbias`). dbias_first: for a bias
@@ -574,7 +576,10 @@ def dkdv(problem: Problem, q: jax.Array, k: jax.Array, v: jax.Array, do: jax.Arr
     (`config.MASK_DTYPE`) or None; origin: the positions of query 0 and key 0 [2] or None;
     ds_scale: with float16, dS's power of two for each unit's keys and its inverse [B, K,
     2, Sp / 128, or 64 at padded head dims above 128] (`core.DsScales` key_scales) or
-    None, not with a bias gradient (dbias is dS itself)."""
+    None, not with a bias gradient (dbias is dS itself). finite_rows: the caller found no
+    NaN among the rows' maxima and sums (`stats`), and no bias gradient is asked for: P
+    is then 0 at every hidden entry, and the mask and the ids are applied to the scores
+    alone (their tile dead before the gradient math)."""
     name = "mosaic.dkv.dkdv"
     if why := unsupported(problem, "dkdv"):
         raise AssertionError(f"{name} called for an unsupported problem: {why}")
@@ -595,6 +600,9 @@ def dkdv(problem: Problem, q: jax.Array, k: jax.Array, v: jax.Array, do: jax.Arr
                              f"mask tiles, and not above head dim 128: {route}")
     if ds_scale is not None and bias_grad:
         raise AssertionError(f"{name} scales no dS that is also the bias's gradient")
+    if finite_rows and bias_grad:
+        raise AssertionError(f"{name} selects P and dS by the mask where dS is a bias's "
+                             "gradient: finite_rows needs bias_grad False")
     # A bias shared by the batch entries gets their dS tiles added into one buffer
     # (dbias_first, else zeros), a mutable operand of the kernel: by one program running
     # an item's batch entries as passes (a fixed order of additions; the interpreter,
@@ -637,7 +645,7 @@ def dkdv(problem: Problem, q: jax.Array, k: jax.Array, v: jax.Array, do: jax.Arr
                                                       origin_ref),
             scale_ref, dk_ref, dv_ref, dbias_ref, sums_ref, smem, barriers, problem=problem,
             tiles_of=tiles_of, programs=programs, passes=passes, add_dbias=add_dbias,
-            first_entry=first_entry))
+            first_entry=first_entry, finite_rows=finite_rows))
 
     programs = problem.plan.programs_for(Sp // tiles_of.unit * KH * (B // passes))
     out_type = [jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)]
