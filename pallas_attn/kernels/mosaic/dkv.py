@@ -73,8 +73,9 @@ by keys: the tiles stay queries by keys, as with a bias) unless the unit's keys 
 whole there, and the entries it clears give P = 0 through the scores, and dS = 0
 where P is (a hidden value's NaN dP; `common.tile_gradient`'s hidden_ds "p": the tile
 is dead once the scores have it), or P = dS = 0 selected again where dS is also a bias's
-gradient. A mask per key (a key padding mask) is read from global memory instead, each
-consumer's keys (`common.KeyRows`).
+gradient or a row's residuals hold a NaN (the backward picks the form per call). A
+mask per key (a key padding mask) is read from global memory instead, each consumer's
+keys (`common.KeyRows`).
 
 Scope: the Mosaic kernels' (`config.unsupported`), and a bias gradient for a bias of
 shape [B, N, T, S] or [1, N, T, S] in the inputs' dtype, or one per key of any broadcast

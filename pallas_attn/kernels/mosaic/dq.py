@@ -41,7 +41,7 @@ before the call); with dropout, dS takes the kept dP (`common.Dropout`); with a
 boolean mask,
 the producer copies each consumer's rows (wide: its keys) of the key tile's mask (int8)
 into the ring slot with K where a consumer reads it (`Walk.stream`), and the entries it
-clears give dS = 0 (`common.mask_tile`). Scope: the Mosaic kernels'
+clears give P = 0 through the scores (`common.mask_tile`). Scope: the Mosaic kernels'
 (`config.unsupported`).
 
 `dq_and_dbias` also starts the gradient of a bias shared by the batch entries: the
@@ -256,8 +256,9 @@ def _consume(problem: Problem, ctx, tiles, step_of, row0, stop, mine: dict, ds_t
     tiles of the item's band there, running every tile of the band (those outside its
     own rows' band masked: dS = 0). segments: the segment ids (of batch entry b) or
     None; dropout: head n's keep decisions or None. repaired: rows whose dQ holds a NaN
-    are marked and recomputed, so dS keeps hidden entries at zero through P alone
-    (`tile_gradient`), except where its tiles are also the bias's gradient."""
+    are marked and recomputed, so dS is not selected again (`tile_gradient`'s hidden_ds
+    "none": a hidden non-finite value leaves a NaN in the row, which the repair redoes),
+    except where its tiles are also the bias's gradient."""
     k_loaded, v_loaded, k_consumed, v_consumed = ring
     turns, exchange = barriers
     bias, mask = streams
