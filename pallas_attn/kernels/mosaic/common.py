@@ -796,11 +796,11 @@ def tile_gradient(problem: Problem, s: jax.Array, dp: jax.Array, bias: jax.Array
     hidden_ds: how the entries the band, the ids or the mask hide (P = 0 there from the
     scores' select) keep a hidden value's NaN dP out of dS. "mask": P and dS are
     selected again, exact zeros even in a row whose residuals are NaN (dS tiles that are
-    also the bias's gradient, a call with a NaN row, a dQ without a repair); "p": dS is
-    zeroed where P is 0, for callers whose rows' residuals are all finite (P is 0 at
-    every hidden entry then); "none": nothing, for a caller whose rows with a NaN are
-    recomputed (`Route.repair`). The mask's tile is dead after the scores' select in the
-    last two."""
+    also the bias's gradient, kernels without a repair); "p": dS is zeroed where P is 0,
+    and a row whose residuals are NaN reaches hidden keys through P, for a dK/dV whose
+    keys holding a NaN are recomputed (`Route.repair`); "none": nothing, for a dQ whose
+    rows holding a NaN are recomputed. The mask's tile is dead after the scores' select
+    in the last two."""
     row_max, log2_sum, delta = residuals
 
     def rows_of(x):
