@@ -180,6 +180,12 @@ def _routes(call: Call, device: DeviceInfo, overrides: BlockSizes, interpret: bo
             if routes[role].backend == "mosaic":
                 routes[role] = dataclasses.replace(
                     routes[role], repair=Route("triton", *triton.REPAIR_TILES))
+        # The Mosaic dK/dV takes the mask and the ids into the scores alone (its mask
+        # tile dead before the gradient math): keys that a row with a NaN or a hidden
+        # non-finite value reached are marked, and a Triton kernel recomputes them.
+        if (call.spec.has_mask or call.spec.has_segments) and routes["dkdv"].backend == "mosaic":
+            routes["dkdv"] = dataclasses.replace(
+                routes["dkdv"], repair=Route("triton", *triton.REPAIR_TILES))
     dbias = (_dbias_route(call, device, overrides, interpret, tiles["dbias"], routes["dkdv"],
                           dims) if call.spec.has_bias else None)
     return routes, dbias

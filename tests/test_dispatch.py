@@ -674,7 +674,8 @@ def test_explain_names_every_role_and_the_reasons():
 
 def test_the_repair_of_marked_rows_is_a_route_of_the_plan():
     """Where keys can be hidden, the Mosaic forward and dQ carry the Triton kernel that
-    recomputes the rows they mark; the plan (and so `explain`) says so, nowhere else."""
+    recomputes the rows they mark, and with a mask or ids the Mosaic dK/dV too; the plan
+    (and so `explain`) says so, nowhere else."""
     q, k, v = _arrays()
     plain = pallas_attn.explain(q, k, v, device=H100)
     assert plain.forward.backend == "mosaic" and plain.forward.repair is None
@@ -686,6 +687,13 @@ def test_the_repair_of_marked_rows_is_a_route_of_the_plan():
         assert route.repair == Route("triton", *triton.REPAIR_TILES), role
     assert causal.dkdv.repair is None
     assert str(causal).count("marked rows recomputed by triton 64x32, 4 warps, 1 stages") == 2
+    # A mask or ids reach the Mosaic dK/dV's scores alone: it marks keys for the repair too.
+    B, T = q.shape[:2]
+    for hiding in (dict(mask=jnp.ones((B, 1, T, T), bool)),
+                   dict(q_segment_ids=jnp.zeros((B, T), jnp.int32))):
+        plan = pallas_attn.explain(q, k, v, device=H100, **hiding)
+        assert plan.dkdv.backend == "mosaic" and plan.dkdv.repair == Route(
+            "triton", *triton.REPAIR_TILES), hiding
     triton_only = pallas_attn.explain(q, k, v, is_causal=True, device=H100,
                                       block_sizes=TRITON_ONLY)
     assert triton_only.forward.repair is None and triton_only.dq.repair is None

@@ -97,6 +97,10 @@ CASES = [
     # so each consumer hashes its positions in registers (`config.with_hash_tables`).
     ("wide_H256_dropout_hashed_in_registers", dict(B=2, T=130, S=200, N=2, H=256), None,
      dict(is_causal=True, dropout_rate=0.2, dropout_rng=jax.random.key(7)), WIDE),
+    # A mask per head and no bias: the mask reaches only the scores, every key is marked
+    # for the repair (none with finite inputs), rows hidden whole, T != S.
+    ("mask_per_head_no_bias_T!=S", dict(B=2, T=100, S=150, N=2), None,
+     dict(mask=random_mask(3, (1, 2, 100, 150), hidden_rows=(7,))), {}),
     # Head dim 256 with a mask per batch entry: the consumers read their tiles of it from
     # global memory (two slots leave no room to stage them); rows hidden whole, GQA.
     ("wide_H256_mask_per_batch_causal_gqa_empty_rows",
@@ -118,12 +122,18 @@ def _kernel_outputs(dtype: str, shapes: dict, bias_shape: tuple | None, kwargs: 
     x = kernel_backward(dtype, shapes, bias_shape, kwargs,
                         dataclasses.replace(MOSAIC_DKV, **blocks), bias_dtype=bias_dtype)
     bias = x.operands.get("bias")
-    mosaic = mosaic_dkv.dkdv(x.problem, x.q, x.k, x.v, x.do, x.stats, bias, bias_grad,
-                             x.operands.get("alibi_slopes"),
-                             segments=segments_of(x.operands, "query_ranges"),
-                             lengths=lengths_of(x.operands),
-                             dropout_keys=x.operands.get("dropout_keys"),
-                             mask=mask_of(x.operands))
+    *mosaic, marks = mosaic_dkv.dkdv(x.problem, x.q, x.k, x.v, x.do, x.stats, bias, bias_grad,
+                                     x.operands.get("alibi_slopes"),
+                                     segments=segments_of(x.operands, "query_ranges"),
+                                     lengths=lengths_of(x.operands),
+                                     dropout_keys=x.operands.get("dropout_keys"),
+                                     mask=mask_of(x.operands))
+    # With a mask or ids and no bias gradient, every key is marked, and none holds NaN
+    # (finite inputs: the repair never runs).
+    assert (marks is None) == (x.problem.plan.dkdv.repair is None or bias_grad)
+    if marks is not None:
+        assert marks.shape[:2] == (x.k.shape[0], x.k.shape[2]) and marks.shape[3] == x.k.shape[1]
+        assert not np.isnan(np.asarray(marks)).any()
     triton_args = x.triton(**TRITON_TILES)
     triton = (*triton_dkdv.dkdv(*triton_args)[:2],
               triton_dbias.dbias(*triton_args, bias) if bias_grad else None)
@@ -171,8 +181,8 @@ def test_mosaic_dkv_adds_the_other_entries_to_dbias_first(shapes, kwargs):
     first = triton_dbias.dbias(*x.first_entry().triton(**tiles), bias)
     args = (x.problem, x.q, x.k, x.v, x.do, x.stats, bias, True,
             x.operands.get("alibi_slopes"))
-    dk, dv, dbias = mosaic_dkv.dkdv(*args, dbias_first=first)
-    dk0, dv0, _ = mosaic_dkv.dkdv(*args)
+    dk, dv, dbias, _ = mosaic_dkv.dkdv(*args, dbias_first=first)
+    dk0, dv0, _, _ = mosaic_dkv.dkdv(*args)
     for a, b in ((dk, dk0), (dv, dv0)):
         np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
     T, S = x.T, x.S

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -77,21 +78,23 @@ def _repaired_forward(problem: Problem, q, k, v, operands: dict, out: jax.Array,
     return jax.lax.cond(jnp.isnan(row_stats[1]).any(), repair, lambda: (out, row_stats))
 
 
-def _repaired_dq(problem: Problem, names: tuple[str, ...], inputs: list, dq: jax.Array,
-                 marks: jax.Array) -> jax.Array:
-    """The Mosaic dQ with its marked rows recomputed by the Triton repair, as
+def _repaired_backward(repair: Callable[..., Any], problem: Problem, names: tuple[str, ...],
+                       inputs: list, results: tuple[jax.Array, ...], marks: jax.Array
+                       ) -> tuple[jax.Array, ...]:
+    """A Mosaic backward kernel's results with its marked rows recomputed by a Triton
+    repair (repair(problem, names, inputs, *results, marks) -> results), as
     `_repaired_forward` does."""
     if all(x.shape[3] == padded_head_dim(x.shape[3]) for x in inputs[:3]):
-        return triton_dq.repair(problem, names, inputs, dq, marks)
+        return repair(problem, names, inputs, *results, marks)
     heads = ("q", "k", "v", "do")
 
-    def repair():
+    def padded_repair():
         padded = [_power_of_two_heads(x) if name in heads else x
                   for name, x in zip(names, inputs, strict=True)]
-        fixed = triton_dq.repair(problem, names, padded, _power_of_two_heads(dq), marks)
-        return fixed[..., :dq.shape[3]]
+        fixed = repair(problem, names, padded, *map(_power_of_two_heads, results), marks)
+        return tuple(x[..., :r.shape[3]] for x, r in zip(fixed, results, strict=True))
 
-    return jax.lax.cond(jnp.isnan(marks).any(), repair, lambda: dq)
+    return jax.lax.cond(jnp.isnan(marks).any(), padded_repair, lambda: tuple(results))
 
 
 def prepare(spec: AttentionSpec, ops: Operands, plan: Plan):
@@ -379,14 +382,18 @@ def _run_backward(static: tuple[Problem, bool], q, k, v, operands: dict, row_sta
         else:
             dq, marks = mosaic_dq.dq(problem, q, k, v, do, dq_stats, bias, slopes,
                                      dq_segments, lengths, dropout_keys, mask, origin)
-        if plan.dq.repair is not None:  # rows a hidden NaN key reached through dS K
-            dq = _repaired_dq(problem, names, inputs, dq, marks)
+        if plan.dq.repair is not None:  # rows a hidden non-finite key or value reached
+            (dq,) = _repaired_backward(lambda *a: (triton_dq.repair(*a),), problem, names,
+                                       inputs, (dq,), marks)
     else:
         dq = triton_dq.dq(problem, names, inputs)
     if plan.dkdv.backend == "mosaic":
-        dk, dv, dbias = mosaic_dkv.dkdv(problem, q, k, v, do, stats, bias, fused, slopes,
-                                        dbias_first, dkv_segments, lengths, dropout_keys, mask,
-                                        origin, key_scales)
+        dk, dv, dbias, marks = mosaic_dkv.dkdv(problem, q, k, v, do, stats, bias, fused,
+                                               slopes, dbias_first, dkv_segments, lengths,
+                                               dropout_keys, mask, origin, key_scales)
+        if marks is not None:  # keys a NaN row or a hidden non-finite value reached
+            dk, dv = _repaired_backward(triton_dkdv.repair, problem, names, inputs,
+                                        (dk, dv), marks)
     else:
         dk, dv, dbias = triton_dkdv.dkdv(problem, names, inputs, bias if fused else None)
     if separate_dbias and plan.dbias.backend == "mosaic":

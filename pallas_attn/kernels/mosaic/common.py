@@ -778,7 +778,7 @@ def tile_gradient(problem: Problem, s: jax.Array, dp: jax.Array, bias: jax.Array
                   segments: tuple[jax.Array, jax.Array] | None = None, kv_length: Any = None,
                   keep: jax.Array | None = None, query_dim: int = 0,
                   mask: jax.Array | None = None, offset: Any = None, q_length: Any = None,
-                  ds_factor: Any = None, gain_later: bool = False
+                  ds_factor: Any = None, gain_later: bool = False, hidden_ds: str = "mask"
                   ) -> tuple[jax.Array, jax.Array]:
     """(P, dS) of a [rows, keys] tile in the WGMMA layout, float32, from the raw
     products s = Q K^T and dp = dO V^T, the tile's bias (or None), the head's ALiBi
@@ -792,7 +792,15 @@ def tile_gradient(problem: Problem, s: jax.Array, dp: jax.Array, bias: jax.Array
     dK, dV and dQ once (one multiply per entry fewer each).
     query_dim 1: every tile is transposed, [keys, rows] (s = K Q^T, dp = V dO^T), and
     so are P and dS. ds_factor: float16 dS's power of two for the tile's keys
-    (`core.ds_scales`) or None; dS comes out times it."""
+    (`core.ds_scales`) or None; dS comes out times it.
+    hidden_ds: how the entries the band, the ids or the mask hide (P = 0 there from the
+    scores' select) keep a hidden value's NaN dP out of dS. "mask": P and dS are
+    selected again, exact zeros even in a row whose residuals are NaN (dS tiles that are
+    also the bias's gradient, kernels without a repair); "p": dS is zeroed where P is 0,
+    and a row whose residuals are NaN reaches hidden keys through P, for a dK/dV whose
+    keys holding a NaN are recomputed (`Route.repair`); "none": nothing, for a dQ whose
+    rows holding a NaN are recomputed. The mask's tile is dead after the scores' select
+    in the last two."""
     row_max, log2_sum, delta = residuals
 
     def rows_of(x):
@@ -828,12 +836,16 @@ def tile_gradient(problem: Problem, s: jax.Array, dp: jax.Array, bias: jax.Array
     if log2_units:
         dp = dp - rows_of(delta)
     ds = prob * dp
-    if masked and band_may_hide(problem, kv_length, q_length):
-        ds = jnp.where(prob == 0.0, 0.0, ds)  # a key the band hides: exact zeros, NaN dP too
+    band = masked and band_may_hide(problem, kv_length, q_length)
+    hides = band or segments is not None or mask is not None
+    if (hidden_ds == "p" and hides) or (hidden_ds == "mask" and band):
+        ds = jnp.where(prob == 0.0, 0.0, ds)  # a hidden key: exact zeros, NaN dP too
     if keep is not None:
         prob = jnp.where(keep, prob if later else prob * problem.dropout_scale, 0.0)
     # A row may carry NaN residuals (a visible key of its was NaN): the entries another
     # segment or the mask hides must still give exact zeros to these keys' dK and dV.
+    if hidden_ds != "mask":
+        return prob, ds
     if segments is not None:
         same = same_segment(segments, s.shape, query_dim)
         prob, ds = jnp.where(same, prob, 0.0), jnp.where(same, ds, 0.0)

@@ -70,8 +70,13 @@ With sequence lengths, keys past the length are masked and units past it have no
 (positions past the lengths are zeroed in q, k, v and dO before the call). With a
 boolean mask, each step's slot also holds each consumer's tile of the mask (int8, queries
 by keys: the tiles stay queries by keys, as with a bias) unless the unit's keys are seen
-whole there, and the entries it clears give P = dS = 0. A mask per key (a key padding
-mask) is read from global memory instead, each consumer's keys (`common.KeyRows`).
+whole there, and the entries it clears give P = 0 through the scores, and dS = 0
+where P is (a hidden value's NaN dP; `common.tile_gradient`'s hidden_ds "p": the tile
+is dead once the scores have it; the keys that a row with NaN residuals or a hidden
+non-finite value reached are marked, and the Triton dK/dV recomputes them), or P = dS
+= 0 selected again where dS is also a bias's gradient. A
+mask per key (a key padding mask) is read from global memory instead, each consumer's
+keys (`common.KeyRows`).
 
 Scope: the Mosaic kernels' (`config.unsupported`), and a bias gradient for a bias of
 shape [B, N, T, S] or [1, N, T, S] in the inputs' dtype, or one per key of any broadcast
@@ -154,7 +159,8 @@ class _Tiles:
 
 
 def _kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, bias_ref, mask_ref, slopes_ref, lengths,
-            origin, segments, dropout, scale_ref, dk_ref, dv_ref, dbias_ref, key_sums_ref, smem,
+            origin, segments, dropout, scale_ref, dk_ref, dv_ref, dbias_ref, key_sums_ref,
+            marks_ref, smem,
             barriers, *,
             problem: Problem, tiles_of: _Tiles, programs: int, passes: int, add_dbias: bool,
             first_entry: int):
@@ -299,7 +305,7 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, bias_ref, mask_ref, slopes_r
         _consume(problem, tiles_of, wg, unit_of, units, add_dbias, first_entry, passes,
                  (slopes_ref, dk_ref, dv_ref, dbias_ref, key_sums_ref, segments, dropout,
                   scale_ref, bias_ref if bias_smem is None else None,
-                  mask_ref if mask_smem is None else None),
+                  mask_ref if mask_smem is None else None, marks_ref),
                  (q_smem, do_smem, stats_smem, bias_smem, mask_smem,
                   k_smem.at[wg], v_smem.at[wg], p_tiles, ds_tiles, ones),
                  (step_loaded, step_consumed, kv_loaded, kv_consumed, barriers["exchange"]))
@@ -314,9 +320,11 @@ def _consume(problem: Problem, tiles_of: _Tiles, wg, unit_of, units, add_dbias: 
     zeros where a unit sees no query): dS^T times `ones` beside dK's product (each of its
     columns the sums), taken per head; scale_ref: float16 dS's powers of two (`core.DsScales`
     key_scales) or None. key_bias / key_mask: a bias / mask per key, read from global
-    memory (`common.KeyRows`), or None."""
+    memory (`common.KeyRows`), or None. marks_ref: [B, K, W, Sp] or None; given, the mask
+    and the ids reach only the scores (`tile_gradient`'s hidden_ds "p") and each key's
+    row sum of its dk and dv (NaN if either holds one) marks it for the repair."""
     (slopes_ref, dk_ref, dv_ref, dbias_ref, key_sums_ref, segments, dropout, scale_ref,
-     key_bias, key_mask) = refs
+     key_bias, key_mask, marks_ref) = refs
     has_dbias = dbias_ref is not None
     # Without a dbias or its sums, no output needs the true dS of a tile.
     gain_later = dropout is not None and not has_dbias and key_sums_ref is None
@@ -429,7 +437,8 @@ def _consume(problem: Problem, tiles_of: _Tiles, wg, unit_of, units, add_dbias: 
                 pl.when(at == last_at)(lambda: plgpu.barrier_arrive(kv_consumed))
             prob, ds = tile_gradient(problem, s, dp, bias, residuals, row0, k_own, masked,
                                      slope, ids, ranges.kv_length, keep, query_dim, mask,
-                                     ranges.offset, ranges.q_length, ds_scale, gain_later)
+                                     ranges.offset, ranges.q_length, ds_scale, gain_later,
+                                     "mask" if marks_ref is None else "p")
             parity = lax.rem(at, 2)
             ds_tile = ds_tiles.at[parity]
             p_buf = p_tiles.at[parity] if wide else p_tiles
@@ -505,6 +514,9 @@ def _consume(problem: Problem, tiles_of: _Tiles, wg, unit_of, units, add_dbias: 
             keys = pl.ds(k0, acc_rows) if wide else pl.ds(k_own, keys_n)
             dk_ref.at[b, keys, kh, dk_cols][...] = (dk * problem.spec.scale).astype(dk_ref.dtype)
             dv_ref.at[b, keys, kh, dv_cols][...] = dv.astype(dv_ref.dtype)
+            if marks_ref is not None:  # a NaN row sum: the repair route redoes its tile
+                marks_ref.at[b, kh, wg if wide else 0, keys][...] = (
+                    jnp.sum(dk, axis=1) + jnp.sum(dv, axis=1))
 
         if copies_dbias and passes > 1:  # additions in the order of the passes
             as_copier(lambda: plgpu.wait_smem_to_gmem(0))
@@ -558,8 +570,8 @@ def dkdv(problem: Problem, q: jax.Array, k: jax.Array, v: jax.Array, do: jax.Arr
          segments: tuple[jax.Array, ...] = (), lengths: tuple[Any, Any] = (None, None),
          dropout_keys: jax.Array | None = None, mask: jax.Array | None = None,
          origin: jax.Array | None = None, ds_scale: jax.Array | None = None
-         ) -> tuple[jax.Array, jax.Array, jax.Array | None]:
-    """(dk, dv, dbias or None) for padded inputs; stats: the row residuals
+         ) -> tuple[jax.Array, jax.Array, jax.Array | None, jax.Array | None]:
+    """(dk, dv, dbias or None, marks or None) for padded inputs; stats: the row residuals
     (`common.row_residuals`); slopes: ALiBi slopes [B, N] or None. bias_grad: also write
     the gradient of the (present) bias (`config.fusable_dbias`). dbias_first: for a bias
     shared by the batch entries, batch entry 0's part of its gradient
@@ -570,7 +582,11 @@ def dkdv(problem: Problem, q: jax.Array, k: jax.Array, v: jax.Array, do: jax.Arr
     (`config.MASK_DTYPE`) or None; origin: the positions of query 0 and key 0 [2] or None;
     ds_scale: with float16, dS's power of two for each unit's keys and its inverse [B, K,
     2, Sp / 128, or 64 at padded head dims above 128] (`core.DsScales` key_scales) or
-    None, not with a bias gradient (dbias is dS itself)."""
+    None, not with a bias gradient (dbias is dS itself). marks: where the route has a
+    repair and no bias gradient is asked for, [B, K, 2 if wide else 1, Sp] float32, NaN
+    for the keys whose dk or dv holds one (the mask and the ids then reach only the
+    scores: their tile is dead before the gradient math, and the keys a NaN row or a
+    hidden non-finite value reached are recomputed by `triton.dkdv.repair`)."""
     name = "mosaic.dkv.dkdv"
     if why := unsupported(problem, "dkdv"):
         raise AssertionError(f"{name} called for an unsupported problem: {why}")
@@ -591,6 +607,7 @@ def dkdv(problem: Problem, q: jax.Array, k: jax.Array, v: jax.Array, do: jax.Arr
                              f"mask tiles, and not above head dim 128: {route}")
     if ds_scale is not None and bias_grad:
         raise AssertionError(f"{name} scales no dS that is also the bias's gradient")
+    marked = route.repair is not None and not bias_grad
     # A bias shared by the batch entries gets their dS tiles added into one buffer
     # (dbias_first, else zeros), a mutable operand of the kernel: by one program running
     # an item's batch entries as passes (a fixed order of additions; the interpreter,
@@ -623,28 +640,33 @@ def dkdv(problem: Problem, q: jax.Array, k: jax.Array, v: jax.Array, do: jax.Arr
         (bias_ref, mask_ref, slopes_ref, sum_ref, sums_ref, keys_ref, origin_ref, scale_ref,
          *length_refs) = optional_refs(rest, *optional)
         rest = rest[sum(x is not None for x in optional):]
-        segment_refs, (dk_ref, dv_ref, *dbias_ref) = rest[:len(segments)], rest[len(segments):]
-        dbias_ref = sum_ref if add_dbias else (dbias_ref[0] if dbias_ref else None)
+        segment_refs, (dk_ref, dv_ref, *outputs) = rest[:len(segments)], rest[len(segments):]
+        marks_ref = outputs.pop() if marked else None
+        dbias_ref = sum_ref if add_dbias else (outputs[0] if outputs else None)
         scoped(scratch, lambda smem, barriers: _kernel(
             q_ref, k_ref, v_ref, do_ref, stats_ref, bias_ref, mask_ref, slopes_ref,
             tuple(length_refs), origin_ref,
             Segments.of(tuple(segment_refs)),
             None if dropout_keys is None else Dropout(keys_ref, problem.spec.dropout_rate,
                                                       origin_ref),
-            scale_ref, dk_ref, dv_ref, dbias_ref, sums_ref, smem, barriers, problem=problem,
-            tiles_of=tiles_of, programs=programs, passes=passes, add_dbias=add_dbias,
-            first_entry=first_entry))
+            scale_ref, dk_ref, dv_ref, dbias_ref, sums_ref, marks_ref, smem, barriers,
+            problem=problem, tiles_of=tiles_of, programs=programs, passes=passes,
+            add_dbias=add_dbias, first_entry=first_entry))
 
     programs = problem.plan.programs_for(Sp // tiles_of.unit * KH * (B // passes))
     out_type = [jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)]
     if bias_grad and not (add_dbias or per_key_grad):
         out_type.append(jax.ShapeDtypeStruct(bias.shape, bias.dtype))
+    if marked:
+        out_type.append(jax.ShapeDtypeStruct((B, KH, 2 if tiles_of.wide else 1, Sp),
+                                             jnp.float32))
     operands = [q, k, v, do, stats, *(x for x in optional if x is not None), *segments]
-    dk, dv, *dbias = launch(entry, out_type, programs, problem.interpret)(*operands)
+    dk, dv, *outputs = launch(entry, out_type, programs, problem.interpret)(*operands)
+    marks = outputs.pop() if marked else None
     if add_dbias:  # summed through a mutable ref, not one of the kernel's typed results
-        return dk, dv, cast_varying_like(jax.freeze(dbias_sum), operands)
+        return dk, dv, cast_varying_like(jax.freeze(dbias_sum), operands), marks
     if per_key_grad:
         broadcast = tuple(axis for axis in (0, 1) if bias.shape[axis] == 1)
         dbias = jnp.sum(jax.freeze(sums), axis=broadcast, keepdims=True)[:, :, None]
-        return dk, dv, cast_varying_like(dbias.astype(bias.dtype), operands)
-    return dk, dv, dbias[0] if dbias else None
+        return dk, dv, cast_varying_like(dbias.astype(bias.dtype), operands), marks
+    return dk, dv, outputs[0] if outputs else None, marks

@@ -41,7 +41,7 @@ before the call); with dropout, dS takes the kept dP (`common.Dropout`); with a
 boolean mask,
 the producer copies each consumer's rows (wide: its keys) of the key tile's mask (int8)
 into the ring slot with K where a consumer reads it (`Walk.stream`), and the entries it
-clears give dS = 0 (`common.mask_tile`). Scope: the Mosaic kernels'
+clears give P = 0 through the scores (`common.mask_tile`). Scope: the Mosaic kernels'
 (`config.unsupported`).
 
 `dq_and_dbias` also starts the gradient of a bias shared by the batch entries: the
@@ -52,10 +52,13 @@ producer bulk-copies a zeroed tile to the tiles outside the band. The Mosaic dK/
 kernel then adds the other entries' dS tiles to it (`dkv.dkdv`), so the sum needs
 no zeroed buffer and entry 0's tiles are written, not added.
 
-A NaN or inf key hidden from a row inside a tile reaches its dq through dS K (dS is
-zeroed where P is 0 in masked tiles, `common.tile_gradient`, so hidden values do not):
+A NaN or inf key hidden from a row inside a tile reaches its dq through dS K, and a
+hidden value through dP (P is 0 there, but dS = P dP is not selected again: one select
+per entry, the score's, is all the mask, the ids and the band cost in this kernel):
 each consumer marks its rows whose dq holds a NaN (a NaN row sum, an output of its own)
-and the Triton kernel `triton/dq.py` repair recomputes the tiles holding a mark.
+and the Triton kernel `triton/dq.py` repair recomputes the tiles holding a mark. Where
+the dS tiles are also the bias's gradient (`dq_and_dbias`), hidden entries' dS are
+zeroed as in the other kernels.
 """
 
 from __future__ import annotations
@@ -202,7 +205,8 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, bias_ref, mask_ref, slopes_r
                           (turns, exchange),
                           (bias, walk.mask_rows(mask_ref, item, smem["mask"])),
                           head_slope(slopes_ref, item.valid, item.b, item.n), residuals,
-                          dbias, row0 >= 0, segments, dropout, item.b, item.n, cols)
+                          dbias, row0 >= 0, segments, dropout, item.b, item.n, cols,
+                          repaired=marks_ref is not None)
             if scaled:
                 dq = dq * lax.broadcast_in_dim(unscale, dq.shape, [0])
             if dropout is not None and dbias_ref is None:  # left out of dS (_consume)
@@ -230,7 +234,8 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, bias_ref, mask_ref, slopes_r
 
 def _consume(problem: Problem, ctx, tiles, step_of, row0, stop, mine: dict, ds_tiles,
              k_smem, v_smem, ring, barriers, streams, slope, residuals, dbias, active,
-             segments: Segments | None, dropout: Dropout | None, b, n, cols) -> jax.Array:
+             segments: Segments | None, dropout: Dropout | None, b, n, cols,
+             repaired: bool = False) -> jax.Array:
     """One consumer warpgroup: dQ / scale of rows [row0, row0 + 64) (float32) over key
     tiles [tiles.first, stop), its columns `cols` of it; step_of(t): the ring step of
     tile t (counted over the program's items); active false (rows before 0): it only
@@ -250,7 +255,10 @@ def _consume(problem: Problem, ctx, tiles, step_of, row0, stop, mine: dict, ds_t
     dbias: (when, its rows of the dbias) or None; when, the consumer stores its dS
     tiles of the item's band there, running every tile of the band (those outside its
     own rows' band masked: dS = 0). segments: the segment ids (of batch entry b) or
-    None; dropout: head n's keep decisions or None."""
+    None; dropout: head n's keep decisions or None. repaired: rows whose dQ holds a NaN
+    are marked and recomputed, so dS is not selected again (`tile_gradient`'s hidden_ds
+    "none": a hidden non-finite value leaves a NaN in the row, which the repair redoes),
+    except where its tiles are also the bias's gradient."""
     k_loaded, v_loaded, k_consumed, v_consumed = ring
     turns, exchange = barriers
     bias, mask = streams
@@ -299,7 +307,8 @@ def _consume(problem: Problem, ctx, tiles, step_of, row0, stop, mine: dict, ds_t
                 else dropout.keep(row_keys, dropout.multipliers(k0, keys_n)))
         _, ds = tile_gradient(problem, s, dp, tile_bias, residuals, row0, k0, masked,
                               slope, ids, ctx.kv_length, keep, mask=tile_mask,
-                              offset=ctx.offset, gain_later=dbias is None)
+                              offset=ctx.offset, gain_later=dbias is None,
+                              hidden_ds="none" if repaired and dbias is None else "mask")
         ds_tile = ds_tiles.at[lax.rem(step_of(t), 2)] if wide else ds_tiles
         if dbias is not None and not wide:
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last dbias copy read ds

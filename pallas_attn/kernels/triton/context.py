@@ -256,7 +256,7 @@ class TileContext(TileRanges):
         return dropped, ds
 
 
-# Query tiles whose marks one repair program reads at once: almost every call has none
+# Tiles whose marks one repair program reads at once: almost every call has none
 # marked, so the programs are few and each reads a long run of marks.
 REPAIR_TILES = 64
 
@@ -264,36 +264,40 @@ REPAIR_TILES = 64
 def launch_repair(kernel: Callable[..., None], problem: Problem, role: str,
                   names: tuple[str, ...], inputs: list[jax.Array], results: list[jax.Array],
                   name: str) -> Any:
-    """The role's repair kernel (its route's `repair`) over every query tile, a run of
-    `chunk` tiles per program (`repair_marked_tiles`): the role runs those tiles; names:
-    the inputs', then the results' as inputs, then as outputs; the results (a Mosaic
-    kernel's, [B, Tp, ...] first) are rewritten in place."""
+    """The role's repair kernel (its route's `repair`) over every tile of the rows the
+    role owns (query tiles; key tiles of each kv head for "dkdv"), a run of `chunk` tiles
+    per program (`repair_marked_tiles`): the role runs those tiles; names: the inputs',
+    then the results' as inputs, then as outputs; the results (a Mosaic kernel's,
+    [B, rows, ...] first) are rewritten in place."""
     route = problem.plan.route(role).repair
-    block_q, warps, stages = route.block_q, route.num_warps, route.num_stages
+    keys = role == "dkdv"
+    block = route.block_k if keys else route.block_q
+    warps, stages = route.num_warps, route.num_stages
     problem = dataclasses.replace(problem, plan=dataclasses.replace(problem.plan,
                                                                     **{role: route}))
-    B, Tp = results[0].shape[:2]
-    tiles = Tp // block_q
+    B, rows = results[0].shape[:2]
+    tiles = rows // block
     chunk = math.gcd(tiles, REPAIR_TILES)  # a power of two: whole blocks of marks
     first = len(inputs)
+    heads = problem.num_kv_heads if keys else problem.num_heads
     return launch(kernel, problem, names, [*inputs, *results],
                   [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in results],
-                  (tiles // chunk, B, problem.num_heads), warps, stages, name,
+                  (tiles // chunk, B, heads), warps, stages, name,
                   aliases={first + i: i for i in range(len(results))}, chunk=chunk)
 
 
-def repair_marked_tiles(marks: Callable[[Any], jax.Array], block_q: int, chunk: int,
+def repair_marked_tiles(marks: Callable[[Any], jax.Array], block: int, chunk: int,
                         repair_tile: Callable[[Any], None]) -> None:
-    """A repair program's run of query tiles (program 0 of the grid: the run's index):
-    marks(rows) reads the marks of rows (a pl.ds); repair_tile(i) recomputes query tile
+    """A repair program's run of tiles of `block` rows (program 0 of the grid: the run's
+    index): marks(rows) reads the marks of rows (a pl.ds); repair_tile(i) recomputes tile
     i. The run's marks are read at once; only a run holding a mark looks at its tiles."""
     first = pl.program_id(0) * chunk
 
-    @pl.when(any_nan(marks(pl.ds(first * block_q, chunk * block_q))))
+    @pl.when(any_nan(marks(pl.ds(first * block, chunk * block))))
     def _marked_run():
         def tile(j, carry):
             i = first + j
-            pl.when(any_nan(marks(pl.ds(i * block_q, block_q))))(lambda: repair_tile(i))
+            pl.when(any_nan(marks(pl.ds(i * block, block))))(lambda: repair_tile(i))
             return carry
 
         lax.fori_loop(0, chunk, tile, 0)

@@ -24,7 +24,13 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_attn.kernels.core import Problem, run_tile_loops
-from pallas_attn.kernels.triton.context import TileContext, launch, name_refs
+from pallas_attn.kernels.triton.context import (
+    TileContext,
+    launch,
+    launch_repair,
+    name_refs,
+    repair_marked_tiles,
+)
 
 
 def _store_dbias_outside(r: dict, bb, nb, cols, tiles: tuple[tuple[Any, Any], ...],
@@ -44,9 +50,13 @@ def dkdv_kernel(*refs, problem: Problem, names: tuple[str, ...], fused_dbias: bo
     """dK, dV of one key tile; with fused_dbias also its dbias columns (the bias has its
     own entry for every (b, n) then, so each dbias element is written once, here)."""
     r = name_refs(names, refs)
+    _dkdv_tile(problem, r, pl.program_id(0), pl.program_id(1), pl.program_id(2), fused_dbias)
+
+
+def _dkdv_tile(problem: Problem, r: dict, j, b, kh, fused_dbias: bool) -> None:
+    """dK, dV (and with fused_dbias its dbias columns) of key tile j of (b, kv head kh)."""
     route = problem.plan.dkdv
     block_q, block_k = route.block_q, route.block_k
-    j, b, kh = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     k0 = j * block_k
     cols = pl.ds(k0, block_k)
     k = r["k"][b, cols, kh, :]
@@ -61,7 +71,9 @@ def dkdv_kernel(*refs, problem: Problem, names: tuple[str, ...], fused_dbias: bo
     # float16: dS times a power of two per key tile stays below 65504 (core.ds_scales);
     # not with a fused dbias, which is dS itself.
     scaled = "key_scales" in r
-    key_scale = r["key_scales"][b, kh, 0, j] if scaled else None
+    # The scales' key tiles may be wider than this kernel's (its repair of a Mosaic dK/dV).
+    unit = lax.div(k0, problem.kv_pad // r["key_scales"].shape[3]) if scaled else None
+    key_scale = r["key_scales"][b, kh, 0, unit] if scaled else None
 
     def head_body(h, carry):
         n = kh * problem.group + h
@@ -107,10 +119,31 @@ def dkdv_kernel(*refs, problem: Problem, names: tuple[str, ...], fused_dbias: bo
             jnp.zeros((block_k, v.shape[-1]), jnp.float32))
     dk, dv = lax.fori_loop(0, problem.group, head_body, init)
     if scaled:
-        dk = dk * r["key_scales"][b, kh, 1, j]
+        dk = dk * r["key_scales"][b, kh, 1, unit]
     keep_scale = problem.dropout_scale  # score_gradient leaves it out
     r["dk"][b, cols, kh, :] = (dk * (problem.spec.scale * keep_scale)).astype(r["dk"].dtype)
     r["dv"][b, cols, kh, :] = (dv * keep_scale).astype(r["dv"].dtype)
+
+
+def repair_kernel(*refs, problem: Problem, names: tuple[str, ...], chunk: int):
+    """Recomputes the key tiles of (b, kv head kh) in its run that hold a marked key
+    (its dk or dv holds a NaN)."""
+    r = name_refs(names, refs)
+    b, kh = pl.program_id(1), pl.program_id(2)
+    repair_marked_tiles(lambda rows: r["dkdv_marks"][b, kh, :, rows], problem.plan.dkdv.block_k,
+                        chunk, lambda j: _dkdv_tile(problem, r, j, b, kh, False))
+
+
+def repair(problem: Problem, names: tuple[str, ...], inputs: list, dk: jax.Array,
+           dv: jax.Array, marks: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """dk, dv of a Mosaic dK/dV kernel with its marked keys' tiles recomputed here, in
+    place: that kernel takes the mask and the ids into the scores alone, so a row that
+    saw a NaN key, or a hidden non-finite value, reaches the keys it does not see; this
+    kernel keeps them out. marks [B, K, W, Sp]: NaN for the keys whose dk or dv holds
+    one. A program finding no mark only reads its marks."""
+    return tuple(launch_repair(repair_kernel, problem, "dkdv",
+                               (*names, "dkdv_marks", "dk_in", "dv_in", "dk", "dv"),
+                               [*inputs, marks], [dk, dv], "pallas_attn_repair_dkdv"))
 
 
 def dkdv(problem: Problem, names: tuple[str, ...], inputs: list,
