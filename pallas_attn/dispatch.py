@@ -175,17 +175,15 @@ def _routes(call: Call, device: DeviceInfo, overrides: BlockSizes, interpret: bo
     if call.spec.hides_keys:
         # The Mosaic forward and dQ kernels feed whole key tiles to the tensor cores: a
         # hidden non-finite key reaches the rows sharing its tile, which they mark and a
-        # Triton kernel recomputes (docs/decisions.md, "marked and repaired").
-        for role in ("forward", "dq"):
-            if routes[role].backend == "mosaic":
+        # Triton kernel recomputes (docs/decisions.md, "marked and repaired"). The Mosaic
+        # dK/dV takes a mask and ids into the scores alone (its mask tile dead before the
+        # gradient math): it marks the keys a row with a NaN or a hidden non-finite
+        # value reached, for a Triton kernel to recompute.
+        keys_marked = call.spec.has_mask or call.spec.has_segments
+        for role in ("forward", "dq", "dkdv"):
+            if routes[role].backend == "mosaic" and (role != "dkdv" or keys_marked):
                 routes[role] = dataclasses.replace(
                     routes[role], repair=Route("triton", *triton.REPAIR_TILES))
-        # The Mosaic dK/dV takes the mask and the ids into the scores alone (its mask
-        # tile dead before the gradient math): keys that a row with a NaN or a hidden
-        # non-finite value reached are marked, and a Triton kernel recomputes them.
-        if (call.spec.has_mask or call.spec.has_segments) and routes["dkdv"].backend == "mosaic":
-            routes["dkdv"] = dataclasses.replace(
-                routes["dkdv"], repair=Route("triton", *triton.REPAIR_TILES))
     dbias = (_dbias_route(call, device, overrides, interpret, tiles["dbias"], routes["dkdv"],
                           dims) if call.spec.has_bias else None)
     return routes, dbias

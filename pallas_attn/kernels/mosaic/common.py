@@ -801,6 +801,8 @@ def tile_gradient(problem: Problem, s: jax.Array, dp: jax.Array, bias: jax.Array
     keys holding a NaN are recomputed (`Route.repair`); "none": nothing, for a dQ whose
     rows holding a NaN are recomputed. The mask's tile is dead after the scores' select
     in the last two."""
+    if hidden_ds not in ("mask", "p", "none"):
+        raise AssertionError(f"tile_gradient: hidden_ds must be mask, p or none, got {hidden_ds!r}")
     row_max, log2_sum, delta = residuals
 
     def rows_of(x):
