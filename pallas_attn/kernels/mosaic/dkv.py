@@ -392,9 +392,8 @@ def _consume(problem: Problem, tiles_of: _Tiles, wg, unit_of, units, add_dbias: 
             row0 = i * rows_n
             ids = (None if key_ids is None or masked is False
                    else (segments.rows(b, row0, query_dim), key_ids))
-            keep = (None if dropout is None
-                    else dropout.keep(dropout.row_keys(b, n, row0, rows_n, query_dim),
-                                      multipliers, query_dim))
+            row_keys = (None if dropout is None
+                        else dropout.row_keys(b, n, row0, rows_n, query_dim))
             plgpu.barrier_wait(step_loaded.at[slot])
 
             def products(s_ref, dp_ref):
@@ -433,6 +432,9 @@ def _consume(problem: Problem, tiles_of: _Tiles, wg, unit_of, units, add_dbias: 
 
             s, dp, residuals, bias, mask = pl.run_scoped(
                 products, plgpu.ACC(shape, jnp.float32), plgpu.ACC(shape, jnp.float32))
+            # Dropout's decisions after S and dP, as in the dQ: not live across the products.
+            keep = (None if dropout is None
+                    else dropout.keep(row_keys, multipliers, query_dim))
             if early_release:  # the last S and dP have read K and V
                 pl.when(at == last_at)(lambda: plgpu.barrier_arrive(kv_consumed))
             prob, ds = tile_gradient(problem, s, dp, bias, residuals, row0, k_own, masked,
