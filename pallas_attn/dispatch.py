@@ -574,7 +574,8 @@ def _dbias_route(call: Call, device: DeviceInfo, overrides: BlockSizes, interpre
         # only when asked (docs/decisions.md, "Batch-shared dbias summed in turn").
         any_order = (not overrides.deterministic and dkdv.backend == "mosaic"
                      and mosaic.sums_batch_tiles(call.spec, call.batch))
-        return dataclasses.replace(dkdv, fused=True, any_order=any_order, declined=())
+        return dataclasses.replace(dkdv, fused=True, any_order=any_order, declined=(),
+                                   repair=None)
     if not fusable and overrides.fuse_dbias is None:
         declined.append(("fused", f"the {dkdv.backend} dK/dV kernel cannot write the gradient "
                          f"of a bias of shape {shape}, {call.bias_dtype}"))

@@ -146,8 +146,8 @@ class Route:
     early_release: the Mosaic dK/dV kernel gives each unit's K and V back after its last
     S and dP, not after its last step. declined: (backend, reason) for
     each backend preferred over this one that does not run it. repair: the Triton
-    kernel that recomputes the rows of a Mosaic forward or dQ that a hidden non-finite
-    key reached (those kernels mark them), or None.
+    kernel that recomputes the rows of a Mosaic forward or dQ, or the keys of a Mosaic
+    dK/dV, that a hidden non-finite value reached (those kernels mark them), or None.
     """
 
     backend: str
@@ -165,11 +165,13 @@ class Route:
     declined: tuple[tuple[str, str], ...] = ()
     repair: Route | None = None
 
-    def describe(self) -> str:
+    def describe(self, marked: str = "rows") -> str:
+        """The backend and tiles; marked names what a repair recomputes ("rows", or the
+        dK/dV's "keys")."""
         text = self._tiles()
         if self.repair is None:
             return text
-        return f"{text}; marked rows recomputed by {self.repair.describe()}"
+        return f"{text}; marked {marked} recomputed by {self.repair.describe()}"
 
     def _tiles(self) -> str:
         if self.backend == "xla":
@@ -226,7 +228,11 @@ class Plan:
             route = self.route(role)
             if route is None:
                 continue
-            lines.append(f"{ROLE_LABELS[role]:<8}{route.describe()}")
+            # The dK/dV marks keys, and none where dS is also the bias's gradient (it
+            # selects the hidden entries itself, `mosaic.dkv.dkdv`).
+            marked = ("rows" if role != "dkdv" else "keys" if self.dbias is None
+                      else "keys (unless the bias takes a gradient)")
+            lines.append(f"{ROLE_LABELS[role]:<8}{route.describe(marked)}")
             lines += [f"{'':<8}  not {backend}: {why}" for backend, why in route.declined]
         return lines
 

@@ -694,6 +694,16 @@ def test_the_repair_of_marked_rows_is_a_route_of_the_plan():
         plan = pallas_attn.explain(q, k, v, device=H100, **hiding)
         assert plan.dkdv.backend == "mosaic" and plan.dkdv.repair == Route(
             "triton", *triton.REPAIR_TILES), hiding
+        assert "marked keys recomputed by triton" in str(plan), hiding
+    # Where dS is also the bias's gradient the dK/dV marks nothing; the dbias it writes
+    # has no repair of its own.
+    N = q.shape[2]
+    biased = pallas_attn.explain(q, k, v, device=H100, mask=jnp.ones((B, 1, T, T), bool),
+                                 bias=jnp.zeros((1, N, T, T), q.dtype))
+    assert biased.dbias.fused and biased.dbias.repair is None
+    assert "marked keys (unless the bias takes a gradient) recomputed" in str(biased)
+    dbias_line = [line for line in str(biased).splitlines() if line.startswith("dbias")]
+    assert dbias_line and "recomputed" not in dbias_line[0]
     triton_only = pallas_attn.explain(q, k, v, is_causal=True, device=H100,
                                       block_sizes=TRITON_ONLY)
     assert triton_only.forward.repair is None and triton_only.dq.repair is None
