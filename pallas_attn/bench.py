@@ -82,6 +82,10 @@ def make_inputs(shape: Shape, seed: int = 0) -> dict[str, Any]:
             args["kwargs"]["bias"] = jax.random.normal(keys[4], (B, N, 1, S), dtype)
         elif name == "mask_per_key":  # [B, 1, 1, S]: a key padding mask, 1/8 hidden
             args["kwargs"]["mask"] = jax.random.bernoulli(keys[6], 0.875, (B, 1, 1, S))
+        elif name == "bias_per_row":  # [B, N, T, 1]: broadcast along keys
+            args["kwargs"]["bias"] = jax.random.normal(keys[4], (B, N, T, 1), dtype)
+        elif name == "mask_per_row":  # [B, 1, T, 1]: a query padding mask, 1/8 hidden
+            args["kwargs"]["mask"] = jax.random.bernoulli(keys[6], 0.875, (B, 1, T, 1))
         elif name == "mask_prefix":  # [B, 1, 1, S]: the first `value` keys shown
             args["kwargs"]["mask"] = jnp.broadcast_to(jnp.arange(S) < int(value), (B, 1, 1, S))
         elif name == "bias_shared_by_heads":  # [B, 1, T, S]
@@ -507,6 +511,13 @@ def check_shapes(on_device: bool) -> list[Shape]:
               dtype="float16"),
         Shape(2, 1024, 1024, 4, 4, 64, False, (("mask_per_key", None), ("softcap", 20.0)),
               dtype="float16"),
+        # A bias and a mask broadcast along keys (each consumer's rows read from global
+        # memory), the bias's gradient from the Triton dbias kernel, under a soft cap (so
+        # that it is not zero); causal, ragged, GQA; a mask per row alone at d64 (the
+        # dK/dV keys by queries).
+        Shape(2, 1000, 1100, 8, 2, 128, True, (("bias_per_row", None), ("mask_per_row", None),
+                                               ("softcap", 20.0)), dtype="bfloat16"),
+        Shape(2, 1024, 1024, 4, 4, 64, False, (("mask_per_row", None),), dtype="float16"),
         # Head dims up to 32 in the Mosaic kernels: 64- and 32-byte swizzled tiles (32 and
         # 16 columns), causal with a soft cap, GQA, ragged; a bias's gradient at 16.
         Shape(2, 1000, 1100, 8, 2, 32, True, (("softcap", 20.0),), dtype="bfloat16"),

@@ -122,14 +122,20 @@ TABLE = {
                      ("mosaic", "mosaic", "mosaic", "mosaic-fused")),
     "bias_per_key_shared_float32": (call(bias_shape=(1, 1, 1, 4096), bias_dtype="float32"),
                                     "sm90", ("mosaic", "mosaic", "mosaic", "mosaic-fused")),
+    # A bias broadcast along keys: the Mosaic kernels read each consumer's rows; its
+    # gradient (dS's row sums) is the Triton dbias kernel's.
     "bias_per_query": (call(bias_shape=(1, 1, 4096, 1)), "sm90",
-                       ("triton", "triton", "triton", "triton")),
+                       ("mosaic", "mosaic", "mosaic", "triton")),
+    "bias_one_entry_per_head": (call(bias_shape=(4, 16, 1, 1)), "sm90",
+                                ("mosaic", "mosaic", "mosaic", "triton")),
     # A boolean mask with its own entry per query and key: the Mosaic kernels (int8
     # tiles); one broadcast along queries (a key padding mask) too (a row per key tile);
     # at d256 the wide backward kernels too (the dK/dV's read from global memory).
     "mask": (call(mask_shape=(4, 1, 4096, 4096)), "sm90", ("mosaic", "mosaic", "mosaic", None)),
     "mask_per_key": (call(mask_shape=(4, 1, 1, 4096)), "sm90",
                      ("mosaic", "mosaic", "mosaic", None)),
+    "mask_per_query": (call(mask_shape=(4, 1, 4096, 1)), "sm90",
+                       ("mosaic", "mosaic", "mosaic", None)),
     "mask_d256": (call(256, mask_shape=(4, 1, 4096, 4096)), "sm90",
                   ("mosaic", "mosaic", "mosaic", None)),
     # Segment ids: the Mosaic forward; of the backward, the Mosaic dK/dV measured faster
@@ -241,7 +247,8 @@ def test_reasons_name_what_refuses():
     dq_reasons = dict(dispatch.plan(TABLE["d256_bias_float32"][0], device=H100).dq.declined)
     assert "232448" in dq_reasons["mosaic"]  # a float32 bias tile leaves no room
     assert "bfloat16 or float16" in reasons["float32"]
-    assert "the bias needs its own entry per key" in reasons["bias_per_query"]
+    per_query = dict(dispatch.plan(TABLE["bias_per_query"][0], device=H100).dbias.declined)
+    assert "needs its own entry per query and key" in per_query["mosaic"]
     dbias = dict(dispatch.plan(TABLE["dropout_bias_shared_by_heads"][0], device=H100)
                  .dbias.declined)
     assert "no dropout" in dbias["mosaic"]

@@ -36,6 +36,10 @@ def _hiding(case: str, B: int, T: int, S: int) -> tuple[dict, int]:
         # A key padding mask: one entry per key, read a key tile's row at a time.
         "mask_per_key": (dict(mask=jnp.ones((B, 1, 1, S), bool).at[..., middle].set(False)),
                          middle),
+        # A mask per row hiding rows 20-59 from every key (those rows' tiles run with it,
+        # the ones beside them too), the key visible to the other rows.
+        "mask_per_row": (dict(mask=jnp.ones((B, 1, T, 1), bool).at[:, :, 20:60].set(False)),
+                         middle),
         # With a bias per key and its gradient (dS's column sums in the dK/dV kernel).
         "mask_and_bias_per_key": (
             dict(mask=jnp.ones((B, 1, 1, S), bool).at[..., middle].set(False),
@@ -116,6 +120,14 @@ def _check(case: str, shapes: tuple, dtype, exact: bool = True, **kwargs) -> Non
     clean = results(q, k, v)
     dirty = results(q, k.at[:, key, 0].set(jnp.nan), v.at[:, key, 0].set(jnp.inf))
     names = ("out", "lse", "dq", "dk", "dv", "dbias")[:len(clean)]
+    if case == "mask_per_row":
+        # The rows the mask hides keep their results (nothing); every other row sees the
+        # key and turns NaN (head 0, whose kv head holds it).
+        hidden = ~np.asarray(hiding["mask"][0, 0, :, 0])
+        for name, got, want in zip(names[:3], dirty, clean, strict=False):
+            _assert_same(got[:, hidden], want[:, hidden], name, exact)
+            assert np.isnan(got[:, ~hidden, 0]).all(), name
+        return
     if not case.endswith("causal_last_row"):
         for name, got, want in zip(names, dirty, clean, strict=True):
             _assert_same(got, want, name, exact)
@@ -142,7 +154,7 @@ def test_triton_kernels(case):
 
 @pytest.mark.parametrize("case", ["query_lengths", "unseen_rows", "mask_causal_last_row",
                                   "mask_and_bias_per_key", "bias_per_key_causal_last_row",
-                                  "mask", "segment"])
+                                  "mask", "segment", "mask_per_row"])
 def test_mosaic_kernels(case):
     """The Mosaic forward, dQ and dK/dV kernels, T=100 (padded rows), S=128, head dim 64.
     A mask or other segments hide a key from every row inside the tiles; the mask and
@@ -150,7 +162,7 @@ def test_mosaic_kernels(case):
     mask hides one from every row, with a bias per key and its gradient, which a key
     only the last row sees turns NaN (dS's column sums in the dK/dV kernel). With no
     query row at all (unseen_rows, B=1), no key reaches the output, though nothing
-    else hides it. (A causal key
+    else hides it. A mask per row keeps the key from the rows it hides. (A causal key
     that only rows past the valid ones see: query_lengths here, at head dim 64; the
     padded rows' causal_future at head dim 176: test_mosaic_kernels_at_head_dim_192.)"""
     _check(case, (1, 100, 128, 1, 64), jnp.bfloat16, exact=False, implementation="pallas",

@@ -568,3 +568,36 @@ def test_gradients_of_rows_with_hugely_negative_logits(row_bias, implementation)
                                strict=True):
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-4, atol=2e-4,
                                    err_msg=name)
+
+
+@pytest.mark.parametrize("bias_shape,kwargs", [
+    ((2, 4, 100, 1), dict(logits_soft_cap=20.0, is_causal=True)),
+    ((1, 4, 1, 1), dict(sinks=jnp.array([0.5, -1.0, 2.0, 0.0]), dropout_rate=0.2)),
+], ids=["per_row_soft_cap_causal", "one_entry_per_head_sinks_dropout"])
+def test_dbias_of_a_bias_broadcast_along_keys_does_not_round_delta(bias_shape, kwargs):
+    """A bias broadcast along keys takes dS's row sums, which cancel to almost nothing
+    (exactly zero without a cap or sinks): summed as dS = P (dP - delta) with delta
+    from the rounded bfloat16 output they were off by a quarter of their size; the
+    dbias kernel cancels with the delta of its own P and dP."""
+    B, T, S, N, K, H = 2, 100, 110, 4, 2, 64
+    rng = np.random.default_rng(0)
+    q, k, v, ct = (jnp.asarray(rng.standard_normal(s), jnp.float32)
+                   for s in ((B, T, N, H), (B, S, K, H), (B, S, K, H), (B, T, N, H)))
+    bias = jnp.asarray(rng.standard_normal(bias_shape), jnp.float32)
+    mask = jnp.asarray(rng.random((B, 1, T, 1)) > 0.125)
+    if "dropout_rate" in kwargs:
+        kwargs = dict(kwargs, dropout_rng=jax.random.key(2))
+
+    def dbias(dtype, **options):
+        def loss(bias):
+            out = pallas_attn.dot_product_attention(
+                q.astype(dtype), k.astype(dtype), v.astype(dtype), bias.astype(dtype),
+                mask=mask, **kwargs, **options)
+            return jnp.sum(out.astype(jnp.float32) * ct)
+        return np.asarray(jax.jit(jax.grad(loss))(bias))
+
+    expected = dbias(jnp.float32, implementation="xla")
+    got = dbias(jnp.bfloat16, implementation="pallas", interpret=True,
+                block_sizes=SMALL_BLOCKS)
+    assert np.abs(expected).max() > 0.01
+    np.testing.assert_allclose(got, expected, rtol=0, atol=2e-2 * np.abs(expected).max())

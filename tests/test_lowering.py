@@ -152,6 +152,22 @@ CASES = {
         T=200, S=300, K=2, is_causal=True, bias=jnp.ones((2, 4, 1, 300), jnp.bfloat16),
         mask=jnp.ones((2, 1, 1, 300), bool),
         block_sizes=pallas_attn.BlockSizes(forward_backend="mosaic", dq_backend="mosaic")),
+    # A bias and a mask broadcast along keys in every Mosaic role: each consumer's rows
+    # read from global memory (16-bit and int8 vectors along the rows; the dK/dV's keys
+    # by queries at d32 with the mask alone), and one entry for every row.
+    "mosaic_all_bias_mask_per_row": dict(
+        T=200, S=300, K=2, is_causal=True, bias=jnp.ones((2, 4, 200, 1), jnp.bfloat16),
+        mask=jnp.ones((2, 1, 200, 1), bool),
+        block_sizes=pallas_attn.BlockSizes(forward_backend="mosaic", dq_backend="mosaic",
+                                           dkv_backend="mosaic")),
+    "mosaic_all_h32_mask_per_row_keys_major": dict(
+        H=32, T=200, S=300, K=2, mask=jnp.ones((2, 1, 200, 1), bool),
+        block_sizes=pallas_attn.BlockSizes(forward_backend="mosaic", dq_backend="mosaic",
+                                           dkv_backend="mosaic")),
+    "mosaic_all_bias_one_entry": dict(
+        T=200, S=300, K=2, bias=jnp.ones((1, 4, 1, 1), jnp.bfloat16),
+        block_sizes=pallas_attn.BlockSizes(forward_backend="mosaic", dq_backend="mosaic",
+                                           dkv_backend="mosaic")),
     # Head dim 32 (64-byte swizzled tiles) and a mask per key and head in every Mosaic
     # role, the dK/dV kernel keys by queries.
     "mosaic_all_h32_mask_per_key_keys_major": dict(

@@ -234,11 +234,19 @@ def test_dbias_first_only_starts_a_batch_shared_sum_of_its_shape(bias_shape, fir
     # by the batch entries and heads: the sums over both, under a window, MQA.
     (dict(B=2, T=100, S=140, N=2, K=1, H=256), (1, 1, 1, 140),
      dict(local_window_size=(40, 10))),
+    # A bias and a mask broadcast along keys (the step's rows read from global memory;
+    # dbias from the separate kernel), a soft cap (the bias's gradient is not zero),
+    # causal GQA; a mask per row alone, keys by queries at head dim 32.
+    (dict(B=2, T=130, S=200, N=4, K=2, H=64), (2, 4, 130, 1),
+     dict(is_causal=True, logits_soft_cap=5.0, mask=random_mask(3, (2, 1, 130, 1)))),
+    (dict(B=2, T=100, S=150, N=2, K=1, H=32), None,
+     dict(is_causal=True, mask=random_mask(4, (2, 1, 100, 1)))),
 ], ids=["per_batch_window_soft_cap_H48", "no_bias_H80_Hv64",
         "alibi_batch_shared_bias_bottom_right_mqa", "packed_cross_attention",
         "wide_H256_packed_gqa_shared_bias", "mask_per_key_and_head_keys_major_gqa",
         "keys_major_H32_causal_soft_cap_mqa", "bias_per_key_and_head_padding_mask_gqa",
-        "wide_H256_bias_per_key_shared_window_mqa"])
+        "wide_H256_bias_per_key_shared_window_mqa", "bias_and_mask_per_row_soft_cap_gqa",
+        "mask_per_row_keys_major_H32_mqa"])
 def test_gradients_with_the_mosaic_dkv_against_reference_and_float64(shapes, bias_shape,
                                                                      kwargs):
     blocks = MOSAIC_DKV
@@ -276,10 +284,6 @@ def test_batch_shared_dbias_under_vmap(blocks):
 
 
 @pytest.mark.parametrize("kwargs,match", [
-    (dict(mask=(1, 1, 16, 1)),
-     r"dkv_backend='mosaic'.*the mask needs its own entry per key, got a mask of shape"),
-    (dict(bias=(2, 2, 16, 1)),
-     r"dkv_backend='mosaic'.*the bias needs its own entry per key, got a bias of shape"),
     (dict(dtype=jnp.float32), "dkv_backend='mosaic'.*bfloat16 or float16"),
     (dict(bias=(2, 1, 16, 16), fuse_dbias=True), "fuse_dbias=True with the Mosaic dK/dV"),
     (dict(bias_dtype=jnp.float32, fuse_dbias=True), "Mosaic dK/dV kernel needs a bias"),

@@ -70,6 +70,16 @@ CASES = [
      dict(is_causal=True, bias=((2, 4, 1, 200), None),
           mask=random_mask(4, (2, 1, 1, 200)) & (np.arange(200) < [[[[200]]], [[[120]]]])),
      dict(block_k=128)),
+    # A bias and a mask broadcast along keys (each consumer's rows read from global
+    # memory, no tiles staged: three consumers at d64, the first item before row 0),
+    # GQA, rows the mask hides whole; then one entry per head and per batch entry
+    # (batch entry 1 hidden whole) under causal masking.
+    ("bias_and_mask_per_row_gqa", dict(B=2, T=150, S=200, N=4, K=2, H=64),
+     dict(bias=((2, 4, 150, 1), None), mask=random_mask(5, (2, 1, 150, 1))),
+     dict(block_k=128)),
+    ("bias_per_head_mask_per_batch_one_entry_causal", dict(B=2, T=150, S=140, N=2, H=128),
+     dict(is_causal=True, bias=((1, 2, 1, 1), None),
+          mask=np.array([True, False]).reshape(2, 1, 1, 1)), {}),
     # Head dims 16 and 32 (32- and 64-byte swizzled tiles), three consumers, 128-key
     # tiles, a mask and a soft cap, MQA.
     ("H16_Hv32_mask_soft_cap_three_consumers", dict(B=1, T=150, S=200, N=2, K=1, H=16,
@@ -191,7 +201,7 @@ def test_head_dim_64_cases_run_three_consumers():
     """The cases above at head dim 64 without a bias tile (none, or one per key) run the
     three-consumer forward."""
     for _, shapes, kwargs, blocks in CASES:
-        bias_tiles = "bias" in kwargs and kwargs["bias"][0][2] != 1
+        bias_tiles = "bias" in kwargs and 1 not in kwargs["bias"][0][2:]
         if shapes.get("H") != 64 or shapes.get("Hv", 64) != 64 or bias_tiles:
             continue
         inputs = make_inputs(0, dtype=jnp.bfloat16, **shapes)
@@ -280,9 +290,6 @@ def test_gradients_through_the_mosaic_forward_match_the_triton_forward():
 # ----------------------------------------------------------------- what it refuses
 @pytest.mark.parametrize("kwargs,match", [
     (dict(dtype=jnp.float32), "bfloat16 or float16"),
-    (dict(mask=(1, 1, 16, 1)), (r"the mask needs its own entry per key, got a mask of "
-                                r"shape \(1, 1, 16, 1\) \(broadcast along keys\)")),
-    (dict(bias=(1, 1, 16, 1)), r"the bias needs its own entry per key"),
 ])
 def test_unsupported_problems_name_the_reason(kwargs, match):
     dtype = kwargs.pop("dtype", jnp.bfloat16)

@@ -306,13 +306,17 @@ def _fused_bwd(problem: Problem, residuals, cotangents):
         d_out = jnp.zeros(out.shape, out.dtype)
     bias_grad = bool(marker)
     delta, do_norms = row_sums(d_out, out, _scales_ds(problem, bias_grad))
+    lse_grad = jnp.zeros_like(delta)
     if not isinstance(d_lse, SymbolicZero):
         # d lse / d logits = P, so an lse cotangent folds into delta as -d_lse (rows
         # that see no key, row max +inf, have P = 0 and their cotangent is dropped).
-        delta = delta - jnp.where(row_stats[0] == jnp.inf, 0.0, d_lse)
+        lse_grad = jnp.where(row_stats[0] == jnp.inf, 0.0, d_lse)
+        delta = delta - lse_grad
     operands = _operands(differentiable, optional)
     if do_norms is not None:
         operands["do_norms"] = do_norms
+    if _sums_score_rows(problem, bias_grad):
+        operands["lse_grad"] = lse_grad
     d_out = d_out.astype(q.dtype)
     dq, dk, dv, dbias = _backward((problem, bias_grad), q, k, v, operands, row_stats, d_out,
                                   delta)
@@ -399,7 +403,10 @@ def _run_backward(static: tuple[Problem, bool], q, k, v, operands: dict, row_sta
     if separate_dbias and plan.dbias.backend == "mosaic":
         dbias = mosaic_dbias.dbias(problem, q, k, v, do, stats, bias, slopes)
     elif separate_dbias:
-        dbias = triton_dbias.dbias(problem, names, inputs, bias)
+        extra = {}
+        if _sums_score_rows(problem, bias_grad):
+            extra["lse_grad"] = pad_axis(operands["lse_grad"], 2, problem.q_pad)
+        dbias = triton_dbias.dbias(problem, (*names, *extra), [*inputs, *extra.values()], bias)
     return dq[:, :rows], dk[:, :keys, :, :hk], dv[:, :keys, :, :hv], dbias
 
 
@@ -410,11 +417,19 @@ def _scales_ds(problem: Problem, bias_grad: bool) -> bool:
     return problem.dtype == "float16" and not bias_grad
 
 
+def _sums_score_rows(problem: Problem, bias_grad: bool) -> bool:
+    """Whether the bias gradient sums dS along keys (a bias [..., T or 1, 1]): the dbias
+    kernel then takes the lse cotangent apart from delta (`dbias.dbias_kernel`)."""
+    return bias_grad and problem.spec.bias_shape[-1] == 1
+
+
 def _backward_labels(static: tuple[Problem, bool]):
     problem, bias_grad = static
     operands = _operand_labels(problem)
     if _scales_ds(problem, bias_grad):
         operands["do_norms"] = "b n t"
+    if _sums_score_rows(problem, bias_grad):
+        operands["lse_grad"] = "b n t"
     args = ("b t n h", "b s k h", "b s k v", operands, ("b n t", "b n t"), "b t n v", "b n t")
     return args, ("b t n h", "b s k h", "b s k v", operands["bias"] if bias_grad else None)
 

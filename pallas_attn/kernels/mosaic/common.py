@@ -14,8 +14,8 @@ that issues bulk copies. What they can run and what they allocate is config.py's
 * `Turns`, `pass_turn` / `await_turn`: two consumers' alternation on the tensor
   cores; `take_turn`: consumers meeting.
 * `BiasTiles`: a consumer's bias rows read tile by tile through its own buffer;
-  `KeyRows`: a bias or mask per key, read per key tile; `mask_tile`: its rows of a
-  mask tile from the producer's ring (or per key).
+  `KeyRows` / `RowEntries`: a bias or mask per key / per row, read from global memory;
+  `mask_tile`: its rows of a mask tile from the producer's ring (or per key or row).
 * `tile_scores` / `tile_gradient`: the shared score rules (`core.logit_scores`,
   semantics/scores.py) on a WGMMA-layout tile.
 * `accumulate`: acc + A B with wgmma; `head_slope`: a head's ALiBi slope;
@@ -467,17 +467,24 @@ class Walk:
         head = head_entries(bias_ref, item.b, item.n)
         if config.per_key(self.problem.spec.bias_shape):
             return KeyRows(head.at[0], self.block_k, *self._own_keys())
+        if config.per_row(self.problem.spec.bias_shape):
+            return RowEntries(head, row0, self._own_keys()[1])
         return BiasTiles(head.at[pl.ds(row0, ROWS_PER_CONSUMER)], buffers.at[wg],
                          barriers.at[wg], self.block_k, *self._own_keys())
 
-    def mask_rows(self, mask_ref, item: Item, ring) -> Any:
-        """The mask as this consumer reads it: the producer's ring of mask tiles
-        (`mask_tile`), a row per key read from global memory (`KeyRows`, a mask per key),
-        or None without a mask."""
-        if mask_ref is None or not config.per_key(self.problem.spec.mask_shape):
+    def mask_rows(self, mask_ref, item: Item, ring, row0) -> Any:
+        """The mask as this consumer (its rows from row0) reads it: the producer's ring of
+        mask tiles (`mask_tile`), a row per key read from global memory (`KeyRows`, a
+        mask per key), its rows' entries (`RowEntries`, a mask per row), or None
+        without a mask."""
+        if mask_ref is None:
             return ring
-        return KeyRows(head_entries(mask_ref, item.b, item.n).at[0], self.block_k,
-                       *self._own_keys())
+        shape, head = self.problem.spec.mask_shape, head_entries(mask_ref, item.b, item.n)
+        if config.per_key(shape):
+            return KeyRows(head.at[0], self.block_k, *self._own_keys())
+        if config.per_row(shape):
+            return RowEntries(head, row0, self._own_keys()[1])
+        return ring
 
     def _own_keys(self) -> tuple[Any, int]:
         """(offset, width) of the keys of each tile this consumer reads: its half where
@@ -523,6 +530,38 @@ class KeyRows:
 
 
 @dataclasses.dataclass(frozen=True)
+class RowEntries:
+    """A bias or mask broadcast along keys (`config.per_row`): of `rows` query rows from
+    row0, their entries read from global memory (one for every row where the ref has a
+    single one) and broadcast over `width` keys (along dimension 1 - query_dim of the
+    tile: queries along dimension 1 in tiles of keys by queries); nothing is staged."""
+
+    column: Any  # the entries of one batch entry and head [Tp or 1, 1]
+    row0: Any
+    width: int
+    rows: int = ROWS_PER_CONSUMER
+    query_dim: int = 0
+
+    def tile(self, t=None) -> jax.Array:
+        """The rows' entries over any key tile (WGMMA layout, the ref's dtype)."""
+        shape = (self.width, self.rows) if self.query_dim else (self.rows, self.width)
+        if self.column.shape[0] == 1:  # one entry for every row
+            return lax.broadcast_in_dim(self.column[0, 0], shape, ())
+        # Rows before row 0 (a head's first item) read row 0's: nothing of theirs is kept.
+        first = jnp.maximum(self.row0, 0)
+        entries = plgpu.load(self.column.at[pl.ds(first, self.rows), 0],
+                             layout=along(self.query_dim), optimized=False)
+        return lax.broadcast_in_dim(entries, shape, [self.query_dim])
+
+    def start(self, t) -> None:
+        """Nothing to stage ahead (`BiasTiles.start`)."""
+
+    def take(self, t, stop) -> jax.Array:
+        """The bias over key tile t (float32, WGMMA layout), as `BiasTiles.take`."""
+        return self.tile(t).astype(jnp.float32)
+
+
+@dataclasses.dataclass(frozen=True)
 class BiasTiles:
     """One consumer's bias rows in global memory, read tile by tile through its own
     shared-memory buffer: each tile's copy is issued as soon as the previous tile is in
@@ -564,12 +603,12 @@ def origin_pair(origin_ref) -> tuple[Any, Any] | None:
 
 def mask_tile(mask, slot, t, masked: bool | None) -> jax.Array | None:
     """This consumer's rows of key tile t's mask as booleans in the WGMMA layout: from
-    ring slot `slot` of the mask tiles (`Walk.stream`; landed with K) or per key
-    (`KeyRows`); None without a mask, or in a tile its rows see whole (masked False:
-    `core.run_tile_loops`)."""
+    ring slot `slot` of the mask tiles (`Walk.stream`; landed with K), per key
+    (`KeyRows`) or per row (`RowEntries`); None without a mask, or in a tile its rows
+    see whole (masked False: `core.run_tile_loops`)."""
     if mask is None or masked is False:
         return None
-    if isinstance(mask, KeyRows):
+    if isinstance(mask, (KeyRows, RowEntries)):
         return mask.tile(t) != 0
     return plgpu.load(mask.at[slot, lax.axis_index("wg")], layout=plgpu.Layout.WGMMA) != 0
 

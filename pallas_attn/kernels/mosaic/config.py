@@ -160,9 +160,10 @@ OPERANDS = {"forward": ("bias", "mask", "alibi_slopes", "sinks", *SEGMENTS, *LEN
             "dkdv": ("bias", "mask", "alibi_slopes", "sinks", *SEGMENTS, *LENGTHS,
                      "dropout_keys", "origin"),
             "dbias": ("bias", "alibi_slopes", "sinks")}
-# What each role's kernel reads with one entry per key (`per_key`; the dbias kernel none).
-PER_KEY = {"forward": ("bias", "mask"), "dq": ("bias", "mask"), "dkdv": ("bias", "mask"),
-           "dbias": ()}
+# What each role's kernel reads from global memory where it broadcasts along queries or
+# keys (`per_key`, `per_row`; the dbias kernel none).
+BROADCAST_READS = {"forward": ("bias", "mask"), "dq": ("bias", "mask"),
+                   "dkdv": ("bias", "mask"), "dbias": ()}
 _OPERAND_NAMES = {"bias": "a bias", "mask": "a mask", "alibi_slopes": "ALiBi slopes",
                   "sinks": "sinks",
                   "q_segment_ids": "segment ids", "query_seq_lengths": "sequence lengths",
@@ -176,16 +177,25 @@ def per_key(shape: tuple[int, ...]) -> bool:
     return shape[-2] == 1 and shape[-1] > 1
 
 
+def per_row(shape: tuple[int, ...]) -> bool:
+    """Whether a bias or mask of this shape ([..., T or 1, 1]) is broadcast along keys:
+    one entry per query row (or one for every row) that every key shares, read per
+    consumer's rows (`common.RowEntries`), not in tiles."""
+    return shape[-1] == 1
+
+
 def bias_tiles_dtype(spec: AttentionSpec, bias_dtype: Any) -> Any:
     """The dtype of the bias tiles a kernel stages in shared memory, or None: no bias, or
-    one per key (read from global memory)."""
-    return None if not spec.has_bias or per_key(spec.bias_shape) else bias_dtype
+    one per key or per row (read from global memory)."""
+    if not spec.has_bias or per_key(spec.bias_shape) or per_row(spec.bias_shape):
+        return None
+    return bias_dtype
 
 
 def mask_tiles(spec: AttentionSpec) -> bool:
     """Whether a kernel streams tiles of the mask through shared memory (not for a mask
-    per key, read from global memory)."""
-    return spec.has_mask and not per_key(spec.mask_shape)
+    per key or per row, read from global memory)."""
+    return spec.has_mask and not (per_key(spec.mask_shape) or per_row(spec.mask_shape))
 
 
 def unsupported_scores(spec: AttentionSpec, present: tuple[str, ...], role: str) -> str:
@@ -201,12 +211,9 @@ def unsupported_scores(spec: AttentionSpec, present: tuple[str, ...], role: str)
                         ("mask", spec.mask_shape if spec.has_mask else None)):
         if shape is None or 1 not in shape[2:]:
             continue
-        if name not in PER_KEY[role]:
+        if name not in BROADCAST_READS[role]:
             return (f"the {name} needs its own entry per query and key, got a {name} of "
                     f"shape {shape} (broadcast along queries or keys)")
-        if not per_key(shape):
-            return (f"the {name} needs its own entry per key, got a {name} of shape "
-                    f"{shape} (broadcast along keys)")
     return ""
 
 

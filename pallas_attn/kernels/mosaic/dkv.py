@@ -75,8 +75,8 @@ where P is (a hidden value's NaN dP; `common.tile_gradient`'s hidden_ds "p": the
 is dead once the scores have it; the keys that a row with NaN residuals or a hidden
 non-finite value reached are marked, and the Triton dK/dV recomputes them), or P = dS
 = 0 selected again where dS is also a bias's gradient. A
-mask per key (a key padding mask) is read from global memory instead, each consumer's
-keys (`common.KeyRows`).
+mask per key (a key padding mask) or per row is read from global memory instead, each
+consumer's keys (`common.KeyRows`) or the step's rows (`common.RowEntries`).
 
 Scope: the Mosaic kernels' (`config.unsupported`), and a bias gradient for a bias of
 shape [B, N, T, S] or [1, N, T, S] in the inputs' dtype, or one per key of any broadcast
@@ -99,6 +99,7 @@ from pallas_attn.kernels.core import Problem, TileRanges, run_tile_loops, whole_
 from pallas_attn.kernels.mosaic.common import (
     Dropout,
     KeyRows,
+    RowEntries,
     Segments,
     accumulate,
     along,
@@ -311,6 +312,16 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, bias_ref, mask_ref, slopes_r
                  (step_loaded, step_consumed, kv_loaded, kv_consumed, barriers["exchange"]))
 
 
+def _entries(ref, b, n, row0, keys_n: int, rows_n: int, query_dim: int, t) -> jax.Array:
+    """A bias's or mask's entries over the step's tile, as stored, where they are read from
+    global memory: per key (`KeyRows`, key tile t) or per row (`RowEntries`, the rows
+    from row0)."""
+    entries = head_entries(ref, b, n)
+    if entries.shape[1] == 1:
+        return RowEntries(entries, row0, keys_n, rows_n, query_dim).tile()
+    return KeyRows(entries.at[0], keys_n, query_dim=query_dim).tile(t)
+
+
 def _consume(problem: Problem, tiles_of: _Tiles, wg, unit_of, units, add_dbias: bool,
              first_entry: int, passes: int, refs, buffers, barriers):
     """A consumer's loop over its program's units: dK and dV of its 64 keys per unit
@@ -319,8 +330,8 @@ def _consume(problem: Problem, tiles_of: _Tiles, wg, unit_of, units, add_dbias: 
     for a bias per key, its gradient's column sums into key_sums_ref [B, N, Sp] (float32,
     zeros where a unit sees no query): dS^T times `ones` beside dK's product (each of its
     columns the sums), taken per head; scale_ref: float16 dS's powers of two (`core.DsScales`
-    key_scales) or None. key_bias / key_mask: a bias / mask per key, read from global
-    memory (`common.KeyRows`), or None. marks_ref: [B, K, W, Sp] or None; given, the mask
+    key_scales) or None. key_bias / key_mask: a bias / mask per key or per row, read from
+    global memory (`_entries`), or None. marks_ref: [B, K, W, Sp] or None; given, the mask
     and the ids reach only the scores (`tile_gradient`'s hidden_ds "p") and each key's
     row sum of its dk and dv (NaN if either holds one) marks it for the repair."""
     (slopes_ref, dk_ref, dv_ref, dbias_ref, key_sums_ref, segments, dropout, scale_ref,
@@ -413,15 +424,15 @@ def _consume(problem: Problem, tiles_of: _Tiles, wg, unit_of, units, add_dbias: 
                     bias = plgpu.load(bias_smem.at[slot, wg],
                                       layout=plgpu.Layout.WGMMA).astype(jnp.float32)
                 if key_bias is not None:
-                    bias = KeyRows(head_entries(key_bias, b, n).at[0], keys_n,
-                                   query_dim=query_dim).take(lax.div(k_own, keys_n), None)
+                    bias = _entries(key_bias, b, n, row0, keys_n, rows_n, query_dim,
+                                    lax.div(k_own, keys_n)).astype(jnp.float32)
                 if mask_smem is not None and masked is not False:
                     mask = plgpu.load(mask_smem.at[slot, wg], layout=plgpu.Layout.WGMMA) != 0
                 if key_mask is not None and masked is not False:
                     entries = head_entries(key_mask, b, n)
-                    if entries.shape[0] == 1:  # a mask per key
-                        mask = KeyRows(entries.at[0], keys_n, query_dim=query_dim).tile(
-                            lax.div(k_own, keys_n)) != 0
+                    if 1 in entries.shape:  # a mask per key or per row
+                        mask = _entries(key_mask, b, n, row0, keys_n, rows_n, query_dim,
+                                        lax.div(k_own, keys_n)) != 0
                     else:  # the wide kernel's tiles, which stage none
                         tile = entries.at[pl.ds(row0, rows_n), pl.ds(k_own, keys_n)]
                         mask = plgpu.load(tile, layout=plgpu.Layout.WGMMA,

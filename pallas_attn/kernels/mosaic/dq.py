@@ -15,7 +15,8 @@ consumer warpgroups: three, or two with a bias or a local window
   accumulator with a third wgmma that takes dS from registers (from shared memory
   where a dbias copy reads it too, and in the interpreter). The bias comes
   through each consumer's own buffer one tile ahead (`common.BiasTiles`); a bias or a
-  mask per key from global memory, the key tile's row (`common.KeyRows`).
+  mask per key from global memory, the key tile's row (`common.KeyRows`); per row, the
+  consumer's rows (`common.RowEntries`).
 * Three consumers (items of 192 rows) run without turns: while two compute their
   exponentials and soft-cap tanh, the third's products keep the tensor cores busy
   (docs/decisions.md, "Three dQ consumers"). Items end at the padded length, so the first item of
@@ -203,7 +204,7 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, bias_ref, mask_ref, slopes_r
             dq = _consume(problem, ctx, tiles, lambda t: step + t - tiles.first, row0,
                           tiles.first + steps, mine, ds_tiles, smem["k"], smem["v"], ring,
                           (turns, exchange),
-                          (bias, walk.mask_rows(mask_ref, item, smem["mask"])),
+                          (bias, walk.mask_rows(mask_ref, item, smem["mask"], row0)),
                           head_slope(slopes_ref, item.valid, item.b, item.n), residuals,
                           dbias, row0 >= 0, segments, dropout, item.b, item.n, cols,
                           repaired=marks_ref is not None)

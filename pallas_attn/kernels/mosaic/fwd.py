@@ -41,12 +41,13 @@ slots) with a producer warpgroup and the consumers:
 * With a bias, each consumer copies its 64 rows of the next key tile's bias into a
   buffer of its own while it works on the current tile (`_consume`), and its
   scores stay in natural units, as in the Triton forward. A bias per key ([B or 1,
-  N or 1, 1, S]) is read from global memory, the key tile's row (`common.KeyRows`).
+  N or 1, 1, S]) is read from global memory, the key tile's row (`common.KeyRows`); one
+  broadcast along keys ([..., T or 1, 1]), the consumer's rows (`common.RowEntries`).
 * With a boolean mask, the producer copies each consumer's rows of the key tile's
   mask, as int8 (`config.MASK_DTYPE`: the mask is converted once per call), into the
   ring slot with K, except in the tiles every row of the item sees whole, and the
   other tiles hide the entries the mask clears. A mask per key (a key padding mask,
-  [B or 1, N or 1, 1, S]) is read like a bias per key.
+  [B or 1, N or 1, 1, S]) or per row is read like a bias per key or per row.
 
 It writes the same outputs as the Triton forward: the output and the per-row
 residuals (row reference, +inf for rows that see no key, and log2 of the row
@@ -188,7 +189,8 @@ def _kernel(q_ref, k_ref, v_ref, bias_ref, mask_ref, slopes_ref, sinks_ref, leng
             acc, m, l_sum = _consume(
                 problem, ctx, tiles, lambda t: walk.slot(step + t - tiles.first), row0,
                 tiles.first + steps, active, q_mine, k_smem, v_smem, p_mine,
-                o_mine.shape[-1], ring, turns, bias, walk.mask_rows(mask_ref, item, smem["mask"]),
+                o_mine.shape[-1], ring, turns, bias,
+                walk.mask_rows(mask_ref, item, smem["mask"], row0),
                 head_slope(slopes_ref, item.valid, item.b, item.n), segments, dropout, item.b,
                 item.n, (lambda: load_q(walk.item(r + 1))) if early_q else None)
 

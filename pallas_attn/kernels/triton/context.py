@@ -223,8 +223,8 @@ class TileContext(TileRanges):
         return tuple(self.refs[name][self.b, self.n, rows]
                      for name in ("row_max", "log2_sum", "delta"))
 
-    def score_gradient(self, q, k, v, do, residuals, q0, k0, masked, ds_factor=None
-                       ) -> tuple[jax.Array, jax.Array]:
+    def score_gradient(self, q, k, v, do, residuals, q0, k0, masked, ds_factor=None,
+                       row_terms: bool = False) -> tuple[jax.Array, ...]:
         """(dropped probabilities P~, score gradient dS) of one tile, float32, both
         divided by problem.dropout_scale: callers multiply what they accumulate from
         them by it once, at the end, instead of every score.
@@ -233,7 +233,8 @@ class TileContext(TileRanges):
         dP~ = dO V^T; dP = dP~ * keep / (1 - rate); dS = P * (dP - delta) times the
         soft-cap derivative, computed as P * (dP~ * keep - delta * (1 - rate)).
         ds_factor: float16 dS's power of two for this key tile (`core.ds_scales`) or None;
-        dS comes out times it.
+        dS comes out times it. row_terms: also each row's sums of P * dP and of P times
+        the soft-cap derivative, for dS's row sums (`dbias.dbias_kernel`).
         """
         spec = self.p.spec
         row_max, log2_sum, delta = residuals
@@ -248,12 +249,19 @@ class TileContext(TileRanges):
             delta = delta * (1.0 - spec.dropout_rate)
         if ds_factor is not None:  # folded into dP - delta
             dp, delta = dp * ds_factor, delta * ds_factor
+        slope = None if cap_tanh is None else scores.soft_cap_slope(cap_tanh)
         ds = prob * (dp - delta[:, None])
-        if cap_tanh is not None:
-            ds = ds * scores.soft_cap_slope(cap_tanh)
-        if self.hides_in_tile(masked):  # a hidden key's NaN value (in dP) gives exact zeros
+        if slope is not None:
+            ds = ds * slope
+        hides = self.hides_in_tile(masked)
+        if hides:  # a hidden key's NaN value (in dP) gives exact zeros
             ds = jnp.where(prob == 0.0, 0.0, ds)
-        return dropped, ds
+        if not row_terms:
+            return dropped, ds
+        terms = [prob * dp, prob if slope is None else prob * slope]
+        if hides:
+            terms = [jnp.where(prob == 0.0, 0.0, x) for x in terms]
+        return dropped, ds, *(jnp.sum(x, axis=1) for x in terms)
 
 
 # Tiles whose marks one repair program reads at once: almost every call has none

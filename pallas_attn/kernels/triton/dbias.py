@@ -51,11 +51,13 @@ def dbias_kernel(*refs, problem: Problem, names: tuple[str, ...]):
                 k0 = tj * block_k
                 k = ctx.hide_keys(r["k"][b, pl.ds(k0, block_k), kh, :], k0)
                 v = ctx.hide_keys(r["v"][b, pl.ds(k0, block_k), kh, :], k0)
+                if Sb == 1:  # the rows' sums: dS's, P dP's and P's (cap slope included)
+                    _, ds, p_dp, p_slope = ctx.score_gradient(q, k, v, do, residuals, q0, k0,
+                                                              True, row_terms=True)
+                    return (acc[0] + jnp.sum(ds, axis=1), acc[1] + p_dp, acc[2] + p_slope)
                 _, ds = ctx.score_gradient(q, k, v, do, residuals, q0, k0, True)
                 if Tb == 1:
                     ds = jnp.sum(ds, axis=0, keepdims=True)
-                if Sb == 1:
-                    ds = jnp.sum(ds, axis=1, keepdims=True)
                 return acc + ds
 
             # Only the key tiles these rows can see (their band, lengths, segments, the
@@ -65,7 +67,17 @@ def dbias_kernel(*refs, problem: Problem, names: tuple[str, ...]):
                                               ctx.key_limits(q0, block_q))
             if Sb > 1:
                 first, stop = jnp.clip(first, kt, kt + 1), jnp.clip(stop, kt, kt + 1)
-            return lax.fori_loop(first, stop, tile_body, acc)
+                return lax.fori_loop(first, stop, tile_body, acc)
+            # A row's dS sums to sum cP dP - (D - g) sum cP (c: the cap's slope, D = dO . out,
+            # g: the lse cotangent, delta = D - g), near zero without sinks, a cap or g: its
+            # entries' sum would be the rounding of the stored output in D. D is taken as
+            # these P and dP's own sum P dP, which cancels exactly.
+            zeros = jnp.zeros((block_q,), jnp.float32)
+            ds_sum, p_dp, p_slope = lax.fori_loop(first, stop, tile_body, (zeros,) * 3)
+            kept = 1.0 - problem.spec.dropout_rate  # score_gradient's units
+            lse_grad = r["lse_grad"][b, n, pl.ds(q0, block_q)]
+            rows = (ds_sum + ((residuals[2] + lse_grad) * kept - p_dp) * p_slope)[:, None]
+            return acc + (jnp.sum(rows, axis=0, keepdims=True) if Tb == 1 else rows)
 
         if Tb > 1:
             return row_tile(qt, acc)
