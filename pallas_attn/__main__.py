@@ -46,6 +46,10 @@ def main(argv: list[str] | None = None) -> int:
                            "sizes on a GPU (small ones in the interpreter on a CPU).")
     check.add_argument("--match", help="only shapes whose label matches this regex (re.search)")
     check.add_argument("--json", help="write the results to this file")
+    check.add_argument("--random", type=int, metavar="N",
+                       help="check N random combinations of every feature instead of the "
+                            "fixed shapes (the same N for the same --seed)")
+    check.add_argument("--seed", type=int, default=0, help="--random's seed")
     check.add_argument("--jobs", type=int, default=1,
                        help="run the shapes in this many processes at once, sharing the "
                             "GPU's memory (compiling dominates a shape's time)")
@@ -122,6 +126,10 @@ def main(argv: list[str] | None = None) -> int:
                   + (", and so do the shapes --set/--match select." if args.command == "bench"
                      else "."))
         shapes = bench_lib.check_shapes(gpu)
+        if args.command == "check" and args.random is not None:
+            if args.random < 1:
+                parser.error(f"--random must be at least 1, got {args.random}")
+            shapes = bench_lib.random_check_shapes(args.random, args.seed, gpu)
         if args.command == "check":
             shapes = _matching(shapes, args.match, parser, "check's shapes")
             if args.jobs < 1:
@@ -198,6 +206,8 @@ def _check_in_jobs(args: argparse.Namespace, gpu: bool) -> list:
             argv = [sys.executable, "-m", "pallas_attn", "check", "--shard",
                     f"{part}/{args.jobs}", "--json", out]
             argv += ["--match", args.match] if args.match else []
+            if args.random is not None:
+                argv += ["--random", str(args.random), "--seed", str(args.seed)]
             workers.append((subprocess.Popen(argv, env=env, stdout=subprocess.PIPE,
                                              stderr=subprocess.STDOUT, text=True), out))
         results = []

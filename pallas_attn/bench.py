@@ -324,6 +324,8 @@ def feature_shapes() -> list[Shape]:
         Shape(**base, features=(("mask", None),)),
         Shape(**base, features=(("bias_per_key", None),)),  # [B, N, 1, S]
         Shape(**base, features=(("mask_per_key", None),)),  # [B, 1, 1, S], padding
+        Shape(**base, features=(("bias_per_row", None),)),  # [B, N, T, 1]
+        Shape(**base, features=(("mask_per_row", None),)),  # [B, 1, T, 1], query padding
         Shape(**base, features=(("alibi", None),)),
         Shape(**base, features=(("softcap", 30.0),)),
         Shape(**base, features=(("dropout", 0.1),)),
@@ -610,6 +612,59 @@ def check_shapes(on_device: bool) -> list[Shape]:
         Shape(2, 5, 3000, 8, 1, 64, False, (("causal_bottom_right", None), ("softcap", 20.0),
                                             ("alibi", None)), dtype="float16"),
     ]
+    return shapes
+
+
+# Random combinations for `check --random`: one of each group with probability 1/2, then
+# each extra feature with probability 1/4 (its value drawn where it takes one).
+_RANDOM_BIAS = ("bias", "bias_per_batch", "bias_per_key", "bias_per_row",
+                "bias_shared_by_heads", "bias_float32")
+_RANDOM_MASK = ("mask", "mask_per_key", "mask_per_row", "mask_documents")
+_RANDOM_IDS = ("segments", "packed")
+_RANDOM_HEAD_DIMS = (16, 24, 32, 40, 64, 80, 96, 112, 128, 160, 192, 256)
+
+
+def random_check_shapes(count: int, seed: int, on_device: bool) -> list[Shape]:
+    """count shapes drawn from every feature that combines (the same for the same seed):
+    head dims 16 to 256, GQA and MQA, ragged T != S (S = T where a mask of documents or
+    segment ids needs it), 16-bit inputs; realistic sizes on a GPU, small ones in the
+    interpreter. Combinations no fixed shape of `check_shapes` names."""
+    import random
+
+    rng = random.Random(seed)
+    low, high = (200, 1200) if on_device else (16, 80)
+    shapes = []
+    for _ in range(count):
+        heads = rng.choice((2, 4, 8))
+        kv_heads = rng.choice([k for k in (1, 2, heads) if heads % k == 0])
+        q_len, kv_len = rng.randrange(low, high), rng.randrange(low, high)
+        features: list[tuple[str, Any]] = []
+        bias, mask, ids = (rng.choice(group) if rng.random() < 0.5 else None
+                           for group in (_RANDOM_BIAS, _RANDOM_MASK, _RANDOM_IDS))
+        if mask == "mask_documents" or ids is not None:
+            kv_len = q_len  # documents of one sequence: self-attention
+        causal = rng.random() < 0.4
+        if not causal and rng.random() < 0.15:
+            features.append(("causal_bottom_right", None))
+        elif rng.random() < 0.25:
+            features.append(("window", rng.randrange(16, kv_len)))
+        features += [(name, None) for name in (bias, mask) if name is not None]
+        if mask == "mask_documents":
+            features[-1] = (mask, rng.choice((2, 3, 4)))
+        if ids == "packed":
+            features.append((ids, rng.choice((2, 3, 4))))
+        elif ids is not None:
+            features.append((ids, None))
+        for name, value in (("alibi", None), ("softcap", 20.0), ("dropout", 0.1),
+                            ("sinks", None), ("lengths", rng.randrange(1, kv_len // 2))):
+            # A bias per row has a gradient of exactly zero without a soft cap or sinks
+            # (softmax is shift-invariant per row): errors against it would be noise.
+            cap = name == "softcap" and bias == "bias_per_row"
+            if cap or rng.random() < 0.25:
+                features.append((name, value))
+        shapes.append(Shape(rng.choice((1, 2)), q_len, kv_len, heads, kv_heads,
+                            rng.choice(_RANDOM_HEAD_DIMS), causal, tuple(features),
+                            dtype=rng.choice(("bfloat16", "float16"))))
     return shapes
 
 

@@ -62,6 +62,7 @@ def test_tune_needs_a_gpu(capsys):
                                   ["explain", "--window", "a,b"], ["explain", "--dtype", "f99"],
                                   ["explain", "--heads", "3", "--kv-heads", "2"],
                                   ["check", "--jobs", "0"], ["check", "--shard", "2/2"],
+                                  ["check", "--random", "0"],
                                   ["check", "--shard", "x"], ["bench", "--set", "wide"],
                                   ["bench", "--set", "wide", "--match", "H999"],
                                   ["bench", "--dtype", "float16"], ["bench", "--dtype", "f8"]])
@@ -113,3 +114,25 @@ def test_the_wide_set_spans_the_issue_grid():
     assert any(s.kv_heads < s.heads for s in shapes)
     assert {s.causal for s in wide} == {False, True}
     assert len({s.label for s in wide}) == len(wide)
+
+
+def test_random_check_shapes_are_valid_calls_and_repeat_with_their_seed():
+    """`check --random`: the same shapes for the same seed, features from every group
+    among them, calls the library takes (traced, not run)."""
+    import jax
+
+    import pallas_attn
+    from pallas_attn import bench
+
+    shapes = bench.random_check_shapes(40, 7, on_device=False)
+    assert shapes == bench.random_check_shapes(40, 7, on_device=False)
+    assert shapes != bench.random_check_shapes(40, 8, on_device=False)
+    drawn = {name for shape in shapes for name, _ in shape.features}
+    assert {"mask_per_row", "bias_per_key", "packed", "segments", "dropout"} <= drawn
+    assert all("softcap" in dict(shape.features) for shape in shapes
+               if "bias_per_row" in dict(shape.features))
+    for shape in shapes[:6]:  # making inputs compiles: a few of them
+        args = bench.make_inputs(shape)
+        jax.eval_shape(lambda q, k, v, kw=args["kwargs"]: pallas_attn.dot_product_attention(
+            q, k, v, implementation="pallas", interpret=True, **kw),
+            args["query"], args["key"], args["value"])
