@@ -14,6 +14,7 @@ import dataclasses
 import functools
 import json
 import math
+import random
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -628,9 +629,7 @@ def random_check_shapes(count: int, seed: int, on_device: bool) -> list[Shape]:
     """count shapes drawn from every feature that combines (the same for the same seed):
     head dims 16 to 256, GQA and MQA, ragged T != S (S = T where a mask of documents or
     segment ids needs it), 16-bit inputs; realistic sizes on a GPU, small ones in the
-    interpreter. Combinations no fixed shape of `check_shapes` names."""
-    import random
-
+    interpreter: combinations beyond the fixed shapes of `check_shapes`."""
     rng = random.Random(seed)
     low, high = (200, 1200) if on_device else (16, 80)
     shapes = []
@@ -648,13 +647,10 @@ def random_check_shapes(count: int, seed: int, on_device: bool) -> list[Shape]:
             features.append(("causal_bottom_right", None))
         elif rng.random() < 0.25:
             features.append(("window", rng.randrange(16, kv_len)))
-        features += [(name, None) for name in (bias, mask) if name is not None]
-        if mask == "mask_documents":
-            features[-1] = (mask, rng.choice((2, 3, 4)))
-        if ids == "packed":
-            features.append((ids, rng.choice((2, 3, 4))))
-        elif ids is not None:
-            features.append((ids, None))
+        documents = rng.choice((2, 3, 4)) if mask == "mask_documents" else None
+        packed = rng.choice((2, 3, 4)) if ids == "packed" else None
+        features += [(name, value) for name, value in ((bias, None), (mask, documents),
+                                                       (ids, packed)) if name is not None]
         for name, value in (("alibi", None), ("softcap", 20.0), ("dropout", 0.1),
                             ("sinks", None), ("lengths", rng.randrange(1, kv_len // 2))):
             # A bias per row has a gradient of exactly zero without a soft cap or sinks
