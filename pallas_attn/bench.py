@@ -24,6 +24,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import pallas_attn
+from pallas_attn import spec as spec_lib
+from pallas_attn.semantics import reference
 from pallas_attn.tuning import autotune
 
 
@@ -240,18 +242,108 @@ def relative_error(x: jax.Array, ref: jax.Array) -> float:
     return float(np.linalg.norm(x - ref) / max(np.linalg.norm(ref), 1e-30))
 
 
+def _split(kwargs: dict[str, Any]) -> tuple[dict[str, jax.Array], tuple]:
+    """(the array arguments, the other arguments as sorted items) of kwargs."""
+    arrays = {x: y for x, y in kwargs.items() if isinstance(y, jax.Array)}
+    return arrays, tuple(sorted((x, y) for x, y in kwargs.items() if x not in arrays))
+
+
+@functools.lru_cache(maxsize=4)
+def _program(fn: Callable[..., Any], static: tuple, grads: bool) -> Callable[..., Any]:
+    """fn jitted with its arrays as arguments: [out, lse], with grads also the gradients of
+    sum(out * ct) for q, k, v (and the bias). One compile serves every call of a shape:
+    check's clean run, its second call and its run with hidden keys NaN."""
+    def outputs(q, k, v, ct, arrays):
+        rest = {x: y for x, y in arrays.items() if x != "bias"}
+
+        def forward(q, k, v, bias):
+            return fn(q, k, v, bias=bias, return_residual=True, **rest, **dict(static))
+
+        def loss(q, k, v, bias):
+            out, lse = forward(q, k, v, bias)
+            return jnp.sum(out.astype(jnp.float32) * ct), (out, lse)
+
+        bias = arrays.get("bias")
+        if not grads:
+            return list(forward(q, k, v, bias))
+        argnums = (0, 1, 2, 3) if bias is not None else (0, 1, 2)
+        grad, (out, lse) = jax.grad(loss, argnums=argnums, has_aux=True)(q, k, v, bias)
+        return [out, lse, *grad]
+
+    return jax.jit(outputs)
+
+
+def _outputs(fn: Callable[..., Any], q, k, v, kwargs: dict[str, Any]):
+    """[out, lse] of one implementation, forward only."""
+    arrays, static = _split(kwargs)
+    return _program(fn, static, False)(q, k, v, None, arrays)
+
+
+def _describe_poisoned(poisoned: dict[str, Any]) -> str:
+    """check's words for `_poisoned_runs`: the largest error of each poisoned run."""
+    if "error" in poisoned:
+        return f"; NaN inputs: {poisoned['error']}"
+    words = [f"; {which}: max error {max(errors.values()):.1e}"
+             for which, errors in (("hidden NaN keys", poisoned["hidden"]),
+                                   ("a seen NaN key", poisoned["visible"])) if errors]
+    return "".join(words)
+
+
 def _outputs_and_grads(fn: Callable[..., Any], q, k, v, ct, kwargs: dict[str, Any]):
     """[out, lse, dq, dk, dv(, dbias)] of sum(out * ct) for one implementation."""
-    bias = kwargs.get("bias")
-    rest = {x: y for x, y in kwargs.items() if x != "bias"}
+    arrays, static = _split(kwargs)
+    return _program(fn, static, True)(q, k, v, ct, arrays)
 
-    def loss(q, k, v, bias):
-        out, lse = fn(q, k, v, bias=bias, return_residual=True, **rest)
-        return jnp.sum(out.astype(jnp.float32) * ct), (out, lse)
 
-    argnums = (0, 1, 2, 3) if bias is not None else (0, 1, 2)
-    grads, (out, lse) = jax.jit(jax.grad(loss, argnums=argnums, has_aux=True))(q, k, v, bias)
-    return [out, lse, *grads]
+def _visibility(q, k, v, kwargs: dict[str, Any]) -> jax.Array | None:
+    """[G, B, K, T, S] bool: whether query row t of head k * G + g sees key s (the
+    reference's rules), or None where every row sees every key."""
+    spec, ops, _ = spec_lib.normalize(q, k, v, **kwargs)
+    _, visible = reference.logits_and_visibility(spec, ops, None)
+    if visible is None:
+        return None
+    B, T, N, _ = q.shape
+    S, K = k.shape[1], k.shape[2]
+    return jnp.broadcast_to(visible, (N // K, B, K, T, S))
+
+
+def _poisoned_runs(kernel: Callable[..., Any], q, k, v, ct, kwargs: dict[str, Any],
+                   exact: list, bases: dict[str, float], floor: float) -> dict[str, Any]:
+    """The kernel on inputs holding NaN where the results must not depend on them, and
+    where they must: {"hidden": errors of every result (clean float32 reference) with
+    NaN in the keys and values no row sees, or None where every key is seen by some row;
+    "visible": errors of out and lse with one seen key NaN (its rows' out and lse NaN,
+    every other row as clean); "ok"}. The same pass rule as the clean run."""
+    names = ["out", "lse", "dq", "dk", "dv", "dbias"]
+    visible = _visibility(q, k, v, kwargs)
+    result: dict[str, Any] = {"hidden": None, "visible": None, "ok": True}
+
+    def judge(got, want, which):
+        errors = {n: relative_error(x, e)
+                  for n, x, e in zip(names[:len(got)], got, want[:len(got)], strict=True)}
+        result["ok"] &= all(np.isfinite(err) and err <= 2 * bases[n] + floor
+                            for n, err in errors.items())
+        result[which] = errors
+
+    if visible is not None:
+        hidden = ~jnp.any(visible, axis=(0, 3))  # [B, K, S]: no row of the group sees it
+        if bool(jnp.any(hidden)):
+            at = jnp.swapaxes(hidden, 1, 2)[..., None]
+            judge(_outputs_and_grads(kernel, q, jnp.where(at, jnp.nan, k).astype(k.dtype),
+                                     jnp.where(at, jnp.nan, v).astype(v.dtype), ct, kwargs),
+                  exact, "hidden")
+    # The key of batch entry 0 and kv head 0 that the most rows see, NaN: every row that
+    # sees it has a NaN score, so a NaN output and lse (nothing may turn it into a zero).
+    B, T, N, _ = q.shape
+    G, S = N // k.shape[2], k.shape[1]
+    seen = (jnp.ones((G, T, S), bool) if visible is None else visible[:, 0, 0])
+    key = int(jnp.argmax(jnp.sum(seen, axis=(0, 1))))
+    rows = jnp.zeros((B, T, N), bool).at[0, :, :G].set(seen[:, :, key].T)  # as lse
+    out, lse = _outputs(kernel, q, k.at[0, key, 0].set(jnp.nan), v, kwargs)
+    want_out = jnp.where(rows[..., None], jnp.nan, exact[0])
+    want_lse = jnp.where(rows, jnp.nan, exact[1])
+    judge([out, lse], [want_out, want_lse], "visible")
+    return result
 
 
 def check(shapes: Sequence[Shape], *, interpret: bool = False,
@@ -259,8 +351,10 @@ def check(shapes: Sequence[Shape], *, interpret: bool = False,
     """Kernel vs float32-upcast reference, next to the same-dtype reference's error.
 
     Passes when the kernel's error is at most 2x the same-dtype reference's error
-    plus a floor (FlashAttention's rule), for the output, lse and every gradient, and
-    a second call gives bitwise the same results (the default is deterministic).
+    plus a floor (FlashAttention's rule), for the output, lse and every gradient; a
+    second call gives bitwise the same results (the default is deterministic); NaN in
+    the keys and values no row sees changes no result, and a NaN key that rows see
+    reaches exactly their outputs (`_poisoned_runs`).
     """
     def kernel(*a, **kw):
         return pallas_attn.dot_product_attention(*a, implementation="pallas",
@@ -296,11 +390,19 @@ def check(shapes: Sequence[Shape], *, interpret: bool = False,
         row["differs"] = [n for n, x, y in zip(names, got, again, strict=True)
                           if np.asarray(x).tobytes() != np.asarray(y).tobytes()]
         row["ok"] &= not row["differs"]
+        try:
+            poisoned = _poisoned_runs(kernel, q, k, v, ct, kw, exact,
+                                      {n: row[n][1] for n in names}, floor)
+        except Exception as e:  # noqa: BLE001 - report every shape, failing ones included
+            poisoned = {"ok": False, "error": f"{type(e).__name__}: {str(e)[:2000]}"}
+        row["poisoned"] = poisoned
+        row["ok"] &= poisoned["ok"]
         results.append(row)
-        differ = [f"; differs between two calls: {', '.join(row['differs'])}"
-                  ] if row["differs"] else []
+        differ = (f"; differs between two calls: {', '.join(row['differs'])}"
+                  if row["differs"] else "")
         log(" ".join([f"{'PASS' if row['ok'] else 'FAIL'} {shape.label} {shape.dtype}:"] +
-                     [f"{n} {row[n][0]:.1e} (ref {row[n][1]:.1e})" for n in names] + differ))
+                     [f"{n} {row[n][0]:.1e} (ref {row[n][1]:.1e})" for n in names])
+            + differ + _describe_poisoned(poisoned))
     return results
 
 
@@ -486,7 +588,7 @@ def format_decode_table(rows: list[dict[str, Any]], copy_tbps: float) -> str:
 def check_shapes(on_device: bool) -> list[Shape]:
     if not on_device:
         return [Shape(2, 40, 56, 4, 2, 32, False, dtype="float32"),
-                Shape(1, 33, 33, 2, 2, 64, True, dtype="bfloat16"),
+                Shape(1, 33, 45, 2, 2, 64, True, dtype="bfloat16"),
                 Shape(1, 48, 40, 2, 1, 40, False, (("bias", None), ("softcap", 5.0)),
                       dtype="float16")]
     shapes = [

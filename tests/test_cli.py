@@ -2,6 +2,8 @@
 
 import json
 
+import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from pallas_attn.__main__ import main
@@ -16,6 +18,11 @@ def test_bench_on_cpu_runs_a_labelled_interpreter_check(capsys, tmp_path):
     assert "2 x ref" in text and "bfloat16" in text and "float16" in text
     rows = json.loads(out.read_text())["rows"]
     assert len(rows) == 3 and all(r["ok"] for r in rows)
+    # Top-left causal with T < S hides keys T.. from every row: run NaN, as every result
+    # was clean; and one seen key NaN in every shape.
+    assert set(rows[1]["poisoned"]["hidden"]) == {"out", "lse", "dq", "dk", "dv"}
+    assert all(set(r["poisoned"]["visible"]) == {"out", "lse"} for r in rows)
+    assert "hidden NaN keys: max error" in text
 
 
 def test_check_runs_its_shapes_in_worker_processes(capsys, tmp_path):
@@ -43,6 +50,33 @@ def test_check_fails_results_that_differ_between_two_calls(monkeypatch, capsys):
     [row] = bench.check(bench.check_shapes(on_device=False)[:1], interpret=True)
     assert not row["ok"] and row["differs"] == ["dq"]
     assert "differs between two calls: dq" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("leak", ["hidden", "visible"])
+def test_check_fails_a_kernel_that_leaks_or_drops_a_nan(leak, monkeypatch, capsys):
+    """A kernel whose results turn NaN wherever a key is NaN (a hidden key leaking), or
+    whose output drops a seen NaN key, fails check."""
+    from pallas_attn import bench
+
+    attention = bench.pallas_attn.dot_product_attention
+
+    def faulty(q, k, v, *args, implementation=None, **kwargs):
+        out, lse = attention(q, k, v, *args, implementation=implementation, **kwargs)
+        if implementation != "pallas":
+            return out, lse
+        bad = jnp.isnan(k).any()
+        if leak == "hidden":
+            return (jnp.where(bad, jnp.nan, out).astype(out.dtype),
+                    jnp.where(bad, jnp.nan, lse))
+        return jnp.nan_to_num(out), jnp.nan_to_num(lse)
+
+    monkeypatch.setattr(bench.pallas_attn, "dot_product_attention", faulty)
+    shape = bench.Shape(1, 24, 40, 2, 1, 32, True, dtype="bfloat16")
+    [row] = bench.check([shape], interpret=True)
+    assert not row["ok"]
+    errors = row["poisoned"][leak]
+    assert not all(np.isfinite(e) and e < 1e-2 for e in errors.values()), errors
+    assert "FAIL" in capsys.readouterr().out
 
 
 def test_tune_needs_a_gpu(capsys):

@@ -494,7 +494,7 @@ class Walk:
 
 
 def head_entries(ref, b, n) -> Any:
-    """A bias's or mask's [T or 1, S] entries of batch entry b and head n (either
+    """A bias's or mask's [T or 1, S or 1] entries of batch entry b and head n (either
     broadcast)."""
     return ref.at[b if ref.shape[0] > 1 else 0, n if ref.shape[1] > 1 else 0]
 

@@ -129,6 +129,7 @@ from pallas_attn.kernels.mosaic.config import (
     is_wide,
     key_sums,
     mask_tiles,
+    per_row,
     producer_registers,
     sums_batch_tiles,
     with_hash_tables,
@@ -317,7 +318,7 @@ def _entries(ref, b, n, row0, keys_n: int, rows_n: int, query_dim: int, t) -> ja
     global memory: per key (`KeyRows`, key tile t) or per row (`RowEntries`, the rows
     from row0)."""
     entries = head_entries(ref, b, n)
-    if entries.shape[1] == 1:
+    if per_row(entries.shape):
         return RowEntries(entries, row0, keys_n, rows_n, query_dim).tile()
     return KeyRows(entries.at[0], keys_n, query_dim=query_dim).tile(t)
 
