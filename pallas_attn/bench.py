@@ -279,16 +279,6 @@ def _outputs(fn: Callable[..., Any], q, k, v, kwargs: dict[str, Any]):
     return _program(fn, static, False)(q, k, v, None, arrays)
 
 
-def _describe_poisoned(poisoned: dict[str, Any]) -> str:
-    """check's words for `_poisoned_runs`: the largest error of each poisoned run."""
-    if "error" in poisoned:
-        return f"; NaN inputs: {poisoned['error']}"
-    words = [f"; {which}: max error {max(errors.values()):.1e}"
-             for which, errors in (("hidden NaN keys", poisoned["hidden"]),
-                                   ("a seen NaN key", poisoned["visible"])) if errors]
-    return "".join(words)
-
-
 def _outputs_and_grads(fn: Callable[..., Any], q, k, v, ct, kwargs: dict[str, Any]):
     """[out, lse, dq, dk, dv(, dbias)] of sum(out * ct) for one implementation."""
     arrays, static = _split(kwargs)
@@ -298,8 +288,13 @@ def _outputs_and_grads(fn: Callable[..., Any], q, k, v, ct, kwargs: dict[str, An
 def _visibility(q, k, v, kwargs: dict[str, Any]) -> jax.Array | None:
     """[G, B, K, T, S] bool: whether query row t of head k * G + g sees key s (the
     reference's rules), or None where every row sees every key."""
-    spec, ops, _ = spec_lib.normalize(q, k, v, **kwargs)
-    _, visible = reference.logits_and_visibility(spec, ops, None)
+    arrays, static = _split(kwargs)
+
+    def visible_of(q, k, v, arrays):
+        spec, ops, _ = spec_lib.normalize(q, k, v, **arrays, **dict(static))
+        return reference.logits_and_visibility(spec, ops, None)[1]
+
+    visible = jax.jit(visible_of)(q, k, v, arrays)  # the logits it drops are never computed
     if visible is None:
         return None
     B, T, N, _ = q.shape
@@ -344,6 +339,16 @@ def _poisoned_runs(kernel: Callable[..., Any], q, k, v, ct, kwargs: dict[str, An
     want_lse = jnp.where(rows, jnp.nan, exact[1])
     judge([out, lse], [want_out, want_lse], "visible")
     return result
+
+
+def _describe_poisoned(poisoned: dict[str, Any]) -> str:
+    """check's words for `_poisoned_runs`: the largest error of each poisoned run."""
+    if "error" in poisoned:
+        return f"; NaN inputs: {poisoned['error']}"
+    words = [f"; {which}: max error {max(errors.values()):.1e}"
+             for which, errors in (("hidden NaN keys", poisoned["hidden"]),
+                                   ("a seen NaN key", poisoned["visible"])) if errors]
+    return "".join(words)
 
 
 def check(shapes: Sequence[Shape], *, interpret: bool = False,
