@@ -185,7 +185,7 @@ def _routes(call: Call, device: DeviceInfo, overrides: BlockSizes, interpret: bo
                 routes[role] = dataclasses.replace(
                     routes[role], repair=Route("triton", *triton.REPAIR_TILES))
     dbias = (_dbias_route(call, device, overrides, interpret, tiles["dbias"], routes["dkdv"],
-                          dims) if call.spec.has_bias else None)
+                          routes["dq"], dims) if call.spec.has_bias else None)
     return routes, dbias
 
 
@@ -195,7 +195,7 @@ def _every_role_mosaic(routes: dict[str, Route], dbias: Route | None) -> bool:
     kernel's (a Triton repair pads its own copy, kernels/vjp.py); the Triton kernels and
     the dbias kernels need powers of two."""
     return (all(route.backend == "mosaic" for route in routes.values())
-            and (dbias is None or dbias.fused))
+            and (dbias is None or dbias.fused or dbias.in_dq))
 
 
 def _check_kernels_run(call: Call, interpret: bool, device: DeviceInfo | None) -> None:
@@ -530,7 +530,7 @@ def _in_turn_too_narrow(call: Call, device: DeviceInfo, overrides: BlockSizes,
 
 
 def _dbias_route(call: Call, device: DeviceInfo, overrides: BlockSizes, interpret: bool,
-                 tiles: triton.Tiles, dkdv: Route, dims: tuple[int, int]) -> Route:
+                 tiles: triton.Tiles, dkdv: Route, dq: Route, dims: tuple[int, int]) -> Route:
     """dbias: written by the dK/dV kernel where it can (fused), else its own kernel.
 
     Automatic fusion: where the Mosaic dK/dV kernel can (docs/decisions.md,
@@ -538,7 +538,9 @@ def _dbias_route(call: Call, device: DeviceInfo, overrides: BlockSizes, interpre
     order unless BlockSizes.deterministic is False, but for the separate Mosaic dbias
     kernel where that order's passes are too narrow (`_in_turn_too_narrow`); with
     Triton's where it can and its grid has a program per multiprocessor (summing a
-    broadcast bias's dS inside it measured slower than the dbias kernel)."""
+    broadcast bias's dS inside it measured slower than the dbias kernel). A bias
+    broadcast along keys: summed from the Mosaic dQ kernel's row sums where dQ is that
+    kernel (it holds every key of its rows; the dbias kernel recomputes S and dP)."""
     shape = call.spec.bias_shape
     fusable = _fusable(call, dkdv)
     if overrides.fuse_dbias and not fusable:
@@ -553,6 +555,11 @@ def _dbias_route(call: Call, device: DeviceInfo, overrides: BlockSizes, interpre
             f"entry, head and key ({call.batch}, {call.num_heads}, T or 1, S); this bias has "
             f"shape {shape}: use fuse_dbias=None or False")
     declined, separate = [], None
+    if shape[-1] == 1 and not fusable and overrides.backend("dbias") != "triton":
+        if dq.backend == "mosaic":
+            return dataclasses.replace(dq, in_dq=True, declined=(), repair=None)
+        declined.append(("mosaic", "a bias broadcast along keys takes its gradient from the "
+                         "Mosaic dQ kernel's row sums, and dQ runs on Triton"))
     if overrides.fuse_dbias is not None:
         fused = overrides.fuse_dbias
     elif dkdv.backend == "mosaic":
@@ -581,7 +588,9 @@ def _dbias_route(call: Call, device: DeviceInfo, overrides: BlockSizes, interpre
                          f"of a bias of shape {shape}, {call.bias_dtype}"))
     if separate is None:
         separate = _route("dbias", call, device, overrides, interpret, tiles, dims)
-    return dataclasses.replace(separate, declined=(*declined, *separate.declined))
+    said = {backend for backend, _ in declined}
+    return dataclasses.replace(separate, declined=(
+        *declined, *((backend, why) for backend, why in separate.declined if backend not in said)))
 
 
 # ------------------------------------------------------------------ the matrix
@@ -643,6 +652,8 @@ def support_matrix(device: DeviceInfo | None = None) -> str:
                 cells.append("-")
             elif route.fused:
                 cells.append(f"{route.backend} (in dK/dV)")
+            elif route.in_dq:
+                cells.append(f"{route.backend} (in dQ)")
             else:
                 cells.append(route.backend)
         lines.append(f"| {label} | " + " | ".join(cells) + " |")

@@ -138,8 +138,10 @@ class Route:
     num_warps (Triton) and num_stages (Triton's pipelining depth, a Mosaic kernel's ring
     slots). consumers: a Mosaic kernel's consumer warpgroups (0 for Triton). splits: the
     decode kernel's programs per kv head along the keys. fused: dbias only, written by
-    the dK/dV kernel (its backend and tiles then). any_order: a fused dbias only, of a
-    bias shared by the batch entries, summed by concurrent programs in no fixed order
+    the dK/dV kernel (its backend and tiles then). in_dq: dbias only, of a bias broadcast
+    along keys, summed from the Mosaic dQ kernel's row sums (its tiles then). any_order:
+    a fused dbias only, of a bias shared by the batch entries, summed by concurrent
+    programs in no fixed order
     (else each program adds an item's batch entries in turn). keys_major: the Mosaic dK/dV kernel
     computes its tiles keys by queries (S^T = K Q^T). early_q: the Mosaic forward's
     consumers load their next item's Q right after its last Q K^T, not after its output.
@@ -158,6 +160,7 @@ class Route:
     consumers: int = 0
     splits: int = 0
     fused: bool = False
+    in_dq: bool = False
     any_order: bool = False
     keys_major: bool = False
     early_q: bool = False
@@ -179,6 +182,8 @@ class Route:
         if self.fused:
             order = "; batch entries summed in no fixed order" if self.any_order else ""
             return f"{self.backend} (written by the dK/dV kernel{order})"
+        if self.in_dq:
+            return f"{self.backend} (summed from the dQ kernel's row sums)"
         text = f"{self.backend} {self.block_q}x{self.block_k}"
         if self.backend == "mosaic":
             slots = "1 slot" if self.num_stages == 1 else f"{self.num_stages} slots"

@@ -67,7 +67,8 @@ def call(head_dim: int = 128, dtype: str = "bfloat16", *, value_head_dim: int | 
 
 def backends(plan: pallas_attn.Plan) -> tuple:
     dbias = None if plan.dbias is None else (
-        f"{plan.dbias.backend}-fused" if plan.dbias.fused else plan.dbias.backend)
+        f"{plan.dbias.backend}-fused" if plan.dbias.fused
+        else f"{plan.dbias.backend}-in-dq" if plan.dbias.in_dq else plan.dbias.backend)
     return plan.forward.backend, plan.dq.backend, plan.dkdv.backend, dbias
 
 
@@ -125,9 +126,9 @@ TABLE = {
     # A bias broadcast along keys: the Mosaic kernels read each consumer's rows; its
     # gradient (dS's row sums) is the Triton dbias kernel's.
     "bias_per_query": (call(bias_shape=(1, 1, 4096, 1)), "sm90",
-                       ("mosaic", "mosaic", "mosaic", "triton")),
+                       ("mosaic", "mosaic", "mosaic", "mosaic-in-dq")),
     "bias_one_entry_per_head": (call(bias_shape=(4, 16, 1, 1)), "sm90",
-                                ("mosaic", "mosaic", "mosaic", "triton")),
+                                ("mosaic", "mosaic", "mosaic", "mosaic-in-dq")),
     # A boolean mask with its own entry per query and key: the Mosaic kernels (int8
     # tiles); one broadcast along queries (a key padding mask) too (a row per key tile);
     # at d256 the wide backward kernels too (the dK/dV's read from global memory).
@@ -247,8 +248,13 @@ def test_reasons_name_what_refuses():
     dq_reasons = dict(dispatch.plan(TABLE["d256_bias_float32"][0], device=H100).dq.declined)
     assert "232448" in dq_reasons["mosaic"]  # a float32 bias tile leaves no room
     assert "bfloat16 or float16" in reasons["float32"]
-    per_query = dict(dispatch.plan(TABLE["bias_per_query"][0], device=H100).dbias.declined)
-    assert "needs its own entry per query and key" in per_query["mosaic"]
+    # A bias per row next to segment ids, whose dQ runs on Triton: no row sums to take.
+    per_query = call(bias_shape=(1, 1, 4096, 1), has_segments=True,
+                     present=("q_segment_ids", "kv_segment_ids"))
+    per_query = dispatch.plan(per_query, device=H100).dbias
+    assert per_query.backend == "triton"
+    assert "the Mosaic dQ kernel's row sums, and dQ runs on Triton" in dict(
+        per_query.declined)["mosaic"]
     dbias = dict(dispatch.plan(TABLE["dropout_bias_shared_by_heads"][0], device=H100)
                  .dbias.declined)
     assert "no dropout" in dbias["mosaic"]

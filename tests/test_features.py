@@ -64,8 +64,8 @@ CASES = {
     "bias_shared_by_heads": ("bfloat16", dict(B=2, T=100, S=140, N=2, H=128), (2, 1),
                              dict(is_causal=True)),
     "bias_per_key": ("bfloat16", dict(B=2, T=130, S=140, N=2), (2, 2, 1), {}),
-    "mask_dropout": ("bfloat16", dict(B=2, T=100, S=140, N=2), None,
-                     dict(mask=True, dropout_rate=0.2)),
+    "mask_dropout_bias_per_row": ("bfloat16", dict(B=2, T=100, S=140, N=2), (2, 2, 100, 1),
+                                  dict(mask=True, dropout_rate=0.2)),
     "segments_lengths": ("bfloat16", dict(B=2, T=130, S=130, N=2), None,
                          dict(segments=True, lengths=True)),
 }
@@ -97,12 +97,12 @@ def _block_sizes(backend: str):
 # The cases the Mosaic backend runs: every feature is in its kernels' own suites
 # (test_mosaic_*.py); here these run the public call with every role on Mosaic at once.
 # Every case's routing is test_every_backend_runs_somewhere's.
-MOSAIC_CASES = ("bias_shared_by_heads", "mask_dropout")
+MOSAIC_CASES = ("bias_shared_by_heads", "mask_dropout_bias_per_row")
 
 
 # The cases the blockwise path runs here: test_chunked.py checks its scores, biases, GQA,
 # MQA, windows, segment ids and lengths and everything at once against the reference.
-CHUNKED_CASES = ("bottom_right_T>S_empty_rows", "mask_dropout")
+CHUNKED_CASES = ("bottom_right_T>S_empty_rows", "mask_dropout_bias_per_row")
 
 
 # The cases the Triton kernels leave to test_kernels.py's bfloat16 and float16 cases

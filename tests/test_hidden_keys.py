@@ -40,6 +40,12 @@ def _hiding(case: str, B: int, T: int, S: int) -> tuple[dict, int]:
         # the ones beside them too), the key visible to the other rows.
         "mask_per_row": (dict(mask=jnp.ones((B, 1, T, 1), bool).at[:, :, 20:60].set(False)),
                          middle),
+        # The mask with a bias per row and its gradient under a soft cap (the dQ kernel's
+        # row sums of dS, P dP and P times the cap's slope).
+        "mask_and_bias_per_row": (
+            dict(mask=jnp.ones((B, 1, T, S), bool).at[..., middle].set(False),
+                 bias=jnp.linspace(-1.0, 1.0, B * T).reshape(B, 1, T, 1), logits_soft_cap=4.0),
+            middle),
         # With a bias per key and its gradient (dS's column sums in the dK/dV kernel).
         "mask_and_bias_per_key": (
             dict(mask=jnp.ones((B, 1, 1, S), bool).at[..., middle].set(False),
@@ -154,10 +160,11 @@ def test_triton_kernels(case):
 
 @pytest.mark.parametrize("case", ["query_lengths", "unseen_rows", "mask_causal_last_row",
                                   "mask_and_bias_per_key", "bias_per_key_causal_last_row",
-                                  "mask", "segment", "mask_per_row"])
+                                  "mask_and_bias_per_row", "segment", "mask_per_row"])
 def test_mosaic_kernels(case):
     """The Mosaic forward, dQ and dK/dV kernels, T=100 (padded rows), S=128, head dim 64.
-    A mask or other segments hide a key from every row inside the tiles; the mask and
+    A mask (with a bias per row and its gradient) or other segments hide a key from
+    every row inside the tiles; the mask and
     bottom-right causal masking each hide a key in one run; a key padding
     mask hides one from every row, with a bias per key and its gradient, which a key
     only the last row sees turns NaN (dS's column sums in the dK/dV kernel). With no

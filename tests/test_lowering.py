@@ -154,9 +154,12 @@ CASES = {
         block_sizes=pallas_attn.BlockSizes(forward_backend="mosaic", dq_backend="mosaic")),
     # A bias and a mask broadcast along keys in every Mosaic role: each consumer's rows
     # read from global memory (16-bit and int8 vectors along the rows; the dK/dV's keys
-    # by queries at d32 with the mask alone), and one entry for every row.
+    # by queries at d32 with the mask alone), and one entry for every row (at d256, the
+    # wide dQ's row sums); the bias's gradient from the dQ kernel's row sums (three under
+    # a soft cap).
     "mosaic_all_bias_mask_per_row": dict(
-        T=200, S=300, K=2, is_causal=True, bias=jnp.ones((2, 4, 200, 1), jnp.bfloat16),
+        T=200, S=300, K=2, is_causal=True, logits_soft_cap=20.0,
+        bias=jnp.ones((2, 4, 200, 1), jnp.bfloat16),
         mask=jnp.ones((2, 1, 200, 1), bool),
         block_sizes=pallas_attn.BlockSizes(forward_backend="mosaic", dq_backend="mosaic",
                                            dkv_backend="mosaic")),
@@ -165,7 +168,7 @@ CASES = {
         block_sizes=pallas_attn.BlockSizes(forward_backend="mosaic", dq_backend="mosaic",
                                            dkv_backend="mosaic")),
     "mosaic_all_bias_one_entry": dict(
-        T=200, S=300, K=2, bias=jnp.ones((1, 4, 1, 1), jnp.bfloat16),
+        H=256, T=200, S=300, K=2, bias=jnp.ones((1, 4, 1, 1), jnp.bfloat16),
         block_sizes=pallas_attn.BlockSizes(forward_backend="mosaic", dq_backend="mosaic",
                                            dkv_backend="mosaic")),
     # Head dim 32 (64-byte swizzled tiles) and a mask per key and head in every Mosaic

@@ -220,18 +220,29 @@ MOSAIC_ALL = dataclasses.replace(MOSAIC_DQ_DKV, block_q=128, block_k=128,
     (dict(B=2, T=150, S=120, N=4, K=2, H=64), (1, 4, 1, 1),
      dict(is_causal=True, sinks=jnp.array([0.5, -1.0, 2.0, 0.0]),
           mask=random_mask(8, (2, 1, 150, 1))), MOSAIC_DQ),
+    # A bias per row, its gradient summed from the dQ kernel's row sums: under a soft cap
+    # (P dP summed apart), causal GQA; one shared by the batch entries at head dim 256
+    # (each wide consumer's keys summed apart) with a window. (With dropout and a mask:
+    # test_features.py's mask_dropout_bias_per_row.)
+    (dict(B=2, T=150, S=120, N=4, K=2, H=64), (2, 4, 150, 1),
+     dict(is_causal=True, logits_soft_cap=6.0), MOSAIC_DQ),
+    (dict(B=2, T=100, S=150, N=2, K=1, H=256), (1, 2, 100, 1),
+     dict(local_window_size=(40, 30)), MOSAIC_DQ_DKV_WIDE),
 ], ids=["shared_bias_soft_cap_alibi_mqa_bottom_right_empty_rows_H80_Hv64",
         "with_mosaic_dkv_shared_bias_window_alibi",
         "wide_H256_with_mosaic_dkv_shared_bias", "all_mosaic_H160_Hv136_padded_to_160",
         "all_mosaic_H8_Hv24_padded_to_16_32", "bias_and_mask_per_key_bottom_right_gqa",
-        "bias_one_entry_mask_per_row_sinks_gqa"])
+        "bias_one_entry_mask_per_row_sinks_gqa", "bias_per_row_soft_cap_gqa",
+        "wide_H256_bias_per_row_window"])
 def test_gradients_with_the_mosaic_dq_against_reference_and_float64(shapes, bias_shape,
                                                                     kwargs, blocks,
                                                                     monkeypatch):
-    calls = []
-    chained = mosaic_dq.dq_and_dbias
+    calls, row_calls = [], []
+    chained, rows = mosaic_dq.dq_and_dbias, mosaic_dq.dq_and_score_rows
     monkeypatch.setattr(mosaic_dq, "dq_and_dbias",
                         lambda *a: calls.append(1) or chained(*a))
+    monkeypatch.setattr(mosaic_dq, "dq_and_score_rows",
+                        lambda *a: row_calls.append(1) or rows(*a))
     padded = []
     prepare = vjp.prepare
     monkeypatch.setattr(vjp, "prepare",
@@ -240,8 +251,11 @@ def test_gradients_with_the_mosaic_dq_against_reference_and_float64(shapes, bias
     assert_empty_rows(kernel, empty_rows(exact))
     every_role = blocks in (MOSAIC_ALL_WIDE, MOSAIC_ALL)
     assert set(padded) == {(mosaic_head_dim if every_role else padded_head_dim)(shapes["H"])}
-    # The dbias chain runs exactly where both kernels are Mosaic.
-    assert len(calls) == (blocks is not MOSAIC_DQ)
+    # The dbias chain runs exactly where both kernels are Mosaic and the bias has its own
+    # keys; the row sums exactly where it is broadcast along them.
+    along_keys = len(bias_shape) == 4 and bias_shape[3] == 1
+    assert len(calls) == (blocks is not MOSAIC_DQ and not along_keys)
+    assert len(row_calls) == along_keys
 
 
 @pytest.mark.parametrize("kwargs,match", [

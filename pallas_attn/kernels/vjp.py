@@ -348,7 +348,8 @@ def _run_backward(static: tuple[Problem, bool], q, k, v, operands: dict, row_sta
     delta = pad_axis(delta, 2, problem.q_pad)
     bias = operands.get("bias")
     fused = bias_grad and plan.dbias.fused
-    separate_dbias = bias_grad and not fused
+    in_dq = bias_grad and plan.dbias.in_dq
+    separate_dbias = bias_grad and not fused and not in_dq
     lengths = lengths_of(operands)
     origin = origin_of(operands)
     scales = None
@@ -377,10 +378,14 @@ def _run_backward(static: tuple[Problem, bool], q, k, v, operands: dict, row_sta
     # Both Mosaic kernels and a fused dbias of a bias shared by the batch entries: the
     # dQ kernel stores batch entry 0's dS tiles as dbias, the dK/dV kernel adds the
     # others' to them (no zeroed buffer to start from).
-    dbias_first = None
+    dbias_first = score_rows = None
     if plan.dq.backend == "mosaic":
         if plan.dkdv.backend == "mosaic" and mosaic_dkv.sums_batch(problem, fused):
             dq, dbias_first, marks = mosaic_dq.dq_and_dbias(
+                problem, q, k, v, do, stats, bias, slopes, dq_segments, lengths, dropout_keys,
+                mask, origin)
+        elif in_dq:
+            dq, score_rows, marks = mosaic_dq.dq_and_score_rows(
                 problem, q, k, v, do, stats, bias, slopes, dq_segments, lengths, dropout_keys,
                 mask, origin)
         else:
@@ -400,6 +405,9 @@ def _run_backward(static: tuple[Problem, bool], q, k, v, operands: dict, row_sta
                                         (dk, dv), marks)
     else:
         dk, dv, dbias = triton_dkdv.dkdv(problem, names, inputs, bias if fused else None)
+    if in_dq:
+        dbias = _bias_from_rows(problem, score_rows, delta,
+                                pad_axis(operands["lse_grad"], 2, problem.q_pad), bias)
     if separate_dbias and plan.dbias.backend == "mosaic":
         dbias = mosaic_dbias.dbias(problem, q, k, v, do, stats, bias, slopes)
     elif separate_dbias:
@@ -408,6 +416,28 @@ def _run_backward(static: tuple[Problem, bool], q, k, v, operands: dict, row_sta
             extra["lse_grad"] = pad_axis(operands["lse_grad"], 2, problem.q_pad)
         dbias = triton_dbias.dbias(problem, (*names, *extra), [*inputs, *extra.values()], bias)
     return dq[:, :rows], dk[:, :keys, :, :hk], dv[:, :keys, :, :hv], dbias
+
+
+def _bias_from_rows(problem: Problem, score_rows: jax.Array, delta: jax.Array,
+                    lse_grad: jax.Array, bias: jax.Array) -> jax.Array:
+    """dbias of a bias broadcast along keys ([B or 1, N or 1, Tp or 1, 1]) from the Mosaic
+    dQ kernel's row sums (`mosaic.dq.dq_and_score_rows`), summed over the bias's broadcast
+    axes in a fixed order. A row's dS sums to sum cP dP - (D - g) sum cP (c: the cap's
+    slope, D = dO . out, g: the lse cotangent, delta = D - g), with D taken as the row's
+    own sum P dP, which cancels exactly: the stored output's rounding in delta would
+    otherwise be the whole sum (`triton.dbias.dbias_kernel`). Without a cap, sum P dP is
+    sum dS + delta sum P."""
+    sums = jnp.sum(score_rows, axis=2)  # wide consumers' keys apart
+    ds_sum, p_slope = sums[:, :, 0], sums[:, :, 1]
+    kept = 1.0 - problem.spec.dropout_rate  # dS's units (gain_later)
+    p_dp = sums[:, :, 2] if sums.shape[2] == 3 else ds_sum + delta * kept * p_slope
+    rows = (ds_sum + ((delta + lse_grad) * kept - p_dp) * p_slope) * problem.dropout_scale
+    B, N, Tp = rows.shape
+    Bb, Nb, Tb, _ = bias.shape
+    rows = jnp.sum(rows.reshape(Bb, B // Bb, Nb, N // Nb, Tp), axis=(1, 3))
+    if Tb == 1:
+        rows = jnp.sum(rows, axis=2, keepdims=True)
+    return rows[..., None].astype(bias.dtype)
 
 
 def _scales_ds(problem: Problem, bias_grad: bool) -> bool:

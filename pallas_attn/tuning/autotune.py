@@ -236,6 +236,8 @@ def kernel_runner(*, batch: int, q_len: int, kv_len: int, heads: int, kv_heads: 
             fn, args = mosaic_kernel(mosaic_dq.dq)
         elif role == "dq":
             fn, args = (lambda *a: triton_dq.dq(p, names, list(a))), bwd_inputs
+        elif role == "dbias" and route.in_dq:  # the dQ kernel with its row sums
+            fn, args = mosaic_kernel(mosaic_dq.dq_and_score_rows)
         elif role == "dbias" and mosaic:
             fn, args = mosaic_kernel(mosaic_dbias.dbias)
         else:

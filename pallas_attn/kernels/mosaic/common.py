@@ -817,8 +817,8 @@ def tile_gradient(problem: Problem, s: jax.Array, dp: jax.Array, bias: jax.Array
                   segments: tuple[jax.Array, jax.Array] | None = None, kv_length: Any = None,
                   keep: jax.Array | None = None, query_dim: int = 0,
                   mask: jax.Array | None = None, offset: Any = None, q_length: Any = None,
-                  ds_factor: Any = None, gain_later: bool = False, hidden_ds: str = "mask"
-                  ) -> tuple[jax.Array, jax.Array]:
+                  ds_factor: Any = None, gain_later: bool = False, hidden_ds: str = "mask",
+                  row_terms: bool = False) -> tuple[jax.Array, ...]:
     """(P, dS) of a [rows, keys] tile in the WGMMA layout, float32, from the raw
     products s = Q K^T and dp = dO V^T, the tile's bias (or None), the head's ALiBi
     slope (or None) and its rows' residuals (row reference, log2 row sum, delta;
@@ -839,9 +839,14 @@ def tile_gradient(problem: Problem, s: jax.Array, dp: jax.Array, bias: jax.Array
     and a row whose residuals are NaN reaches hidden keys through P, for a dK/dV whose
     keys holding a NaN are recomputed (`Route.repair`); "none": nothing, for a dQ whose
     rows holding a NaN are recomputed. The mask's tile is dead after the scores' select
-    in the last two."""
+    in the last two.
+    row_terms: also the rows' sums (`score_rows`), the terms of a bias per row's gradient;
+    hidden_ds "mask", query_dim 0 and no ds_factor only."""
     if hidden_ds not in ("mask", "p", "none"):
         raise AssertionError(f"tile_gradient: hidden_ds must be mask, p or none, got {hidden_ds!r}")
+    if row_terms and (hidden_ds != "mask" or query_dim or ds_factor is not None):
+        raise AssertionError("tile_gradient: row_terms needs hidden_ds='mask', query_dim 0 "
+                             "and no ds_factor")
     row_max, log2_sum, delta = residuals
 
     def rows_of(x):
@@ -861,6 +866,7 @@ def tile_gradient(problem: Problem, s: jax.Array, dp: jax.Array, bias: jax.Array
         dp = jnp.where(keep, dp if gain is None else dp * gain, 0.0)
     elif gain is not None:
         dp = dp * gain
+    kept_dp = dp  # for P dP's row sums (row_terms with a soft cap)
     if not log2_units:
         dp = dp - rows_of(delta)
     # ALiBi in log2 units: the row reference goes in with the scale's multiply, before
@@ -870,8 +876,9 @@ def tile_gradient(problem: Problem, s: jax.Array, dp: jax.Array, bias: jax.Array
                               row_shift=rows_of(row_max + log2_sum) if shifted else None,
                               segments=segments, kv_length=kv_length, mask=mask,
                               query_dim=query_dim, offset=offset, q_length=q_length)
-    if cap_tanh is not None:  # dS picks up the cap's derivative 1 - t^2
-        dp = dp * scores.soft_cap_slope(cap_tanh)
+    cap_slope = None if cap_tanh is None else scores.soft_cap_slope(cap_tanh)
+    if cap_slope is not None:  # dS picks up the cap's derivative 1 - t^2
+        dp = dp * cap_slope
     prob = (normalised(s) if shifted
             else problem.probabilities(s, row_max, log2_sum, rows=rows_of))
     if log2_units:
@@ -881,6 +888,13 @@ def tile_gradient(problem: Problem, s: jax.Array, dp: jax.Array, bias: jax.Array
     hides = band or segments is not None or mask is not None
     if (hidden_ds == "p" and hides) or (hidden_ds == "mask" and band):
         ds = jnp.where(prob == 0.0, 0.0, ds)  # a hidden key: exact zeros, NaN dP too
+    terms = []
+    if row_terms:
+        terms = [prob if cap_slope is None else prob * cap_slope]
+        if cap_slope is not None:
+            terms.append(prob * kept_dp)
+        if hides:  # P = 0 at a hidden entry; its key's or value's NaN stays out
+            terms = [jnp.where(prob == 0.0, 0.0, x) for x in terms]
     if keep is not None:
         prob = jnp.where(keep, prob if later else prob * problem.dropout_scale, 0.0)
     # A row may carry NaN residuals (a visible key of its was NaN): the entries another
@@ -892,6 +906,8 @@ def tile_gradient(problem: Problem, s: jax.Array, dp: jax.Array, bias: jax.Array
         prob, ds = jnp.where(same, prob, 0.0), jnp.where(same, ds, 0.0)
     if mask is not None:
         prob, ds = jnp.where(mask, prob, 0.0), jnp.where(mask, ds, 0.0)
+    if row_terms:
+        return prob, ds, tuple(jnp.sum(x, axis=1) for x in (ds, *terms))
     return prob, ds
 
 

@@ -110,7 +110,7 @@ from pallas_attn.kernels.mosaic.config import (
 
 
 def _kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, bias_ref, mask_ref, slopes_ref, lengths,
-            origin, segments, dropout, dq_ref, dbias_ref, marks_ref, smem, barriers, *,
+            origin, segments, dropout, dq_ref, dbias_ref, rows_ref, marks_ref, smem, barriers, *,
             problem: Problem, programs: int, consumers: int, wide: bool):
     rows_loaded = barriers["rows_loaded"]
     turns = Turns.of(barriers["schedule"], problem, "meet")
@@ -201,13 +201,14 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, bias_ref, mask_ref, slopes_r
             if dbias_ref is not None:  # batch entry 0 writes its dS tiles as dbias
                 dbias = (mine_valid & (item.b == 0),
                          dbias_ref.at[0, item.n, pl.ds(row0, rows_n)])
-            dq = _consume(problem, ctx, tiles, lambda t: step + t - tiles.first, row0,
-                          tiles.first + steps, mine, ds_tiles, smem["k"], smem["v"], ring,
-                          (turns, exchange),
-                          (bias, walk.mask_rows(mask_ref, item, smem["mask"], row0)),
-                          head_slope(slopes_ref, item.valid, item.b, item.n), residuals,
-                          dbias, row0 >= 0, segments, dropout, item.b, item.n, cols,
-                          repaired=marks_ref is not None)
+            dq, sums = _consume(problem, ctx, tiles, lambda t: step + t - tiles.first, row0,
+                                tiles.first + steps, mine, ds_tiles, smem["k"], smem["v"],
+                                ring, (turns, exchange),
+                                (bias, walk.mask_rows(mask_ref, item, smem["mask"], row0)),
+                                head_slope(slopes_ref, item.valid, item.b, item.n), residuals,
+                                dbias, row0 >= 0, segments, dropout, item.b, item.n, cols,
+                                repaired=marks_ref is not None,
+                                score_rows=None if rows_ref is None else rows_ref.shape[3])
             if scaled:
                 dq = dq * lax.broadcast_in_dim(unscale, dq.shape, [0])
             if dropout is not None and dbias_ref is None:  # left out of dS (_consume)
@@ -224,6 +225,9 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, bias_ref, mask_ref, slopes_r
                 if marks_ref is not None:  # a NaN row sum: the repair route reruns its tile
                     marks = marks_ref.at[item.b, item.n, wg if wide else 0]
                     marks.at[pl.ds(row0, rows_n)][...] = jnp.sum(dq, axis=1)
+                for j, x in enumerate(sums):  # wide: each consumer's keys apart
+                    rows_ref.at[item.b, item.n, wg if wide else 0, j,
+                                pl.ds(row0, rows_n)][...] = x
 
             return step + steps
 
@@ -236,7 +240,8 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, stats_ref, bias_ref, mask_ref, slopes_r
 def _consume(problem: Problem, ctx, tiles, step_of, row0, stop, mine: dict, ds_tiles,
              k_smem, v_smem, ring, barriers, streams, slope, residuals, dbias, active,
              segments: Segments | None, dropout: Dropout | None, b, n, cols,
-             repaired: bool = False) -> jax.Array:
+             repaired: bool = False, score_rows: int | None = None
+             ) -> tuple[jax.Array, tuple[jax.Array, ...]]:
     """One consumer warpgroup: dQ / scale of rows [row0, row0 + 64) (float32) over key
     tiles [tiles.first, stop), its columns `cols` of it; step_of(t): the ring step of
     tile t (counted over the program's items); active false (rows before 0): it only
@@ -259,7 +264,9 @@ def _consume(problem: Problem, ctx, tiles, step_of, row0, stop, mine: dict, ds_t
     None; dropout: head n's keep decisions or None. repaired: rows whose dQ holds a NaN
     are marked and recomputed, so dS is not selected again (`tile_gradient`'s hidden_ds
     "none": a hidden non-finite value leaves a NaN in the row, which the repair redoes),
-    except where its tiles are also the bias's gradient."""
+    except where its tiles are also the bias's gradient or summed along its rows.
+    score_rows: how many of `tile_gradient`'s row terms to sum over the tiles (a bias
+    per row's gradient, `dq_and_score_rows`), or None. Returns (dQ / scale, the sums)."""
     k_loaded, v_loaded, k_consumed, v_consumed = ring
     turns, exchange = barriers
     bias, mask = streams
@@ -284,7 +291,8 @@ def _consume(problem: Problem, ctx, tiles, step_of, row0, stop, mine: dict, ds_t
     def slot_of(t):
         return lax.rem(step_of(t), jnp.int32(stages))
 
-    def step(t, dq, masked: bool | None):
+    def step(t, carry, masked: bool | None):
+        dq, sums = carry
         slot = slot_of(t)
         k0 = t * block_k + key0
         tile_bias = None if bias is None else bias.take(t, own.stop)
@@ -306,10 +314,14 @@ def _consume(problem: Problem, ctx, tiles, step_of, row0, stop, mine: dict, ds_t
         plgpu.barrier_arrive(v_consumed.at[slot])
         keep = (None if dropout is None
                 else dropout.keep(row_keys, dropout.multipliers(k0, keys_n)))
-        _, ds = tile_gradient(problem, s, dp, tile_bias, residuals, row0, k0, masked,
-                              slope, ids, ctx.kv_length, keep, mask=tile_mask,
-                              offset=ctx.offset, gain_later=dbias is None,
-                              hidden_ds="none" if repaired and dbias is None else "mask")
+        clean = dbias is not None or score_rows is not None  # hidden entries' dS selected
+        _, ds, *terms = tile_gradient(problem, s, dp, tile_bias, residuals, row0, k0, masked,
+                                      slope, ids, ctx.kv_length, keep, mask=tile_mask,
+                                      offset=ctx.offset, gain_later=dbias is None,
+                                      hidden_ds="none" if repaired and not clean else "mask",
+                                      row_terms=score_rows is not None)
+        if terms:
+            sums = tuple(x + y for x, y in zip(sums, terms[0], strict=True))
         ds_tile = ds_tiles.at[lax.rem(step_of(t), 2)] if wide else ds_tiles
         if dbias is not None and not wide:
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last dbias copy read ds
@@ -335,14 +347,17 @@ def _consume(problem: Problem, ctx, tiles, step_of, row0, stop, mine: dict, ds_t
         (dq,) = accumulate(((dq, ((ds_operand, k_smem.at[slot, :, cols]),)),),
                            problem.interpret)
         plgpu.barrier_arrive(k_consumed.at[slot])
-        return dq
+        return dq, sums
 
     dims = k_smem.shape[-1] // 2 if wide else k_smem.shape[-1]
     dq = plgpu.layout_cast(jnp.zeros((rows_n, dims), jnp.float32), plgpu.Layout.WGMMA)
+    row_zeros = plgpu.layout_cast(jnp.zeros((rows_n,), jnp.float32),
+                                  plgpu.Layout.WGMMA.reduce(1))
+    sums = (row_zeros,) * (score_rows or 0)
     if bias is not None:
         pl.when(own.first < own.stop)(lambda: bias.start(own.first))
     return run_band(tiles.first, stop, own, lambda t: release_slot(slot_of(t), ring, turns),
-                    step, dq)
+                    step, (dq, sums))
 
 
 def dq(problem: Problem, q: jax.Array, k: jax.Array, v: jax.Array, do: jax.Array,
@@ -365,6 +380,22 @@ def dq(problem: Problem, q: jax.Array, k: jax.Array, v: jax.Array, do: jax.Array
     return dq_out, marks
 
 
+def dq_and_score_rows(problem: Problem, q: jax.Array, k: jax.Array, v: jax.Array,
+                      do: jax.Array, stats: jax.Array, bias: jax.Array,
+                      slopes: jax.Array | None = None, segments: tuple[jax.Array, ...] = (),
+                      lengths: tuple[Any, Any] = (None, None),
+                      dropout_keys: jax.Array | None = None, mask: jax.Array | None = None,
+                      origin: jax.Array | None = None
+                      ) -> tuple[jax.Array, jax.Array, jax.Array | None]:
+    """(dq, rows, marks) for padded inputs: `dq`, with each row's sums over its keys of
+    dS, of P times the soft cap's slope and, with a soft cap, of P dP (float32
+    [B, N, 2 if wide else 1, 2 or 3, Tp]: wide consumers' keys apart; in dS's units,
+    `tile_gradient` with gain_later), from which a bias broadcast along keys takes its
+    gradient (`kernels.vjp`)."""
+    return _launch(problem, q, k, v, do, stats, bias, slopes, segments, lengths,
+                   dropout_keys, mask, origin, False, score_rows=True)
+
+
 def dq_and_dbias(problem: Problem, q: jax.Array, k: jax.Array, v: jax.Array, do: jax.Array,
                  stats: jax.Array, bias: jax.Array, slopes: jax.Array | None = None,
                  segments: tuple[jax.Array, ...] = (), lengths: tuple[Any, Any] = (None, None),
@@ -384,7 +415,8 @@ def dq_and_dbias(problem: Problem, q: jax.Array, k: jax.Array, v: jax.Array, do:
 
 
 def _launch(problem: Problem, q, k, v, do, stats, bias, slopes, segments: tuple,
-            lengths: tuple, keys, mask, origin, with_dbias: bool) -> tuple:
+            lengths: tuple, keys, mask, origin, with_dbias: bool, score_rows: bool = False
+            ) -> tuple:
     if why := unsupported(problem, "dq"):
         raise AssertionError(f"mosaic.dq.dq called for an unsupported problem: {why}")
     route = problem.plan.dq
@@ -411,13 +443,14 @@ def _launch(problem: Problem, q, k, v, do, stats, bias, slopes, segments: tuple,
         refs = refs[sum(x is not None for x in optional):]
         segment_refs, (dq_ref, *outputs) = refs[:len(segments)], refs[len(segments):]
         dbias_ref = outputs.pop(0) if with_dbias else None
+        rows_ref = outputs.pop(0) if score_rows else None
         marks_ref = outputs.pop(0) if marked else None
         scoped(scratch, lambda smem, barriers: _kernel(
             q_ref, k_ref, v_ref, do_ref, stats_ref, bias_ref, mask_ref, slopes_ref,
             tuple(length_refs), origin_ref,
             Segments.of(tuple(segment_refs)),
             None if keys is None else Dropout(keys_ref, problem.spec.dropout_rate, origin_ref),
-            dq_ref, dbias_ref, marks_ref, smem, barriers, problem=problem,
+            dq_ref, dbias_ref, rows_ref, marks_ref, smem, barriers, problem=problem,
             programs=programs, consumers=consumers, wide=wide))
 
     item_rows = tiles[0] if wide else consumers * ROWS_PER_CONSUMER
@@ -427,8 +460,12 @@ def _launch(problem: Problem, q, k, v, do, stats, bias, slopes, segments: tuple,
     out_type = [jax.ShapeDtypeStruct(q.shape, q.dtype)]
     if with_dbias:
         out_type.append(jax.ShapeDtypeStruct(bias.shape, bias.dtype))
+    if score_rows:
+        terms = 2 if problem.spec.logits_soft_cap is None else 3
+        out_type.append(jax.ShapeDtypeStruct((B, N, consumers if wide else 1, terms, Tp),
+                                             jnp.float32))
     if marked:
         out_type.append(jax.ShapeDtypeStruct((B, N, consumers if wide else 1, Tp), jnp.float32))
     results = list(launch(entry, out_type, programs, problem.interpret, consumers)(*operands))
-    return (results.pop(0), results.pop(0) if with_dbias else None,
+    return (results.pop(0), results.pop(0) if with_dbias or score_rows else None,
             results.pop(0) if marked else None)
