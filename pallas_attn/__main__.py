@@ -100,6 +100,8 @@ def main(argv: list[str] | None = None) -> int:
                          "(default: this machine's GPU, or an H100 without one)")
     explain.add_argument("--sms", type=int, help="multiprocessors of that device")
     args = parser.parse_args(argv)
+    if args.command == "check":
+        _without_gpu_autotuning()
     if args.command == "tune":
         return _tune(args)
     if args.command == "explain":
@@ -186,6 +188,18 @@ def _bench_shapes(args: argparse.Namespace, parser: argparse.ArgumentParser,
     if args.dtype:
         shapes = [dataclasses.replace(shape, dtype=args.dtype) for shape in shapes]
     return _matching(shapes, args.match, parser, f"--set {args.set}")
+
+
+def _without_gpu_autotuning() -> None:
+    """XLA's GPU autotuning off for this process and its workers, unless XLA_FLAGS sets
+    it: it times the reference's fusions and matmuls at every compile, and with several
+    check processes on one GPU that took most of check's time (the kernels checked are
+    Pallas calls it does not tune; docs/decisions.md, "check without XLA's autotuning")."""
+    import os
+
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "xla_gpu_autotune_level" not in flags:
+        os.environ["XLA_FLAGS"] = f"{flags} --xla_gpu_autotune_level=0".strip()
 
 
 def _check_in_jobs(args: argparse.Namespace, gpu: bool) -> list:

@@ -1,12 +1,13 @@
 """python -m pallas_attn: the CPU behaviour of bench/check/tune and bad arguments."""
 
 import json
+import os
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_attn.__main__ import main
+from pallas_attn.__main__ import _without_gpu_autotuning, main
 
 
 def test_bench_on_cpu_runs_a_labelled_interpreter_check(capsys, tmp_path):
@@ -25,14 +26,27 @@ def test_bench_on_cpu_runs_a_labelled_interpreter_check(capsys, tmp_path):
     assert "hidden NaN keys: max error" in text
 
 
-def test_check_runs_its_shapes_in_worker_processes(capsys, tmp_path):
+def test_check_runs_its_shapes_in_worker_processes(capsys, tmp_path, monkeypatch):
     out = tmp_path / "check.json"
+    monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))  # restored after
     assert main(["check", "--jobs", "2", "--match", "float32", "--json", str(out)]) == 0
+    # The workers inherit XLA's GPU autotuning off (`_without_gpu_autotuning`).
+    assert "--xla_gpu_autotune_level=0" in os.environ["XLA_FLAGS"]
     text = capsys.readouterr().out
     assert "1 passed, 0 failed" in text and "worker 1: no shape" in text
     assert "PASS B2 T40 S56 N4/2 H32 float32" in text
     rows = json.loads(out.read_text())["rows"]
     assert len(rows) == 1 and rows[0]["ok"]
+
+
+def test_check_keeps_the_callers_autotuning_level(monkeypatch):
+    monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_autotune_level=4")
+    _without_gpu_autotuning()
+    assert os.environ["XLA_FLAGS"] == "--xla_gpu_autotune_level=4"
+    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+    _without_gpu_autotuning()
+    assert os.environ["XLA_FLAGS"] == ("--xla_force_host_platform_device_count=8 "
+                                       "--xla_gpu_autotune_level=0")
 
 
 def test_check_fails_results_that_differ_between_two_calls(monkeypatch, capsys):

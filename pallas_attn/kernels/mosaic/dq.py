@@ -53,13 +53,17 @@ producer bulk-copies a zeroed tile to the tiles outside the band. The Mosaic dK/
 kernel then adds the other entries' dS tiles to it (`dkv.dkdv`), so the sum needs
 no zeroed buffer and entry 0's tiles are written, not added.
 
+`dq_and_score_rows` also sums, per row over its keys, dS, P times the soft cap's slope
+and (under a cap) P dP, for the gradient of a bias broadcast along keys, which
+`kernels.vjp` forms from them (the dbias kernel would recompute S and dP for it).
+
 A NaN or inf key hidden from a row inside a tile reaches its dq through dS K, and a
 hidden value through dP (P is 0 there, but dS = P dP is not selected again: one select
 per entry, the score's, is all the mask, the ids and the band cost in this kernel):
 each consumer marks its rows whose dq holds a NaN (a NaN row sum, an output of its own)
 and the Triton kernel `triton/dq.py` repair recomputes the tiles holding a mark. Where
 the dS tiles are also the bias's gradient (`dq_and_dbias`), hidden entries' dS are
-zeroed as in the other kernels.
+zeroed as in the other kernels, and so are they where its rows' sums are taken.
 """
 
 from __future__ import annotations
