@@ -302,11 +302,26 @@ def _visibility(q, k, v, kwargs: dict[str, Any]) -> jax.Array | None:
     return jnp.broadcast_to(visible, (N // K, B, K, T, S))
 
 
+def _hidden_bias(visible: jax.Array, bias: jax.Array | None) -> jax.Array | None:
+    """The bias with NaN in every entry no member of it sees (visible: `_visibility`'s),
+    or None without a bias or such an entry."""
+    if bias is None or bias.ndim != 4:
+        return None
+    G, B, K, T, S = visible.shape
+    seen = jnp.moveaxis(visible, 0, 2).reshape(B, K * G, T, S)  # head k * G + g
+    shared = tuple(i for i, n in enumerate(bias.shape) if n == 1)
+    hidden = ~jnp.any(seen, axis=shared, keepdims=True)
+    if not bool(jnp.any(hidden)):
+        return None
+    return jnp.where(hidden, jnp.nan, bias).astype(bias.dtype)
+
+
 def _poisoned_runs(kernel: Callable[..., Any], q, k, v, ct, kwargs: dict[str, Any],
                    exact: list, bases: dict[str, float], floor: float) -> dict[str, Any]:
     """The kernel on inputs holding NaN where the results must not depend on them, and
     where they must: {"hidden": errors of every result (clean float32 reference) with
-    NaN in the keys and values no row sees, or None where every key is seen by some row;
+    NaN in the keys and values no row sees and in the bias entries no row sees, or None
+    where every key and entry is seen by some row;
     "visible": errors of out and lse with one seen key NaN (its rows' out and lse NaN,
     every other row as clean); "ok"}. The same pass rule as the clean run."""
     names = ["out", "lse", "dq", "dk", "dv", "dbias"]
@@ -322,10 +337,12 @@ def _poisoned_runs(kernel: Callable[..., Any], q, k, v, ct, kwargs: dict[str, An
 
     if visible is not None:
         hidden = ~jnp.any(visible, axis=(0, 3))  # [B, K, S]: no row of the group sees it
-        if bool(jnp.any(hidden)):
+        bias = _hidden_bias(visible, kwargs.get("bias"))
+        if bool(jnp.any(hidden)) or bias is not None:
             at = jnp.swapaxes(hidden, 1, 2)[..., None]
             judge(_outputs_and_grads(kernel, q, jnp.where(at, jnp.nan, k).astype(k.dtype),
-                                     jnp.where(at, jnp.nan, v).astype(v.dtype), ct, kwargs),
+                                     jnp.where(at, jnp.nan, v).astype(v.dtype), ct,
+                                     kwargs if bias is None else {**kwargs, "bias": bias}),
                   exact, "hidden")
     # The key of batch entry 0 and kv head 0 that the most rows see, NaN: every row that
     # sees it has a NaN score, so a NaN output and lse (nothing may turn it into a zero).
@@ -358,7 +375,8 @@ def check(shapes: Sequence[Shape], *, interpret: bool = False,
     Passes when the kernel's error is at most 2x the same-dtype reference's error
     plus a floor (FlashAttention's rule), for the output, lse and every gradient; a
     second call gives bitwise the same results (the default is deterministic); NaN in
-    the keys and values no row sees changes no result, and a NaN key that rows see
+    the keys and values (and bias entries) no row sees changes no result, and a NaN key
+    that rows see
     reaches exactly their outputs (`_poisoned_runs`).
     """
     def kernel(*a, **kw):

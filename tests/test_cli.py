@@ -39,6 +39,22 @@ def test_check_runs_its_shapes_in_worker_processes(capsys, tmp_path, monkeypatch
     assert len(rows) == 1 and rows[0]["ok"]
 
 
+def test_check_poisons_the_bias_entries_no_row_sees():
+    """check's hidden run: NaN in every bias entry no member of it sees (causal, T=4 S=6:
+    above the diagonal; keys 4 and 5 for a bias per key), none where each is seen."""
+    from pallas_attn import bench
+
+    rows, cols = np.arange(4)[:, None], np.arange(6)[None, :]
+    visible = jnp.broadcast_to(jnp.asarray(cols <= rows), (2, 1, 1, 4, 6))  # [G, B, K, T, S]
+    full = bench._hidden_bias(visible, jnp.ones((1, 2, 4, 6), jnp.bfloat16))
+    assert full.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.isnan(np.asarray(full[0, 1], np.float32)), cols > rows)
+    per_key = bench._hidden_bias(visible, jnp.ones((1, 1, 1, 6)))
+    np.testing.assert_array_equal(np.isnan(per_key[0, 0, 0]), [False] * 4 + [True] * 2)
+    assert bench._hidden_bias(visible, jnp.ones((1, 2, 4, 1))) is None
+    assert bench._hidden_bias(visible, None) is None
+
+
 def test_check_keeps_the_callers_autotuning_level(monkeypatch):
     monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_autotune_level=4")
     _without_gpu_autotuning()

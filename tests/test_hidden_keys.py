@@ -87,8 +87,9 @@ def _hiding(case: str, B: int, T: int, S: int) -> tuple[dict, int]:
 
 
 def _results(ct, bias=None, **kwargs):
-    """fn(q, k, v) -> [out, lse, dq, dk, dv(, dbias)]: one jitted step for the clean and
-    the dirty inputs (same shapes: traced and compiled once)."""
+    """fn(q, k, v, poisoned) -> [out, lse, dq, dk, dv(, dbias)]: one jitted step for the
+    clean and the dirty inputs (same shapes: traced and compiled once); the dirty ones
+    hold NaN in the bias entries of the hidden keys too."""
     def loss(q, k, v, bias):
         out, lse = pallas_attn.dot_product_attention(q, k, v, bias, return_residual=True,
                                                      **kwargs)
@@ -98,8 +99,12 @@ def _results(ct, bias=None, **kwargs):
     argnums = (0, 1, 2) if bias is None else (0, 1, 2, 3)
     step = jax.jit(jax.value_and_grad(loss, argnums=argnums, has_aux=True))
 
-    def results(q, k, v):
-        (_, aux), grads = step(q, k, v, bias)
+    def results(q, k, v, poisoned=()):
+        """poisoned: the keys whose bias entries (a bias with its own keys) are NaN."""
+        b = bias
+        if b is not None and b.shape[-1] > 1 and len(poisoned):
+            b = b.at[..., np.asarray(poisoned)].set(jnp.nan)
+        (_, aux), grads = step(q, k, v, b)
         return [np.asarray(x, np.float32) for x in (*aux, *grads)]
 
     return results
@@ -124,7 +129,7 @@ def _check(case: str, shapes: tuple, dtype, exact: bool = True, **kwargs) -> Non
     key = np.atleast_1d(key)
     results = _results(ct, **hiding, **kwargs)
     clean = results(q, k, v)
-    dirty = results(q, k.at[:, key, 0].set(jnp.nan), v.at[:, key, 0].set(jnp.inf))
+    dirty = results(q, k.at[:, key, 0].set(jnp.nan), v.at[:, key, 0].set(jnp.inf), key)
     names = ("out", "lse", "dq", "dk", "dv", "dbias")[:len(clean)]
     if case == "mask_per_row":
         # The rows the mask hides keep their results (nothing); every other row sees the

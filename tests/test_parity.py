@@ -207,32 +207,38 @@ def test_a_nonfinite_key_that_every_row_sees_makes_every_row_nan(impl, where):
 
 @pytest.mark.parametrize("impl", ["xla", "xla_chunked"])  # the kernels: test_hidden_keys.py
 @pytest.mark.parametrize("hidden", ["mask", "causal_future", "other_segment", "window"])
-def test_nonfinite_hidden_keys_never_change_a_result(impl, hidden):
+@pytest.mark.parametrize("cap", [None, 5.0])
+def test_nonfinite_hidden_keys_never_change_a_result(impl, hidden, cap):
     """NaN keys and inf values at key 9, which the caller hid from every row (a masked
-    column, a causally future key, a segment no query has, outside every window): the
-    output, logsumexp and every gradient equal those of clean inputs bit for bit (the
-    hidden key's own dK and dV are 0 either way)."""
+    column, a causally future key, a segment no query has, outside every window), and
+    NaN in that column of a bias: the output, logsumexp and every gradient, the bias's
+    included, equal those of clean inputs bit for bit (the hidden key's own dK, dV and
+    dbias are 0 either way), with a soft cap too (whose derivative there meets the
+    hidden entries' zero gradient)."""
     q, k, v = _qkv(T=8, S=12)
     ct = jnp.asarray(np.random.default_rng(1).standard_normal(q.shape), jnp.float32)
+    bias = jnp.asarray(np.random.default_rng(2).standard_normal((2, 1, 8, 12)), jnp.float32)
     kwargs = {"mask": dict(mask=jnp.ones((2, 1, 8, 12), bool).at[..., 9].set(False)),
               "causal_future": dict(is_causal=True),
               "other_segment": dict(q_segment_ids=jnp.zeros((2, 8), jnp.int32),
                                     kv_segment_ids=jnp.zeros((2, 12), jnp.int32).at[:, 9].set(2)),
               "window": dict(local_window_size=(2, 0))}[hidden]
 
-    def results(k, v):
-        def loss(q, k, v):
+    def results(k, v, bias):
+        def loss(q, k, v, bias):
             out, lse = pallas_attn.dot_product_attention(
-                q, k, v, return_residual=True, **kwargs, **IMPLS[impl])
+                q, k, v, bias, return_residual=True, logits_soft_cap=cap, **kwargs,
+                **IMPLS[impl])
             return jnp.sum(out * ct) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0)), (out, lse)
 
-        step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))
-        (_, aux), grads = step(q, k, v)
+        step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True))
+        (_, aux), grads = step(q, k, v, bias)
         return [np.asarray(x) for x in (*aux, *grads)]
 
-    dirty = results(k.at[:, 9].set(jnp.nan), v.at[:, 9].set(jnp.inf))
-    for name, got, want in zip(("out", "lse", "dq", "dk", "dv"), dirty, results(k, v),
-                               strict=True):
+    dirty = results(k.at[:, 9].set(jnp.nan), v.at[:, 9].set(jnp.inf),
+                    bias.at[..., 9].set(jnp.nan))
+    for name, got, want in zip(("out", "lse", "dq", "dk", "dv", "dbias"), dirty,
+                               results(k, v, bias), strict=True):
         np.testing.assert_array_equal(got, want, err_msg=name)
 
 

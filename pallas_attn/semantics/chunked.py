@@ -468,8 +468,6 @@ class _Tiles:
         s = reference.with_nonfinite_keys(s, poison[:, :, None, None, :])
         rows, cols = self.positions(i, j)
         bias = None if self.bias is None else self._broadcast_tile(self.bias, i, j)
-        logits = scores.modify_logits(s, rows, cols, spec, self.offset, bias=bias,
-                                      alibi_slope=self.slope)
         mask = None if self.mask is None else self._broadcast_tile(self.mask, i, j)
         q_seg = kv_seg = None
         if self.q_segments is not None:
@@ -485,6 +483,8 @@ class _Tiles:
             else self.q_lengths[:, None, None, None, None],
             kv_length=None if self.kv_lengths is None
             else self.kv_lengths[:, None, None, None, None])
+        logits = scores.modify_logits(s, rows, cols, spec, self.offset, bias=bias,
+                                      alibi_slope=self.slope, visible=visible)
         return logits, visible
 
     def keep(self, i: Any, j: Any) -> jax.Array:

@@ -132,8 +132,6 @@ def logits_and_visibility(spec: AttentionSpec, ops: Operands, poison: jax.Array 
     rows = q0 + jnp.arange(T, dtype=jnp.int32)[:, None]
     cols = k0 + jnp.arange(S, dtype=jnp.int32)[None, :]
     slope = _by_group(ops.alibi_slopes, K)
-    logits = scores.modify_logits(s, rows, cols, spec, offset, bias=_by_group(ops.bias, K),
-                                  alibi_slope=None if slope is None else slope[..., None, None])
     per_entry = (None, slice(None), None, None, None)  # [B] -> [1, B, 1, 1, 1]
     visible = scores.visibility(
         rows, cols, spec, offset,
@@ -146,6 +144,9 @@ def logits_and_visibility(spec: AttentionSpec, ops: Operands, poison: jax.Array 
         kv_length=None if ops.key_value_seq_lengths is None
         else ops.key_value_seq_lengths[per_entry],
     )
+    logits = scores.modify_logits(s, rows, cols, spec, offset, bias=_by_group(ops.bias, K),
+                                  alibi_slope=None if slope is None else slope[..., None, None],
+                                  visible=visible)
     return logits, visible
 
 

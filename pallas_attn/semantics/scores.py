@@ -64,12 +64,18 @@ def add_logit_terms(
 
 def modify_logits(
     logits: jax.Array, rows: Any, cols: Any, spec: AttentionSpec, offset: int, *,
-    bias: jax.Array | None = None, alibi_slope: Any = None,
+    bias: jax.Array | None = None, alibi_slope: Any = None, visible: Any = None,
 ) -> jax.Array:
     """Adds bias and ALiBi to scaled logits (float32), then applies the soft cap
-    (the jnp paths; the kernels compose the same pieces in log2 units)."""
+    (the jnp paths; the kernels compose the same pieces in log2 units).
+
+    visible (`visibility`, or None): the entries it hides enter the cap as 0, so the
+    cap's derivative there, which their zero gradient meets, is finite whatever a
+    hidden bias entry or key put in them (0 * NaN would reach dS and every gradient)."""
     logits = add_logit_terms(logits, rows, cols, offset, bias=bias, alibi_slope=alibi_slope)
     if spec.logits_soft_cap is not None:
+        if visible is not None:
+            logits = jnp.where(visible, logits, 0.0)
         logits = soft_cap(logits, spec.logits_soft_cap)
     return logits
 
