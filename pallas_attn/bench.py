@@ -408,6 +408,11 @@ def check(shapes: Sequence[Shape], *, interpret: bool = False,
         floor = 1e-5 if shape.dtype == "float32" else 1e-3
         for name, x, e, s in zip(names, got, exact, same, strict=True):
             err, base = relative_error(x, e), relative_error(s, e)
+            if name == "dbias" and kw["bias"].dtype.itemsize > q.dtype.itemsize:
+                # A float32 bias's dbias from the reference is exact (its dO and out are
+                # never rounded), while dS from 16-bit inputs carries their rounding, as
+                # dq and dk do: their base is its.
+                base = max(base, row["dq"][1], row["dk"][1])
             row[name] = (err, base)
             row["ok"] &= bool(np.isfinite(err) and err <= 2 * base + floor)
         row["differs"] = [n for n, x, y in zip(names, got, again, strict=True)

@@ -55,6 +55,17 @@ def test_check_poisons_the_bias_entries_no_row_sees():
     assert bench._hidden_bias(visible, None) is None
 
 
+def test_check_judges_a_float32_bias_gradient_by_the_16_bit_gradients():
+    """A float32 bias with bfloat16 inputs: the reference's dbias is exact, so check's base
+    for the kernel's is the same-dtype reference's dq and dk error, not 0."""
+    from pallas_attn import bench
+
+    shape = bench.Shape(1, 16, 16, 1, 1, 16, features=(("bias_float32", None),))
+    [row] = bench.check([shape], interpret=True)
+    assert row["ok"], row
+    assert row["dbias"][1] == max(row["dq"][1], row["dk"][1]) > 0
+
+
 def test_check_keeps_the_callers_autotuning_level(monkeypatch):
     monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_autotune_level=4")
     _without_gpu_autotuning()
