@@ -1,5 +1,6 @@
 """The tile cache and autotuning: cache files, the timer, sweeps, one kernel at a time."""
 
+import dataclasses
 import json
 import time
 import warnings
@@ -172,6 +173,8 @@ def test_kernel_runner_runs_each_kernel_alone_and_the_backends_agree():
         runner("dkdv_dbias", plan.dkdv)  # Triton's dK/dV writes dbias per batch entry only
     with pytest.raises(ValueError, match="unknown kernel 'dq_dkdv'"):
         runner("dq_dkdv", mosaic["dkdv"])
+    with pytest.raises(ValueError, match="no kernel of its own"):
+        runner("dbias", dataclasses.replace(mosaic["dq"], in_dq=True))
 
 
 def test_kernel_runner_rejects_bad_arguments():

@@ -197,6 +197,9 @@ def kernel_runner(*, batch: int, q_len: int, kv_len: int, heads: int, kv_heads: 
         plan_role = "dkdv" if role == "dkdv_dbias" else role
         if plan_role == "dbias" and plan.dbias is None:
             raise ValueError("dbias: the problem has no bias")
+        if plan_role == "dbias" and route.in_dq:
+            raise ValueError("dbias: a route summed from the dQ kernel's row sums is no kernel "
+                             "of its own (a bias broadcast along keys); time dq")
         routes = {plan_role: route}
         if role == "dkdv_dbias":
             routes["dbias"] = dataclasses.replace(route, fused=True)
@@ -236,8 +239,6 @@ def kernel_runner(*, batch: int, q_len: int, kv_len: int, heads: int, kv_heads: 
             fn, args = mosaic_kernel(mosaic_dq.dq)
         elif role == "dq":
             fn, args = (lambda *a: triton_dq.dq(p, names, list(a))), bwd_inputs
-        elif role == "dbias" and route.in_dq:  # the dQ kernel with its row sums
-            fn, args = mosaic_kernel(mosaic_dq.dq_and_score_rows)
         elif role == "dbias" and mosaic:
             fn, args = mosaic_kernel(mosaic_dbias.dbias)
         else:
