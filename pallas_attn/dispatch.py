@@ -321,9 +321,12 @@ def _mosaic_route(role: str, call: Call, device: DeviceInfo, overrides: BlockSiz
                 f"{MOSAIC_LENGTHS_MIN_ROWS} query rows per kv head (T x group = {rows}; "
                 f"docs/decisions.md)")
     # NOTE: with segment ids one Mosaic backward kernel measured faster next to the other
-    # role's Triton one: dQ under causal masking, dK/dV without (docs/decisions.md).
+    # role's Triton one: dQ under causal masking, dK/dV without (docs/decisions.md); but
+    # dQ stays Mosaic with a bias broadcast along keys, whose gradient its row sums give.
     triton_with_segments = "dkdv" if spec.is_causal else "dq"
-    if automatic and "q_segment_ids" in call.present and role == triton_with_segments:
+    row_sums = role == "dq" and spec.has_bias and spec.bias_shape[-1] == 1
+    if (automatic and "q_segment_ids" in call.present and role == triton_with_segments
+            and not row_sums):
         return (f"segment ids: the Triton {ROLE_LABELS[role]} kernel (finer tiles to skip) "
                 f"measured faster with them (docs/decisions.md)")
     block_q, block_k, _, stages = overrides.tiles(role)

@@ -248,10 +248,13 @@ def test_reasons_name_what_refuses():
     dq_reasons = dict(dispatch.plan(TABLE["d256_bias_float32"][0], device=H100).dq.declined)
     assert "232448" in dq_reasons["mosaic"]  # a float32 bias tile leaves no room
     assert "bfloat16 or float16" in reasons["float32"]
-    # A bias per row next to segment ids, whose dQ runs on Triton: no row sums to take.
-    per_query = call(bias_shape=(1, 1, 4096, 1), has_segments=True,
-                     present=("q_segment_ids", "kv_segment_ids"))
-    per_query = dispatch.plan(per_query, device=H100).dbias
+    # A bias per row next to segment ids: dQ stays Mosaic for its row sums, unless the
+    # caller names Triton's dQ, which leaves the dbias kernel.
+    segments = dict(has_segments=True, present=("q_segment_ids", "kv_segment_ids"))
+    routed = dispatch.plan(call(bias_shape=(1, 1, 4096, 1), **segments), device=H100)
+    assert routed.dq.backend == "mosaic" and routed.dbias.in_dq
+    per_query = dispatch.plan(call(bias_shape=(1, 1, 4096, 1), **segments), device=H100,
+                              block_sizes=pallas_attn.BlockSizes(dq_backend="triton")).dbias
     assert per_query.backend == "triton"
     assert "the Mosaic dQ kernel's row sums, and dQ runs on Triton" in dict(
         per_query.declined)["mosaic"]
