@@ -228,12 +228,16 @@ MOSAIC_ALL = dataclasses.replace(MOSAIC_DQ_DKV, block_q=128, block_k=128,
      dict(is_causal=True, logits_soft_cap=6.0), MOSAIC_DQ),
     (dict(B=2, T=100, S=150, N=2, K=1, H=256), (1, 2, 100, 1),
      dict(local_window_size=(40, 30)), MOSAIC_DQ_DKV_WIDE),
+    # With ragged segment ids (tiles that compare ids, rows narrowed to their segment).
+    (dict(B=2, T=150, S=150, N=2, H=64), (2, 1, 150, 1),
+     dict(q_segment_ids=np.repeat(np.arange(4), [20, 50, 47, 33])[None].repeat(2, 0)),
+     MOSAIC_DQ),
 ], ids=["shared_bias_soft_cap_alibi_mqa_bottom_right_empty_rows_H80_Hv64",
         "with_mosaic_dkv_shared_bias_window_alibi",
         "wide_H256_with_mosaic_dkv_shared_bias", "all_mosaic_H160_Hv136_padded_to_160",
         "all_mosaic_H8_Hv24_padded_to_16_32", "bias_and_mask_per_key_bottom_right_gqa",
         "bias_one_entry_mask_per_row_sinks_gqa", "bias_per_row_soft_cap_gqa",
-        "wide_H256_bias_per_row_window"])
+        "wide_H256_bias_per_row_window", "bias_per_row_segments"])
 def test_gradients_with_the_mosaic_dq_against_reference_and_float64(shapes, bias_shape,
                                                                     kwargs, blocks,
                                                                     monkeypatch):
