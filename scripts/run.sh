@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One entry point that sets itself up: finds Python >= 3.12, creates .venv,
 # installs the pinned requirements and the package, then runs a job.
-#   bash scripts/run.sh test   [pytest args]   the test suite (what CI runs)
+#   bash scripts/run.sh test   [pytest args]   the test suite without the extended tier (what CI runs)
+#   bash scripts/run.sh test-all [pytest args] every test, the extended tier included
 #   bash scripts/run.sh bench  [args]          python -m pallas_attn bench
 #   bash scripts/run.sh lint                   ruff check
 set -euo pipefail
@@ -46,8 +47,9 @@ fi
 job=${1:-test}; shift || true
 case "$job" in
   # One worker per CPU: the interpreted kernels' compiles are single-threaded.
-  test)  exec .venv/bin/python -m pytest -q -n auto --dist worksteal "$@" ;;
+  test)     exec .venv/bin/python -m pytest -q -n auto --dist worksteal -m "not extended" "$@" ;;
+  test-all) exec .venv/bin/python -m pytest -q -n auto --dist worksteal "$@" ;;
   bench) exec .venv/bin/python -m pallas_attn bench "$@" ;;
   lint)  exec .venv/bin/ruff check pallas_attn tests examples benchmarks ;;
-  *) echo "usage: bash scripts/run.sh {test|bench|lint} [args]" >&2; exit 2 ;;
+  *) echo "usage: bash scripts/run.sh {test|test-all|bench|lint} [args]" >&2; exit 2 ;;
 esac

@@ -1,8 +1,11 @@
 """Settings every test module needs before JAX starts its CPU client."""
 
 import os
+import pathlib
 import shutil
 import tempfile
+
+import pytest
 
 # NOTE: the Mosaic GPU interpreter (JAX 0.11.2) runs each simulated warpgroup as an
 # XLA:CPU program of its own, a barrier wait as a blocking host callback. XLA:CPU runs
@@ -47,3 +50,33 @@ os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
 def pytest_sessionfinish(session):
     if _OWNS_CACHE:
         shutil.rmtree(os.environ["PALLAS_ATTN_TEST_CACHE"], ignore_errors=True)
+
+
+# The extended tier (tests/extended.txt): listed tests and cases carry the `extended`
+# mark, which `bash scripts/run.sh test` deselects so that CI stays within its time.
+_EXTENDED = pathlib.Path(__file__).with_name("extended.txt")
+
+
+def _extended_entries() -> set[str]:
+    lines = (line.split("#", 1)[0].strip() for line in _EXTENDED.read_text().splitlines())
+    return {line for line in lines if line}
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    entries = _extended_entries()
+    matched, collected = set(), set()
+    for item in items:
+        node = item.nodeid.removeprefix("tests/")
+        function = node.split("[", 1)[0]
+        collected.add(function)
+        for entry in (node, function):
+            if entry in entries:
+                item.add_marker(pytest.mark.extended)
+                matched.add(entry)
+    # An entry whose test was collected but which names no case is stale (a renamed
+    # case would otherwise move into CI's tier unnoticed).
+    stale = sorted(e for e in entries - matched if e.split("[", 1)[0] in collected
+                   and not any("[" in arg for arg in config.args))
+    if stale:
+        raise pytest.UsageError(f"tests/extended.txt names no collected case: {stale}")
