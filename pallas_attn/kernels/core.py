@@ -526,6 +526,18 @@ def ds_scales(problem: Problem, do_norms: jax.Array, v: jax.Array, delta: jax.Ar
                     jnp.stack([_power_of_two(-c), _power_of_two(c)], axis=2))
 
 
+def bias_row_gradient(problem: Problem, ds_sum: Any, p_dp: Any, p_slope: Any, delta: Any,
+                      lse_grad: Any) -> Any:
+    """The gradient of a bias entry broadcast along keys, per query row, from the row's
+    sums of dS, P dP and cP (c: the soft cap's slope, 1 without one), in the units
+    `score_gradient` leaves them (times `dropout_scale` to finish). A row's dS sums to
+    sum cP dP - (D - g) sum cP (D = dO . out, g: the lse cotangent, delta = D - g), near
+    zero without sinks, a cap or g: summed entry by entry it would be the stored output's
+    rounding in D. D is taken as the row's own sum P dP, which cancels exactly."""
+    kept = 1.0 - problem.spec.dropout_rate
+    return ds_sum + ((delta + lse_grad) * kept - p_dp) * p_slope
+
+
 def row_sums(d_out: jax.Array, out: jax.Array, norms: bool
              ) -> tuple[jax.Array, jax.Array | None]:
     """(delta = rowsum(dO * O), |dO| per row or None) [B, N, T] float32, the backward's

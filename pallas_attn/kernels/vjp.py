@@ -27,6 +27,7 @@ from pallas_attn.kernels.core import (
     KERNEL_INPUTS,
     LOG2E,
     Problem,
+    bias_row_gradient,
     ds_scales,
     intersect_ranges,
     mask_ranges,
@@ -422,16 +423,14 @@ def _bias_from_rows(problem: Problem, score_rows: jax.Array, delta: jax.Array,
                     lse_grad: jax.Array, bias: jax.Array) -> jax.Array:
     """dbias of a bias broadcast along keys ([B or 1, N or 1, Tp or 1, 1]) from the Mosaic
     dQ kernel's row sums (`mosaic.dq.dq_and_score_rows`), summed over the bias's broadcast
-    axes in a fixed order. A row's dS sums to sum cP dP - (D - g) sum cP (c: the cap's
-    slope, D = dO . out, g: the lse cotangent, delta = D - g), with D taken as the row's
-    own sum P dP, which cancels exactly: the stored output's rounding in delta would
-    otherwise be the whole sum (`triton.dbias.dbias_kernel`). Without a cap, sum P dP is
-    sum dS + delta sum P."""
+    axes in a fixed order (`core.bias_row_gradient`). Without a cap the kernel stores no
+    sum P dP: it is sum dS + delta sum P."""
     sums = jnp.sum(score_rows, axis=2)  # wide consumers' keys apart
     ds_sum, p_slope = sums[:, :, 0], sums[:, :, 1]
     kept = 1.0 - problem.spec.dropout_rate  # dS's units (gain_later)
     p_dp = sums[:, :, 2] if sums.shape[2] == 3 else ds_sum + delta * kept * p_slope
-    rows = (ds_sum + ((delta + lse_grad) * kept - p_dp) * p_slope) * problem.dropout_scale
+    rows = (bias_row_gradient(problem, ds_sum, p_dp, p_slope, delta, lse_grad)
+            * problem.dropout_scale)
     B, N, Tp = rows.shape
     Bb, Nb, Tb, _ = bias.shape
     rows = jnp.sum(rows.reshape(Bb, B // Bb, Nb, N // Nb, Tp), axis=(1, 3))

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_attn.kernels.core import Problem
+from pallas_attn.kernels.core import Problem, bias_row_gradient
 from pallas_attn.kernels.triton.context import TileContext, launch, name_refs
 
 
@@ -68,15 +68,10 @@ def dbias_kernel(*refs, problem: Problem, names: tuple[str, ...]):
             if Sb > 1:
                 first, stop = jnp.clip(first, kt, kt + 1), jnp.clip(stop, kt, kt + 1)
                 return lax.fori_loop(first, stop, tile_body, acc)
-            # A row's dS sums to sum cP dP - (D - g) sum cP (c: the cap's slope, D = dO . out,
-            # g: the lse cotangent, delta = D - g), near zero without sinks, a cap or g: its
-            # entries' sum would be the rounding of the stored output in D. D is taken as
-            # these P and dP's own sum P dP, which cancels exactly.
             zeros = jnp.zeros((block_q,), jnp.float32)
             ds_sum, p_dp, p_slope = lax.fori_loop(first, stop, tile_body, (zeros,) * 3)
-            kept = 1.0 - problem.spec.dropout_rate  # score_gradient's units
-            lse_grad = r["lse_grad"][b, n, pl.ds(q0, block_q)]
-            rows = (ds_sum + ((residuals[2] + lse_grad) * kept - p_dp) * p_slope)[:, None]
+            rows = bias_row_gradient(problem, ds_sum, p_dp, p_slope, residuals[2],
+                                     r["lse_grad"][b, n, pl.ds(q0, block_q)])[:, None]
             return acc + (jnp.sum(rows, axis=0, keepdims=True) if Tb == 1 else rows)
 
         if Tb > 1:
