@@ -106,6 +106,9 @@ def make_inputs(shape: Shape, seed: int = 0) -> dict[str, Any]:
             args["kwargs"]["mask"] = jax.random.bernoulli(keys[6], 0.9, (B, 1, T, S))
         elif name == "lengths":  # every sequence's keys valid up to kv_len - value
             args["kwargs"]["key_value_seq_lengths"] = jnp.full((B,), S - int(value), jnp.int32)
+        elif name == "qlengths":  # batch entry b's queries valid up to q_len - value (b+1)/B
+            args["kwargs"]["query_seq_lengths"] = jnp.array(
+                [max(0, T - int(value) * (b + 1) // B) for b in range(B)], jnp.int32)
         elif name == "packed":  # `value` documents of equal length in every row
             ids = jnp.arange(T, dtype=jnp.int32) // (T // int(value))
             args["kwargs"]["q_segment_ids"] = jnp.broadcast_to(ids, (B, T))
@@ -320,8 +323,8 @@ def _poisoned_runs(kernel: Callable[..., Any], q, k, v, ct, kwargs: dict[str, An
                    exact: list, bases: dict[str, float], floor: float) -> dict[str, Any]:
     """The kernel on inputs holding NaN where the results must not depend on them, and
     where they must: {"hidden": errors of every result (clean float32 reference) with
-    NaN in the keys and values no row sees and in the bias entries no row sees, or None
-    where every key and entry is seen by some row;
+    NaN in the keys and values no row sees, in the bias entries no row sees and in the
+    queries and their cotangents past the query lengths, or None where there is none;
     "visible": errors of out and lse with one seen key NaN (its rows' out and lse NaN,
     every other row as clean); "ok"}. The same pass rule as the clean run."""
     names = ["out", "lse", "dq", "dk", "dv", "dbias"]
@@ -338,10 +341,15 @@ def _poisoned_runs(kernel: Callable[..., Any], q, k, v, ct, kwargs: dict[str, An
     if visible is not None:
         hidden = ~jnp.any(visible, axis=(0, 3))  # [B, K, S]: no row of the group sees it
         bias = _hidden_bias(visible, kwargs.get("bias"))
-        if bool(jnp.any(hidden)) or bias is not None:
+        lengths = kwargs.get("query_seq_lengths")
+        past = (None if lengths is None else  # [B, T, 1, 1]: rows past their length
+                (jnp.arange(q.shape[1])[None, :] >= lengths[:, None])[..., None, None])
+        if bool(jnp.any(hidden)) or bias is not None or past is not None:
             at = jnp.swapaxes(hidden, 1, 2)[..., None]
-            judge(_outputs_and_grads(kernel, q, jnp.where(at, jnp.nan, k).astype(k.dtype),
-                                     jnp.where(at, jnp.nan, v).astype(v.dtype), ct,
+            q_in, ct_in = (q, ct) if past is None else (
+                jnp.where(past, jnp.nan, q).astype(q.dtype), jnp.where(past, jnp.nan, ct))
+            judge(_outputs_and_grads(kernel, q_in, jnp.where(at, jnp.nan, k).astype(k.dtype),
+                                     jnp.where(at, jnp.nan, v).astype(v.dtype), ct_in,
                                      kwargs if bias is None else {**kwargs, "bias": bias}),
                   exact, "hidden")
     # The key of batch entry 0 and kv head 0 that the most rows see, NaN: every row that
@@ -679,6 +687,15 @@ def check_shapes(on_device: bool) -> list[Shape]:
               dtype="bfloat16"),
         # Key lengths in the Mosaic forward (keys past them zeroed before it), ragged.
         Shape(2, 1000, 1100, 4, 2, 128, True, (("lengths", 300),), dtype="bfloat16"),
+        # Query lengths (the queries and their cotangents past them NaN in the hidden
+        # run): with key lengths, causal, GQA, on the Mosaic kernels; with a bias's
+        # gradient and dropout at d64; in the wide kernels at d256.
+        Shape(2, 1000, 1100, 8, 2, 128, True, (("lengths", 300), ("qlengths", 400)),
+              dtype="bfloat16"),
+        Shape(2, 1024, 1024, 4, 4, 64, False, (("qlengths", 300), ("bias", None),
+                                               ("dropout", 0.1)), dtype="float16"),
+        Shape(2, 1000, 1100, 4, 2, 256, True, (("qlengths", 500), ("softcap", 20.0)),
+              dtype="bfloat16"),
         # Dropout in the Mosaic kernels: per-head masks under causal GQA, and with a
         # per-batch bias whose gradient the dK/dV kernel writes.
         Shape(2, 1000, 1100, 8, 2, 128, True, (("dropout", 0.2),), dtype="bfloat16"),
@@ -788,6 +805,8 @@ def random_check_shapes(count: int, seed: int, on_device: bool) -> list[Shape]:
             cap = name == "softcap" and bias == "bias_per_row"
             if cap or rng.random() < 0.25:
                 features.append((name, value))
+                if name == "lengths" and value % 2:  # no draw of its own: seeds stay
+                    features.append(("qlengths", value))
         shapes.append(Shape(rng.choice((1, 2)), q_len, kv_len, heads, kv_heads,
                             rng.choice(_RANDOM_HEAD_DIMS), causal, tuple(features),
                             dtype=rng.choice(("bfloat16", "float16"))))

@@ -93,10 +93,11 @@ def test_check_fails_results_that_differ_between_two_calls(monkeypatch, capsys):
     assert "differs between two calls: dq" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("leak", ["hidden", "visible"])
+@pytest.mark.parametrize("leak", ["hidden", "visible", "query"])
 def test_check_fails_a_kernel_that_leaks_or_drops_a_nan(leak, monkeypatch, capsys):
     """A kernel whose results turn NaN wherever a key is NaN (a hidden key leaking), or
-    whose output drops a seen NaN key, fails check."""
+    wherever a query is NaN (one past its length leaking), or whose output drops a seen
+    NaN key, fails check."""
     from pallas_attn import bench
 
     attention = bench.pallas_attn.dot_product_attention
@@ -105,19 +106,31 @@ def test_check_fails_a_kernel_that_leaks_or_drops_a_nan(leak, monkeypatch, capsy
         out, lse = attention(q, k, v, *args, implementation=implementation, **kwargs)
         if implementation != "pallas":
             return out, lse
-        bad = jnp.isnan(k).any()
-        if leak == "hidden":
-            return (jnp.where(bad, jnp.nan, out).astype(out.dtype),
-                    jnp.where(bad, jnp.nan, lse))
-        return jnp.nan_to_num(out), jnp.nan_to_num(lse)
+        if leak == "visible":
+            return jnp.nan_to_num(out), jnp.nan_to_num(lse)
+        bad = jnp.isnan(q if leak == "query" else k).any()
+        return jnp.where(bad, jnp.nan, out).astype(out.dtype), jnp.where(bad, jnp.nan, lse)
 
     monkeypatch.setattr(bench.pallas_attn, "dot_product_attention", faulty)
-    shape = bench.Shape(1, 24, 40, 2, 1, 32, True, dtype="bfloat16")
+    features = (("qlengths", 10),) if leak == "query" else ()
+    shape = bench.Shape(2, 24, 40, 2, 1, 32, True, features, dtype="bfloat16")
     [row] = bench.check([shape], interpret=True)
     assert not row["ok"]
-    errors = row["poisoned"][leak]
+    errors = row["poisoned"]["hidden" if leak == "query" else leak]
     assert not all(np.isfinite(e) and e < 1e-2 for e in errors.values()), errors
     assert "FAIL" in capsys.readouterr().out
+
+
+def test_check_poisons_the_queries_past_their_lengths(capsys):
+    """Queries and cotangents past the query lengths (ragged: 24 - 5 and 24 - 10) hold
+    NaN in the hidden run; the kernels zero them, so every result stays exact."""
+    from pallas_attn import bench
+
+    shape = bench.Shape(2, 24, 40, 2, 1, 32, False, (("qlengths", 10),), dtype="float16")
+    assert bench.make_inputs(shape)["kwargs"]["query_seq_lengths"].tolist() == [19, 14]
+    [row] = bench.check([shape], interpret=True)
+    assert row["ok"], capsys.readouterr().out
+    assert row["poisoned"]["hidden"] is not None
 
 
 def test_tune_needs_a_gpu(capsys):
