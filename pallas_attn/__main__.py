@@ -53,6 +53,11 @@ def main(argv: list[str] | None = None) -> int:
     check.add_argument("--jobs", type=int, default=1,
                        help="run the shapes in this many processes at once, sharing the "
                             "GPU's memory (compiling dominates a shape's time)")
+    check.add_argument("--rounds", type=int, default=1,
+                       help="run every shape this many times, each time in new worker "
+                            "processes, and fail a shape whose results differ in a bit "
+                            "between them (the second call in one process is always "
+                            "compared)")
     check.add_argument("--shard", help=argparse.SUPPRESS)  # I/N: a --jobs worker's part
     tune = sub.add_parser("tune", help="time tile candidates on the GPU and cache the best",
                           description="Times each Triton kernel's tile candidates alone on "
@@ -134,8 +139,9 @@ def main(argv: list[str] | None = None) -> int:
             shapes = bench_lib.random_check_shapes(args.random, args.seed, gpu)
         if args.command == "check":
             shapes = _matching(shapes, args.match, parser, "check's shapes")
-            if args.jobs < 1:
-                parser.error(f"--jobs must be at least 1, got {args.jobs}")
+            for flag, value in (("--jobs", args.jobs), ("--rounds", args.rounds)):
+                if value < 1:
+                    parser.error(f"{flag} must be at least 1, got {value}")
             if args.shard:
                 part, _, parts = args.shard.partition("/")
                 if not (part.isdigit() and parts.isdigit() and int(part) < int(parts)):
@@ -144,7 +150,10 @@ def main(argv: list[str] | None = None) -> int:
         print("Each value: the relative error against the reference run on float32-upcast "
               "inputs, with the same-dtype reference's own error as (ref); a shape passes "
               "when every value is at most 2 x ref + a floor.")
-        if args.command == "check" and args.jobs > 1:
+        if args.command == "check" and args.rounds > 1:
+            results = bench_lib.across_processes(
+                [_check_in_jobs(args, gpu) for _ in range(args.rounds)])
+        elif args.command == "check" and args.jobs > 1:
             results = _check_in_jobs(args, gpu)
         else:
             results = bench_lib.check(shapes, interpret=not gpu)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 import json
 import math
 import random
@@ -366,6 +367,24 @@ def _poisoned_runs(kernel: Callable[..., Any], q, k, v, ct, kwargs: dict[str, An
     return result
 
 
+def across_processes(rounds: list[list[dict[str, Any]]],
+                     log: Callable[[str], None] = print) -> list[dict[str, Any]]:
+    """The first round's rows of check, each failing where a later round, run in other
+    processes, gave other bits for one of its results (`differs_across`: their names)."""
+    later = [{(r["shape"], r.get("dtype")): r.get("digests", {}) for r in rows}
+             for rows in rounds[1:]]
+    for row in rounds[0]:
+        mine = row.get("digests", {})
+        theirs = [digests.get((row["shape"], row.get("dtype")), {}) for digests in later]
+        row["differs_across"] = sorted(
+            {n for d in theirs for n in mine.keys() | d.keys() if d.get(n) != mine.get(n)})
+        if row["differs_across"]:
+            row["ok"] = False
+            log(f"FAIL {row['shape']} {row.get('dtype')}: differs between processes: "
+                f"{', '.join(row['differs_across'])}")
+    return rounds[0]
+
+
 def _describe_poisoned(poisoned: dict[str, Any]) -> str:
     """check's words for `_poisoned_runs`: the largest error of each poisoned run."""
     if "error" in poisoned:
@@ -425,6 +444,9 @@ def check(shapes: Sequence[Shape], *, interpret: bool = False,
             row["ok"] &= bool(np.isfinite(err) and err <= 2 * base + floor)
         row["differs"] = [n for n, x, y in zip(names, got, again, strict=True)
                           if np.asarray(x).tobytes() != np.asarray(y).tobytes()]
+        # What another process must reproduce bit for bit (`check --rounds`).
+        row["digests"] = {n: hashlib.sha256(np.asarray(x).tobytes()).hexdigest()[:16]
+                          for n, x in zip(names, got, strict=True)}
         row["ok"] &= not row["differs"]
         try:
             poisoned = _poisoned_runs(kernel, q, k, v, ct, kw, exact,

@@ -27,16 +27,37 @@ def test_bench_on_cpu_runs_a_labelled_interpreter_check(capsys, tmp_path):
 
 
 def test_check_runs_its_shapes_in_worker_processes(capsys, tmp_path, monkeypatch):
+    """Two rounds of two workers each: the shape runs in two processes, bit-equal."""
     out = tmp_path / "check.json"
     monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))  # restored after
-    assert main(["check", "--jobs", "2", "--match", "float32", "--json", str(out)]) == 0
+    assert main(["check", "--jobs", "2", "--rounds", "2", "--match", "float32",
+                 "--json", str(out)]) == 0
     # The workers inherit XLA's GPU autotuning off (`_without_gpu_autotuning`).
     assert "--xla_gpu_autotune_level=0" in os.environ["XLA_FLAGS"]
     text = capsys.readouterr().out
     assert "1 passed, 0 failed" in text and "worker 1: no shape" in text
-    assert "PASS B2 T40 S56 N4/2 H32 float32" in text
-    rows = json.loads(out.read_text())["rows"]
-    assert len(rows) == 1 and rows[0]["ok"]
+    assert text.count("PASS B2 T40 S56 N4/2 H32 float32") == 2
+    [row] = json.loads(out.read_text())["rows"]
+    assert row["ok"] and row["differs_across"] == []
+    assert set(row["digests"]) == {"out", "lse", "dq", "dk", "dv"}
+
+
+def test_check_fails_results_that_differ_between_processes(capsys):
+    """`check --rounds`: a shape whose results in another process differ in any bit
+    fails, naming them; a shape missing from a round (its worker died) fails too."""
+    from pallas_attn import bench
+
+    def row(shape, dq="a", ok=True):
+        return {"shape": shape, "dtype": "bfloat16", "ok": ok,
+                "digests": {"out": "x", "dq": dq}}
+
+    rounds = [[row("s1"), row("s2"), row("s3")], [row("s1"), row("s2", dq="b")],
+              [row("s2"), row("s1")]]
+    s1, s2, s3 = bench.across_processes(rounds)
+    assert s1["ok"] and s1["differs_across"] == []
+    assert not s2["ok"] and s2["differs_across"] == ["dq"]
+    assert not s3["ok"] and s3["differs_across"] == ["dq", "out"]
+    assert "FAIL s2 bfloat16: differs between processes: dq" in capsys.readouterr().out
 
 
 def test_check_poisons_the_bias_entries_no_row_sees():
@@ -149,7 +170,8 @@ def test_tune_needs_a_gpu(capsys):
                                   ["explain", "--capability", "nine"],
                                   ["explain", "--window", "a,b"], ["explain", "--dtype", "f99"],
                                   ["explain", "--heads", "3", "--kv-heads", "2"],
-                                  ["check", "--jobs", "0"], ["check", "--shard", "2/2"],
+                                  ["check", "--jobs", "0"], ["check", "--rounds", "0"],
+                                  ["check", "--shard", "2/2"],
                                   ["check", "--random", "0"],
                                   ["check", "--shard", "x"], ["bench", "--set", "wide"],
                                   ["bench", "--set", "wide", "--match", "H999"],
