@@ -62,21 +62,29 @@ def _extended_entries() -> set[str]:
     return {line for line in lines if line}
 
 
+def extended_nodes(entries: set[str], nodes: list[str], args: list[str]
+                   ) -> tuple[set[str], list[str]]:
+    """(the node ids under tests/ that an entry names, as a test or one case; the entries of
+    a collected module that name no node, unless an argument picked tests by name)."""
+    marked, matched = set(), set()
+    for node in nodes:
+        for entry in (node, node.split("[", 1)[0]):
+            if entry in entries:
+                marked.add(node)
+                matched.add(entry)
+    modules = {node.split("::", 1)[0] for node in nodes}
+    stale = sorted(e for e in entries - matched if e.split("::", 1)[0] in modules
+                   and not any("::" in arg for arg in args))
+    return marked, stale
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
-    entries = _extended_entries()
-    matched, collected = set(), set()
-    for item in items:
-        node = item.nodeid.removeprefix("tests/")
-        function = node.split("[", 1)[0]
-        collected.add(function)
-        for entry in (node, function):
-            if entry in entries:
-                item.add_marker(pytest.mark.extended)
-                matched.add(entry)
-    # An entry whose test was collected but which names no case is stale (a renamed
-    # case would otherwise move into CI's tier unnoticed).
-    stale = sorted(e for e in entries - matched if e.split("[", 1)[0] in collected
-                   and not any("[" in arg for arg in config.args))
+    nodes = [item.nodeid.removeprefix("tests/") for item in items]
+    marked, stale = extended_nodes(_extended_entries(), nodes, config.args)
+    # A stale entry would let a renamed case move into CI's tier unnoticed.
     if stale:
         raise pytest.UsageError(f"tests/extended.txt names no collected case: {stale}")
+    for item, node in zip(items, nodes, strict=True):
+        if node in marked:
+            item.add_marker(pytest.mark.extended)
