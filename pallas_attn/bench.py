@@ -367,6 +367,11 @@ def _poisoned_runs(kernel: Callable[..., Any], q, k, v, ct, kwargs: dict[str, An
     return result
 
 
+def _digest(x: Any) -> str:
+    """A result's bits, hashed (64 bits of SHA-256)."""
+    return hashlib.sha256(np.asarray(x).tobytes()).hexdigest()[:16]
+
+
 def across_processes(rounds: list[list[dict[str, Any]]],
                      log: Callable[[str], None] = print) -> list[dict[str, Any]]:
     """The first round's rows of check, each failing where a later round, run in other
@@ -442,11 +447,11 @@ def check(shapes: Sequence[Shape], *, interpret: bool = False,
                 base = max(base, row["dq"][1], row["dk"][1])
             row[name] = (err, base)
             row["ok"] &= bool(np.isfinite(err) and err <= 2 * base + floor)
-        row["differs"] = [n for n, x, y in zip(names, got, again, strict=True)
-                          if np.asarray(x).tobytes() != np.asarray(y).tobytes()]
-        # What another process must reproduce bit for bit (`check --rounds`).
-        row["digests"] = {n: hashlib.sha256(np.asarray(x).tobytes()).hexdigest()[:16]
-                          for n, x in zip(names, got, strict=True)}
+        # The results' bits: the second call must match them, and so must another
+        # process (`check --rounds`).
+        row["digests"] = {n: _digest(x) for n, x in zip(names, got, strict=True)}
+        row["differs"] = [n for n, y in zip(names, again, strict=True)
+                          if _digest(y) != row["digests"][n]]
         row["ok"] &= not row["differs"]
         try:
             poisoned = _poisoned_runs(kernel, q, k, v, ct, kw, exact,
