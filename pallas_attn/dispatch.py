@@ -236,10 +236,10 @@ def _triton_tiles(call: Call, device: DeviceInfo, overrides: BlockSizes, interpr
     chosen = {}
     for role in ("forward", "dkdv", "dq", *(("dbias",) if spec.has_bias else ())):
         def need(tiles, role=role):
-            masked = triton.masked_key_tiles(spec.hides_keys, spec.has_kv_lengths,
-                                             call.kv_len, tiles[1])
+            cleaned = triton.cleaned_tiles(role, spec.hides_keys, spec.has_q_lengths,
+                                           spec.has_kv_lengths, call.kv_len, tiles[1])
             return triton.shared_memory(role, tiles, call.head_dim, call.value_head_dim,
-                                        call.dtype, masked_tiles=masked, **smem)
+                                        call.dtype, cleaned=cleaned, **smem)
 
         def fits(tiles, need=need):
             return need(tiles) <= budget

@@ -290,9 +290,9 @@ def _need(plan: pallas_attn.Plan, c: dispatch.Call, role: str) -> int:
         return triton.shared_memory(role, (route.block_q, route.block_k, route.num_warps,
                                            route.num_stages), c.head_dim, c.value_head_dim,
                                     c.dtype, bias_dtype=c.bias_dtype, has_mask=c.spec.has_mask,
-                                    masked_tiles=triton.masked_key_tiles(
-                                        c.spec.hides_keys, c.spec.has_kv_lengths, c.kv_len,
-                                        route.block_k))
+                                    cleaned=triton.cleaned_tiles(
+                                        role, c.spec.hides_keys, c.spec.has_q_lengths,
+                                        c.spec.has_kv_lengths, c.kv_len, route.block_k))
     if role == "forward":
         staging = mosaic.forward_output_staging(hp, hvp, route.block_k, route.num_stages,
                                                 c.dtype,
@@ -400,11 +400,32 @@ def test_the_dq_estimate_covers_the_measured_requests():
     for (head_dim, tiles, feature), request in measured.items():
         spec = {"mask": dict(mask_shape=(1, 1, 8, 8)), "causal": dict(is_causal=True),
                 "segments": dict(has_segments=True), None: {}}[feature]
-        masked = triton.masked_key_tiles(AttentionSpec(1.0, **spec).hides_keys, False, 512,
-                                         tiles[1])  # measured at T = S = 512
+        cleaned = triton.cleaned_tiles("dq", AttentionSpec(1.0, **spec).hides_keys, False,
+                                       False, 512, tiles[1])  # measured at T = S = 512
         estimate = triton.shared_memory("dq", tiles, head_dim, head_dim, "bfloat16",
-                                        has_mask=feature == "mask", masked_tiles=masked)
+                                        has_mask=feature == "mask", cleaned=cleaned)
         assert estimate >= request, (head_dim, tiles, feature, estimate, request)
+
+
+def test_the_dkdv_estimate_covers_the_measured_requests():
+    """Shared memory the Triton dK/dV kernel requested on an H200 (bf16, T = 1000, S =
+    1100), from RESOURCE_EXHAUSTED messages, with and without query lengths (which stage
+    Q and dO apart in the tiles the length crosses). The estimate is never under (the
+    64 x 64 d256 tiles with query lengths once failed to launch)."""
+    measured = {  # (head dim, tiles, query lengths): bytes requested
+        (256, (64, 64, 8, 2), True): 263168, (256, (32, 64, 8, 3), True): 262912,
+        (256, (64, 128, 8, 2), False): 279296, (256, (64, 128, 8, 2), True): 328448,
+        (256, (128, 64, 8, 2), False): 346112, (256, (128, 64, 8, 2), True): 460800,
+        (256, (64, 64, 4, 3), False): 272384, (256, (64, 64, 4, 3), True): 329728,
+        (128, (128, 128, 8, 2), True): 264192, (128, (128, 64, 8, 3), False): 248832,
+        (128, (128, 64, 8, 3), True): 297984, (128, (128, 128, 4, 3), False): 297984,
+        (128, (128, 128, 4, 3), True): 330752,
+    }
+    for (head_dim, tiles, lengths), request in measured.items():
+        cleaned = triton.cleaned_tiles("dkdv", False, lengths, False, 1100, tiles[1])
+        estimate = triton.shared_memory("dkdv", tiles, head_dim, head_dim, "bfloat16",
+                                        cleaned=cleaned)
+        assert estimate >= request, (head_dim, tiles, lengths, estimate, request)
 
 
 def test_mosaic_scratch_sizes():

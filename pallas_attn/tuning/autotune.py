@@ -130,9 +130,9 @@ def sweep_entries(role: str, head_dim: int, value_head_dim: int, dtype: Any, bud
         bq, bk = entry[:2]
         if entry in entries or bq > max(16, q_len) or bk > max(16, kv_len):
             continue
-        masked = triton_config.masked_key_tiles(hides_keys, False, kv_len, bk)
+        cleaned = triton_config.cleaned_tiles(role, hides_keys, False, False, kv_len, bk)
         need = triton_config.shared_memory(role, entry, head_dim, value_head_dim, dtype,
-                                           bias_dtype=bias_dtype, masked_tiles=masked)
+                                           bias_dtype=bias_dtype, cleaned=cleaned)
         if need <= budget:
             entries.append(entry)
     return entries

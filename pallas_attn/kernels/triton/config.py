@@ -100,9 +100,9 @@ def clamp(tiles: Tiles, q_len: int, kv_len: int) -> Tiles:
 
 def shared_memory(role: str, tiles: Tiles, head_dim: int, value_head_dim: int, dtype: Any,
                   *, bias_dtype: Any = None, has_mask: bool = False,
-                  masked_tiles: bool = False) -> int:
+                  cleaned: bool = False) -> int:
     """Bytes of shared memory Triton stages for one role's kernel with these tiles;
-    masked_tiles: whether the kernel runs key tiles with masked=True (`masked_key_tiles`)."""
+    cleaned: whether it stages cleaned copies of tiles it loads (`cleaned_tiles`)."""
     block_q, block_k, _, stages = tiles
     hd, hv = padded_head_dim(head_dim), padded_head_dim(value_head_dim)
     size = jnp.dtype(dtype).itemsize
@@ -112,14 +112,20 @@ def shared_memory(role: str, tiles: Tiles, head_dim: int, value_head_dim: int, d
     if role == "forward":
         return block_q * hd * size + stages * block_k * (hd + hv) * size + score_inputs
     if role == "dkdv":
+        # Q and dO with the rows past the query length zeroed are staged apart in the
+        # tiles that length crosses, and Triton pipelines them otherwise: on an H200 the
+        # requests grew by 32768-114688 bytes, and at 32 x 64 with 3 stages came 90880
+        # over the estimate without them. Counted once per stage, which covers every
+        # request measured (test_dispatch.py).
+        cleaned_rows = stages * block_q * (hd + hv) * size if cleaned else 0
         return (block_k * (hd + hv) * size + stages * block_q * (hd + hv) * size
-                + 2 * block_q * block_k * size + score_inputs)
+                + 2 * block_q * block_k * size + score_inputs + cleaned_rows)
     if role == "dq":
         # In masked tiles K with its hidden and non-finite entries zeroed is staged apart
         # from the loaded K for dS K (H100: exactly block_k * hd * size more).
-        cleaned = block_k * hd * size if masked_tiles else 0
+        cleaned_keys = block_k * hd * size if cleaned else 0
         return (block_q * (hd + hv) * size + stages * block_k * (hd + hv) * size
-                + block_q * block_k * size + score_inputs + cleaned)
+                + block_q * block_k * size + score_inputs + cleaned_keys)
     if role == "dbias":
         # Q, dO, K and V are all loaded inside the loop, so every one is multi-buffered;
         # the bias tile is not staged. Measured on an H100 at head dim 128, bf16:
@@ -135,6 +141,16 @@ def masked_key_tiles(hides_keys: bool, has_kv_lengths: bool, kv_len: int,
     edge, a mask or segment ids (AttentionSpec.hides_keys), a key length, a ragged last
     tile."""
     return hides_keys or has_kv_lengths or kv_len % block_k != 0
+
+
+def cleaned_tiles(role: str, hides_keys: bool, has_q_lengths: bool, has_kv_lengths: bool,
+                  kv_len: int, block_k: int) -> bool:
+    """Whether a role's kernel stages cleaned copies of tiles apart from the loaded ones:
+    the dQ kernel K in its masked key tiles, the dK/dV kernel Q and dO in the query
+    tiles a query length crosses."""
+    if role == "dq":
+        return masked_key_tiles(hides_keys, has_kv_lengths, kv_len, block_k)
+    return role == "dkdv" and has_q_lengths
 
 
 def fusable_dbias(bias_shape: tuple[int, ...], *, batch: int, num_heads: int) -> bool:
