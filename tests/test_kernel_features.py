@@ -37,7 +37,7 @@ from kernel_helpers import (
 )
 
 import pallas_attn
-from pallas_attn.kernels import core
+from pallas_attn.kernels import core, vjp
 from pallas_attn.kernels.triton import config as triton_config
 
 PALLAS = {"implementation": "pallas", "interpret": True, "block_sizes": SMALL_BLOCKS}
@@ -383,8 +383,9 @@ def test_ds_scales_bound_float16_ds_tightly():
     dirty_do[0, 7, 3] = np.inf
     @jax.jit  # one program (eagerly, each small operation would compile on its own)
     def scales_of(do, v, delta, lengths):
-        _, do_norms = core.row_sums(do, jnp.zeros(do.shape), norms=True)
-        return core.ds_scales(problem, do_norms, v, delta, (None, lengths), None)
+        _, do_norms = vjp._row_sums(problem, do, jnp.zeros(do.shape), norms=True)
+        v_norms = jnp.sqrt(vjp._fixed_sums(problem, v, v))
+        return core.ds_scales(problem, do_norms, v_norms, delta, (None, lengths), None)
 
     scales = scales_of(jnp.asarray(dirty_do, jnp.float16), jnp.asarray(dirty_v, jnp.float16),
                        jnp.asarray(delta, F32), lengths)

@@ -487,7 +487,7 @@ class DsScales(NamedTuple):
     keys: jax.Array  # [B, K, 2, Sp / block_k]: per key tile 2^-c and 2^c, for dK/dV
 
 
-def ds_scales(problem: Problem, do_norms: jax.Array, v: jax.Array, delta: jax.Array,
+def ds_scales(problem: Problem, do_norms: jax.Array, v_norms: jax.Array, delta: jax.Array,
               lengths: tuple[Any, Any], origin: jax.Array | None) -> DsScales:
     """The powers of two by which the float16 backward multiplies dS before rounding it to
     float16 for dS K (2^-e of a query row: the dQ kernels add e to the row's log2 row sum,
@@ -501,24 +501,24 @@ def ds_scales(problem: Problem, do_norms: jax.Array, v: jax.Array, delta: jax.Ar
     below float16's 65504 with room for float32 rounding. Ordinary inputs get 2^0: the
     kernels compute what they compute unscaled. Positions past the lengths and
     non-finite norms count 0 (a NaN row or key is NaN whatever its scale). do_norms
-    [B, N, Tp]: |dO_i| (`row_sums`), v [B, Sp, K, Hv] padded, delta [B, N, Tp]; lengths:
-    (query, key) [B] or None; origin: the positions of query 0 and key 0 or None."""
+    [B, N, Tp]: |dO_i|; v_norms [B, K, Sp]: |V_j| of the padded keys; delta [B, N, Tp];
+    lengths: (query, key) [B] or None; origin: the positions of query 0 and key 0 or
+    None."""
     q0, k0 = (0, 0) if origin is None else (origin[0], origin[1])
 
     def visible(n, length, start):  # n [B, L, H] -> [B, H, L], 0 past the length
         return jnp.swapaxes(reference.hide_past(finite(n), length, start), 1, 2)
 
     B, N, Tp = do_norms.shape
-    K = v.shape[2]
+    K, Sp = v_norms.shape[1:]
     do_norms = visible(jnp.swapaxes(do_norms, 1, 2), lengths[0], q0) * problem.dropout_scale
-    v_norms = visible(jnp.sqrt(jnp.sum(jnp.square(v.astype(jnp.float32)), axis=-1)),
-                      lengths[1], k0)
+    v_norms = visible(jnp.swapaxes(v_norms, 1, 2), lengths[1], k0)
     size = finite(jnp.abs(delta))
     by_group = (B, K, problem.group * Tp)
     row_bound = (do_norms * jnp.repeat(jnp.max(v_norms, axis=2), problem.group, axis=1)[..., None]
                  + size)
     block = problem.plan.dkdv.block_k
-    v_tiles = jnp.max(v_norms.reshape(B, K, v.shape[1] // block, block), axis=3)
+    v_tiles = jnp.max(v_norms.reshape(B, K, Sp // block, block), axis=3)
     key_bound = (v_tiles * jnp.max(do_norms.reshape(by_group), axis=2)[..., None]
                  + jnp.max(size.reshape(by_group), axis=2)[..., None])
     e, c = _exponent_above(row_bound, DS_MAX_LOG2), _exponent_above(key_bound, DS_MAX_LOG2)
@@ -536,15 +536,6 @@ def bias_row_gradient(problem: Problem, ds_sum: Any, p_dp: Any, p_slope: Any, de
     rounding in D. D is taken as the row's own sum P dP, which cancels exactly."""
     kept = 1.0 - problem.spec.dropout_rate
     return ds_sum + ((delta + lse_grad) * kept - p_dp) * p_slope
-
-
-def row_sums(d_out: jax.Array, out: jax.Array, norms: bool
-             ) -> tuple[jax.Array, jax.Array | None]:
-    """(delta = rowsum(dO * O), |dO| per row or None) [B, N, T] float32, the backward's
-    preprocessing."""
-    d32 = d_out.astype(jnp.float32)
-    delta = jnp.einsum("btnh,btnh->bnt", d32, out.astype(jnp.float32))
-    return delta, jnp.sqrt(jnp.einsum("btnh,btnh->bnt", d32, d32)) if norms else None
 
 
 def _exponent_above(bound: jax.Array, max_log2: int) -> jax.Array:

@@ -31,7 +31,6 @@ from pallas_attn.kernels.core import (
     ds_scales,
     intersect_ranges,
     mask_ranges,
-    row_sums,
     segment_ranges,
 )
 from pallas_attn.kernels.mosaic import dbias as mosaic_dbias
@@ -51,6 +50,7 @@ from pallas_attn.kernels.triton import decode as triton_decode
 from pallas_attn.kernels.triton import dkdv as triton_dkdv
 from pallas_attn.kernels.triton import dq as triton_dq
 from pallas_attn.kernels.triton import fwd as triton_fwd
+from pallas_attn.kernels.triton import rows as triton_rows
 from pallas_attn.kernels.triton.context import backward_inputs
 from pallas_attn.plan import Plan
 from pallas_attn.primals import first_order_only, is_perturbed, primal_values
@@ -190,7 +190,7 @@ def gradients(spec: AttentionSpec, ops: Operands, plan: Plan, out: jax.Array, ls
         raise AssertionError("vjp.gradients takes no bias and no sinks")
     B, T, N, H = ops.query.shape
     S, Hv = ops.key.shape[1], ops.value.shape[-1]
-    delta, do_norms = row_sums(d_out, out, _scales_ds(problem, False))
+    delta, do_norms = _row_sums(problem, d_out, out, _scales_ds(problem, False))
     if do_norms is not None:
         optional = {**optional, "do_norms": do_norms}
     if d_lse is not None:
@@ -306,7 +306,7 @@ def _fused_bwd(problem: Problem, residuals, cotangents):
     if isinstance(d_out, SymbolicZero):
         d_out = jnp.zeros(out.shape, out.dtype)
     bias_grad = bool(marker)
-    delta, do_norms = row_sums(d_out, out, _scales_ds(problem, bias_grad))
+    delta, do_norms = _row_sums(problem, d_out, out, _scales_ds(problem, bias_grad))
     lse_grad = jnp.zeros_like(delta)
     if not isinstance(d_lse, SymbolicZero):
         # d lse / d logits = P, so an lse cotangent folds into delta as -d_lse (rows
@@ -326,7 +326,8 @@ def _fused_bwd(problem: Problem, residuals, cotangents):
         d_differentiable["bias"] = dbias
     if "sinks" in differentiable:
         d_differentiable["sinks"] = scores.sink_gradient(
-            differentiable["sinks"], problem.logsumexp(*row_stats), delta)
+            differentiable["sinks"], problem.logsumexp(*row_stats), delta,
+            total=functools.partial(_total, problem))
     d_optional = jax.tree.map(_zeros_like_tangent, optional)
     return dq, dk, dv, d_differentiable, d_optional
 
@@ -356,7 +357,8 @@ def _run_backward(static: tuple[Problem, bool], q, k, v, operands: dict, row_sta
     scales = None
     if _scales_ds(problem, bias_grad):
         do_norms = pad_axis(operands["do_norms"], 2, problem.q_pad)
-        scales = ds_scales(problem, do_norms, v, delta, lengths, origin)
+        v_norms = jnp.sqrt(_fixed_sums(problem, v, v))
+        scales = ds_scales(problem, do_norms, v_norms, delta, lengths, origin)
     row_scales, key_scales = (None, None) if scales is None else scales
     names, inputs = backward_inputs(q, k, v, operands, row_stats, do, delta,
                                     row_scales=row_scales, key_scales=key_scales)
@@ -423,7 +425,7 @@ def _bias_from_rows(problem: Problem, score_rows: jax.Array, delta: jax.Array,
                     lse_grad: jax.Array, bias: jax.Array) -> jax.Array:
     """dbias of a bias broadcast along keys ([B or 1, N or 1, Tp or 1, 1]) from the Mosaic
     dQ kernel's row sums (`mosaic.dq.dq_and_score_rows`), summed over the bias's broadcast
-    axes in a fixed order (`core.bias_row_gradient`). Without a cap the kernel stores no
+    axes in a fixed order (`_fixed_sums`). Without a cap the kernel stores no
     sum P dP: it is sum dS + delta sum P."""
     sums = jnp.sum(score_rows, axis=2)  # wide consumers' keys apart
     ds_sum, p_slope = sums[:, :, 0], sums[:, :, 1]
@@ -433,10 +435,35 @@ def _bias_from_rows(problem: Problem, score_rows: jax.Array, delta: jax.Array,
             * problem.dropout_scale)
     B, N, Tp = rows.shape
     Bb, Nb, Tb, _ = bias.shape
-    rows = jnp.sum(rows.reshape(Bb, B // Bb, Nb, N // Nb, Tp), axis=(1, 3))
-    if Tb == 1:
-        rows = jnp.sum(rows, axis=2, keepdims=True)
-    return rows[..., None].astype(bias.dtype)
+    rows = rows.reshape(Bb, B // Bb, Nb, N // Nb, Tp)
+    # [Bb, Tb, Nb, the entries each dbias entry sums] for `_fixed_sums`
+    rows = (rows.transpose(0, 4, 2, 1, 3).reshape(Bb, Tp, Nb, -1) if Tb > 1
+            else rows.transpose(0, 2, 1, 3, 4).reshape(Bb, 1, Nb, -1))
+    return _fixed_sums(problem, rows)[..., None].astype(bias.dtype)
+
+
+def _fixed_sums(problem: Problem, x: jax.Array, y: jax.Array | None = None) -> jax.Array:
+    """[B, H, L] float32: x [B, L, H, D]'s row sums over D of x * y (x alone without y).
+    On a GPU a kernel of its own sums them in one order (`triton.rows`); XLA:CPU, which
+    runs the interpreters, always sums in one order."""
+    if not problem.interpret:
+        return triton_rows.row_sums(x, y)
+    x = x.astype(jnp.float32)
+    return jnp.sum(x if y is None else x * y.astype(jnp.float32), axis=-1).swapaxes(1, 2)
+
+
+def _row_sums(problem: Problem, d_out: jax.Array, out: jax.Array, norms: bool
+              ) -> tuple[jax.Array, jax.Array | None]:
+    """(delta = rowsum(dO * O), |dO| per row or None) [B, N, T] float32, the backward's
+    preprocessing."""
+    delta = _fixed_sums(problem, d_out, out)
+    return delta, jnp.sqrt(_fixed_sums(problem, d_out, d_out)) if norms else None
+
+
+def _total(problem: Problem, terms: jax.Array) -> jax.Array:
+    """[N]: terms [B, N, T] summed over B and T (`_fixed_sums`)."""
+    B, N, T = terms.shape
+    return _fixed_sums(problem, terms.transpose(1, 0, 2).reshape(1, N, 1, B * T))[0, 0]
 
 
 def _scales_ds(problem: Problem, bias_grad: bool) -> bool:

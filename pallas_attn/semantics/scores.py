@@ -147,9 +147,12 @@ def query_range(k_start: Any, k_stop: Any, spec: AttentionSpec, offset: int,
     return lo, hi
 
 
-def sink_gradient(sinks: jax.Array, lse: jax.Array, delta: jax.Array) -> jax.Array:
+def sink_gradient(sinks: jax.Array, lse: jax.Array, delta: jax.Array,
+                  total: Callable[[jax.Array], jax.Array] | None = None) -> jax.Array:
     """d sinks [N] = -sum over b, t of exp(sink - lse) * delta, from lse and delta
     [B, N, T] (delta = rowsum(dO * out) minus the lse cotangent; rows with lse = +inf,
-    the kernels' padding, count 0)."""
+    the kernels' padding, count 0); total: the sum over b and t of [B, N, T] terms
+    (default jnp.sum)."""
     weight = jnp.exp(sinks[None, :, None] - lse)
-    return -jnp.sum(jnp.where(lse == jnp.inf, 0.0, weight * delta), axis=(0, 2))
+    terms = jnp.where(lse == jnp.inf, 0.0, weight * delta)
+    return -(jnp.sum(terms, axis=(0, 2)) if total is None else total(terms))
