@@ -307,6 +307,10 @@ def _fused_bwd(problem: Problem, residuals, cotangents):
         d_out = jnp.zeros(out.shape, out.dtype)
     bias_grad = bool(marker)
     delta, do_norms = _row_sums(problem, d_out, out, _scales_ds(problem, bias_grad))
+    query_lengths, origin = lengths_of(optional)[0], origin_of(optional)
+    if query_lengths is not None:  # the caller's dO past them is hidden, whatever it holds
+        start = 0 if origin is None else origin[0]
+        delta = reference.hide_past(delta.swapaxes(1, 2), query_lengths, start).swapaxes(1, 2)
     lse_grad = jnp.zeros_like(delta)
     if not isinstance(d_lse, SymbolicZero):
         # d lse / d logits = P, so an lse cotangent folds into delta as -d_lse (rows
