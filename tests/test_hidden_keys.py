@@ -216,39 +216,46 @@ def test_mosaic_repairs_in_runs_of_tiles():
            implementation="pallas", interpret=True, block_sizes=MOSAIC)
 
 
+@pytest.mark.parametrize("bias_shape", [(2, 2, 100, 1), (2, 2, 100, 128), (1, 2, 100, 128)],
+                         ids=["per_row", "full", "shared_by_batch"])
 @pytest.mark.parametrize("dtype, blocks", [(jnp.bfloat16, MOSAIC), (jnp.float32, SMALL_BLOCKS)],
                          ids=["mosaic", "triton"])
-def test_queries_past_their_length_change_no_result(dtype, blocks):
-    """The queries and output cotangents past each batch entry's query length hold NaN:
-    every result equals that of clean inputs, those rows' gradients zero. A bias per row
-    with its gradient under a soft cap (on the Mosaic route summed from the dQ kernel's
-    row sums, where delta of a hidden row once came out NaN), causal, GQA."""
+def test_queries_past_their_length_change_no_result(dtype, blocks, bias_shape):
+    """The queries, output cotangents and bias rows past each batch entry's query length
+    hold NaN: every result equals that of clean inputs, those rows' gradients zero. A
+    bias with its gradient under a soft cap (on the Mosaic route: per row, summed from
+    the dQ kernel's row sums; shared by the batch entries, started by the dQ kernel),
+    a window, key lengths, GQA."""
     B, T, S, N, K, H = 2, 100, 128, 2, 1, 64
     rng = np.random.default_rng(5)
     q, k, v, ct = (jnp.asarray(rng.standard_normal(shape), dtype) for shape in
                    ((B, T, N, H), (B, S, K, H), (B, S, K, H), (B, T, N, H)))
-    bias = jnp.asarray(rng.standard_normal((B, N, T, 1)), dtype)
+    bias = jnp.asarray(rng.standard_normal(bias_shape), dtype)
     lengths = jnp.array([37, 90], jnp.int32)
     hidden = np.arange(T)[None, :] >= np.asarray(lengths)[:, None]  # [B, T]
 
     @jax.jit
-    def results(q, ct):
+    def results(q, ct, bias):
         def loss(q, k, v, bias):
             out, lse = pallas_attn.dot_product_attention(
-                q, k, v, bias, query_seq_lengths=lengths, is_causal=True, logits_soft_cap=4.0,
-                return_residual=True, implementation="pallas", interpret=True,
-                block_sizes=blocks)
-            lse = jnp.where(hidden[:, :, None], 0.0, lse)  # [B, T, N]: +inf past the lengths
+                q, k, v, bias, query_seq_lengths=lengths,
+                key_value_seq_lengths=jnp.array([128, 100], jnp.int32),
+                local_window_size=(80, 80), logits_soft_cap=4.0, return_residual=True,
+                implementation="pallas", interpret=True, block_sizes=blocks)
+            lse = jnp.where(hidden[:, :, None], 0.0, lse)  # [B, T, N]
             return jnp.sum(out.astype(jnp.float32) * ct), (out, lse)
         (_, aux), grads = jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True)(
             q, k, v, bias)
         return [x.astype(jnp.float32) for x in (*aux, *grads)]
 
-    poison = jnp.asarray(hidden)[:, :, None, None]
-    clean = results(q, ct)
-    dirty = results(jnp.where(poison, jnp.nan, q), jnp.where(poison, jnp.nan, ct))
+    rows = jnp.asarray(hidden)[:, :, None, None]
+    clean = results(q, ct, bias)
+    seen = bias_shape[0] == 1  # shared by the batch entries: its rows up to 90 seen
+    dirty_bias = jnp.where(jnp.swapaxes(rows[-1:] if seen else rows, 1, 2), jnp.nan, bias)
+    dirty = results(jnp.where(rows, jnp.nan, q), jnp.where(rows, jnp.nan, ct), dirty_bias)
     for name, got, want in zip(("out", "lse", "dq", "dk", "dv", "dbias"), dirty, clean,
                                strict=True):
         _assert_same(np.asarray(got), np.asarray(want), name, exact=blocks is SMALL_BLOCKS)
     dq, dbias = np.asarray(dirty[2]), np.asarray(dirty[5])
-    assert not dq[hidden].any() and not dbias[:, :, :, 0].transpose(0, 2, 1)[hidden].any()
+    assert not dq[hidden].any()
+    assert not np.swapaxes(dbias, 1, 2)[hidden[-1:] if seen else hidden].any()

@@ -414,7 +414,8 @@ def _run_backward(static: tuple[Problem, bool], q, k, v, operands: dict, row_sta
         dk, dv, dbias = triton_dkdv.dkdv(problem, names, inputs, bias if fused else None)
     if in_dq:
         dbias = _bias_from_rows(problem, score_rows, delta,
-                                pad_axis(operands["lse_grad"], 2, problem.q_pad), bias)
+                                pad_axis(operands["lse_grad"], 2, problem.q_pad), bias,
+                                row_stats[0])
     if separate_dbias and plan.dbias.backend == "mosaic":
         dbias = mosaic_dbias.dbias(problem, q, k, v, do, stats, bias, slopes)
     elif separate_dbias:
@@ -426,17 +427,19 @@ def _run_backward(static: tuple[Problem, bool], q, k, v, operands: dict, row_sta
 
 
 def _bias_from_rows(problem: Problem, score_rows: jax.Array, delta: jax.Array,
-                    lse_grad: jax.Array, bias: jax.Array) -> jax.Array:
+                    lse_grad: jax.Array, bias: jax.Array, row_max: jax.Array) -> jax.Array:
     """dbias of a bias broadcast along keys ([B or 1, N or 1, Tp or 1, 1]) from the Mosaic
     dQ kernel's row sums (`mosaic.dq.dq_and_score_rows`), summed over the bias's broadcast
     axes in a fixed order (`_fixed_sums`). Without a cap the kernel stores no
-    sum P dP: it is sum dS + delta sum P."""
+    sum P dP: it is sum dS + delta sum P. A row that sees no key (row_max +inf: past the
+    query length, say) gets 0, whatever its hidden bias entry held."""
     sums = jnp.sum(score_rows, axis=2)  # wide consumers' keys apart
     ds_sum, p_slope = sums[:, :, 0], sums[:, :, 1]
     kept = 1.0 - problem.spec.dropout_rate  # dS's units (gain_later)
     p_dp = sums[:, :, 2] if sums.shape[2] == 3 else ds_sum + delta * kept * p_slope
     rows = (bias_row_gradient(problem, ds_sum, p_dp, p_slope, delta, lse_grad)
             * problem.dropout_scale)
+    rows = jnp.where(row_max == jnp.inf, 0.0, rows)
     B, N, Tp = rows.shape
     Bb, Nb, Tb, _ = bias.shape
     rows = rows.reshape(Bb, B // Bb, Nb, N // Nb, Tp)

@@ -818,7 +818,7 @@ def tile_gradient(problem: Problem, s: jax.Array, dp: jax.Array, bias: jax.Array
                   keep: jax.Array | None = None, query_dim: int = 0,
                   mask: jax.Array | None = None, offset: Any = None, q_length: Any = None,
                   ds_factor: Any = None, gain_later: bool = False, hidden_ds: str = "mask",
-                  row_terms: bool = False) -> tuple[jax.Array, ...]:
+                  row_terms: bool = False, unseen_rows: bool = False) -> tuple[jax.Array, ...]:
     """(P, dS) of a [rows, keys] tile in the WGMMA layout, float32, from the raw
     products s = Q K^T and dp = dO V^T, the tile's bias (or None), the head's ALiBi
     slope (or None) and its rows' residuals (row reference, log2 row sum, delta;
@@ -841,7 +841,10 @@ def tile_gradient(problem: Problem, s: jax.Array, dp: jax.Array, bias: jax.Array
     rows holding a NaN are recomputed. The mask's tile is dead after the scores' select
     in the last two.
     row_terms: also the rows' sums (`score_rows`), the terms of a bias per row's gradient;
-    hidden_ds "mask", query_dim 0 and no ds_factor only."""
+    hidden_ds "mask", query_dim 0 and no ds_factor only. unseen_rows: P, dS and the row
+    terms are 0 in the rows that see no key (row reference +inf) whatever their scores:
+    rows past the query length, which a dQ kernel's tiles do not mask, may hold NaN in
+    their bias entries (and a soft cap's slope of them)."""
     if hidden_ds not in ("mask", "p", "none"):
         raise AssertionError(f"tile_gradient: hidden_ds must be mask, p or none, got {hidden_ds!r}")
     if row_terms and (hidden_ds != "mask" or query_dim or ds_factor is not None):
@@ -881,10 +884,12 @@ def tile_gradient(problem: Problem, s: jax.Array, dp: jax.Array, bias: jax.Array
         dp = dp * cap_slope
     prob = (normalised(s) if shifted
             else problem.probabilities(s, row_max, log2_sum, rows=rows_of))
+    if unseen_rows:
+        prob = jnp.where(rows_of(row_max) == jnp.inf, 0.0, prob)
     if log2_units:
         dp = dp - rows_of(delta)
     ds = prob * dp
-    band = masked and band_may_hide(problem, kv_length, q_length)
+    band = masked and band_may_hide(problem, kv_length, q_length) or unseen_rows
     hides = band or segments is not None or mask is not None
     if (hidden_ds == "p" and hides) or (hidden_ds == "mask" and band):
         ds = jnp.where(prob == 0.0, 0.0, ds)  # a hidden key: exact zeros, NaN dP too
@@ -937,13 +942,9 @@ def row_residuals(row_stats: tuple[jax.Array, jax.Array], delta: jax.Array,
     """The backward kernels' row residuals [B, N, 3, Tp] float32: (row reference, log2
     row sum, delta) stacked, so a consumer copies its rows' three in one bulk copy. With
     float16 dS's row scales (`core.DsScales` rows: e, 2^e), the dQ kernel's [B, N, 4, Tp]:
-    e added to the log2 row sum (P and dS come out times 2^-e), 2^e fourth.
-
-    delta passes an optimization barrier first: otherwise XLA fuses the reduction that
-    computes delta into the stack, one thread per row reading strided entries, six times
-    slower (docs/decisions.md, "Optimization barrier on delta")."""
+    e added to the log2 row sum (P and dS come out times 2^-e), 2^e fourth."""
     row_max, log2_sum = row_stats
-    rows = [row_max, log2_sum, lax.optimization_barrier(delta)]
+    rows = [row_max, log2_sum, delta]
     if row_scales is not None:
         rows[1] = log2_sum + row_scales[:, :, 0]
         rows.append(row_scales[:, :, 1])

@@ -323,7 +323,8 @@ def _consume(problem: Problem, ctx, tiles, step_of, row0, stop, mine: dict, ds_t
                                       slope, ids, ctx.kv_length, keep, mask=tile_mask,
                                       offset=ctx.offset, gain_later=dbias is None,
                                       hidden_ds="none" if repaired and not clean else "mask",
-                                      row_terms=score_rows is not None)
+                                      row_terms=score_rows is not None,
+                                      unseen_rows=clean and ctx.q_length is not None)
         if terms:
             sums = tuple(x + y for x, y in zip(sums, terms[0], strict=True))
         ds_tile = ds_tiles.at[lax.rem(step_of(t), 2)] if wide else ds_tiles
