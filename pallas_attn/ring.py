@@ -213,6 +213,19 @@ class _Ring:
 
         return vjp.gradients(self.spec, ops, self.plan(ops), out, lse, d_out, d_lse)
 
+    def sink_gradient(self, sinks, lse, out, d_out, d_lse) -> jax.Array:
+        """d sinks [N] from this device's rows (`scores.sink_gradient`); with the kernels
+        its sums run in one order on a GPU (`vjp.fixed_sums`), the same in every process."""
+        if self.implementation == "xla_chunked":
+            delta = jnp.einsum("btnh,btnh->bnt", d_out.astype(jnp.float32),
+                               out.astype(jnp.float32))
+            return scores.sink_gradient(sinks, lse, delta - d_lse)
+        from pallas_attn.kernels import vjp
+
+        delta = vjp.fixed_sums(self.interpret, d_out, out) - d_lse
+        return scores.sink_gradient(sinks, lse, delta,
+                                    total=functools.partial(vjp.row_total, self.interpret))
+
     def operands(self, q, k, v, constants: dict, origin) -> Operands:
         return Operands(q, k, v, origin=jnp.stack(origin).astype(jnp.int32), **constants)
 
@@ -366,9 +379,7 @@ def _ring_bwd(ring: _Ring, residuals, cotangents):
     dq = jnp.concatenate(dq, axis=1) if parts > 1 else dq[0]
     dsinks = None
     if sinks is not None:
-        delta = jnp.einsum("btnh,btnh->bnt", d_out.astype(jnp.float32),
-                           out.astype(jnp.float32)) - d_lse
-        dsinks = scores.sink_gradient(sinks, lse, delta)
+        dsinks = ring.sink_gradient(sinks, lse, out, d_out, d_lse)
         # Every device's rows, summed around the ring where shard_map types them (its
         # check_vma); unchecked, shard_map's transpose sums a replicated input's part.
         if ring.axis_name in jax.typeof(q).mat.varying:

@@ -384,7 +384,7 @@ def test_ds_scales_bound_float16_ds_tightly():
     @jax.jit  # one program (eagerly, each small operation would compile on its own)
     def scales_of(do, v, delta, lengths):
         _, do_norms = vjp._row_sums(problem, do, jnp.zeros(do.shape), norms=True)
-        v_norms = jnp.sqrt(vjp._fixed_sums(problem, v, v))
+        v_norms = jnp.sqrt(vjp.fixed_sums(True, v, v))
         return core.ds_scales(problem, do_norms, v_norms, delta, (None, lengths), None)
 
     scales = scales_of(jnp.asarray(dirty_do, jnp.float16), jnp.asarray(dirty_v, jnp.float16),

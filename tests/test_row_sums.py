@@ -39,9 +39,10 @@ def test_row_sums_rejects_mismatched_operands():
 
 
 def _sums_outside_kernels(jaxpr, found):
-    """The reductions that add (reduce_sum, dot_general) outside every pallas_call."""
+    """The reductions that add (reduce_sum, dot_general) outside every kernel (a
+    pallas_call; under shard_map a Mosaic kernel's body is an mpmd_map)."""
     for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "pallas_call":
+        if eqn.primitive.name in ("pallas_call", "mpmd_map"):
             continue
         if eqn.primitive.name in ("reduce_sum", "dot_general", "cumsum"):
             found.append((eqn.primitive.name, [v.aval.shape for v in eqn.invars]))
@@ -83,4 +84,28 @@ def test_gpu_backward_adds_only_in_kernels(device, dtype, features):
 
     with lowering_for(device):
         jaxpr = jax.make_jaxpr(backward)(q, k, v, bias, sinks)
+    assert _sums_outside_kernels(jaxpr.jaxpr, []) == []
+
+
+def test_gpu_ring_backward_adds_only_in_kernels():
+    """Ring attention with the kernels and sinks: the sinks' gradient and its delta are
+    the rows kernel's too (each device's part; the ring's psum adds them)."""
+    mesh = jax.make_mesh((2,), ("sp",), axis_types=(jax.sharding.AxisType.Auto,))
+    B, T, N, K, H = 1, 256, 4, 2, 64
+    kq, kk, kv, kc = jax.random.split(jax.random.key(1), 4)
+    q, ct = (jax.random.normal(x, (B, T, N, H), jnp.bfloat16) for x in (kq, kc))
+    k, v = (jax.random.normal(x, (B, T, K, H), jnp.bfloat16) for x in (kk, kv))
+    seq, sinks = jax.sharding.PartitionSpec(None, "sp"), jnp.zeros((N,), jnp.float32)
+
+    def backward(q, k, v, ct, sinks):
+        def per_device(q, k, v, ct, sinks):
+            def ring(q, k, v, sinks):
+                return pallas_attn.ring_attention(q, k, v, axis_name="sp", is_causal=True,
+                                                  sinks=sinks, implementation="pallas")
+            return jax.vjp(ring, q, k, v, sinks)[1](ct)
+        return jax.shard_map(per_device, mesh=mesh, in_specs=(seq,) * 4 + (jax.P(),),
+                             out_specs=(seq,) * 3 + (jax.P(),))(q, k, v, ct, sinks)
+
+    with lowering_for(SM90):
+        jaxpr = jax.make_jaxpr(backward)(q, k, v, ct, sinks)
     assert _sums_outside_kernels(jaxpr.jaxpr, []) == []

@@ -123,7 +123,10 @@ def test_sink_gradient_by_finite_differences():
         np.testing.assert_allclose(grad[n], numeric, rtol=2e-2, atol=2e-3)
 
 
-def test_ring_attention_with_sinks():
+@pytest.mark.parametrize("implementation", ["xla_chunked", "pallas"])
+def test_ring_attention_with_sinks(implementation):
+    """The sinks' gradient summed over each device's rows (with the kernels, by the
+    rows kernel: `vjp.row_total`) and around the ring."""
     devices = 2
     mesh = jax.make_mesh((devices,), ("sp",), axis_types=(AxisType.Auto,))
     inputs = make_inputs(4, dtype=jnp.float32, B=1, T=64, S=64, N=4, K=2, H=16)
@@ -132,11 +135,14 @@ def test_ring_attention_with_sinks():
     def ring_loss(q, k, v, sinks):
         def inner(q, k, v, ct, sinks):
             out = pallas_attn.ring_attention(q, k, v, axis_name="sp", is_causal=True,
-                                             sinks=sinks, implementation="xla_chunked",
+                                             sinks=sinks, implementation=implementation,
+                                             interpret=implementation == "pallas",
                                              sequence_layout="zigzag")
             return jax.lax.psum(jnp.sum(out * ct), "sp")
         z = lambda x: pallas_attn.zigzag(x, devices, 1)  # noqa: E731
-        return jax.shard_map(inner, mesh=mesh, in_specs=(seq,) * 4 + (P(),), out_specs=P())(
+        # The Pallas interpreter's slices take no varying-axes types (test_ring.py).
+        return jax.shard_map(inner, mesh=mesh, in_specs=(seq,) * 4 + (P(),), out_specs=P(),
+                             check_vma=implementation != "pallas")(
             z(q), z(k), z(v), z(inputs["ct"]), sinks)
 
     def op_loss(q, k, v, sinks):

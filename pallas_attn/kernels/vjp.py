@@ -331,7 +331,7 @@ def _fused_bwd(problem: Problem, residuals, cotangents):
     if "sinks" in differentiable:
         d_differentiable["sinks"] = scores.sink_gradient(
             differentiable["sinks"], problem.logsumexp(*row_stats), delta,
-            total=functools.partial(_total, problem))
+            total=functools.partial(row_total, problem.interpret))
     d_optional = jax.tree.map(_zeros_like_tangent, optional)
     return dq, dk, dv, d_differentiable, d_optional
 
@@ -361,7 +361,7 @@ def _run_backward(static: tuple[Problem, bool], q, k, v, operands: dict, row_sta
     scales = None
     if _scales_ds(problem, bias_grad):
         do_norms = pad_axis(operands["do_norms"], 2, problem.q_pad)
-        v_norms = jnp.sqrt(_fixed_sums(problem, v, v))
+        v_norms = jnp.sqrt(fixed_sums(problem.interpret, v, v))
         scales = ds_scales(problem, do_norms, v_norms, delta, lengths, origin)
     row_scales, key_scales = (None, None) if scales is None else scales
     names, inputs = backward_inputs(q, k, v, operands, row_stats, do, delta,
@@ -430,7 +430,7 @@ def _bias_from_rows(problem: Problem, score_rows: jax.Array, delta: jax.Array,
                     lse_grad: jax.Array, bias: jax.Array, row_max: jax.Array) -> jax.Array:
     """dbias of a bias broadcast along keys ([B or 1, N or 1, Tp or 1, 1]) from the Mosaic
     dQ kernel's row sums (`mosaic.dq.dq_and_score_rows`), summed over the bias's broadcast
-    axes in a fixed order (`_fixed_sums`). Without a cap the kernel stores no
+    axes in a fixed order (`fixed_sums`). Without a cap the kernel stores no
     sum P dP: it is sum dS + delta sum P. A row that sees no key (row_max +inf: past the
     query length, say) gets 0, whatever its hidden bias entry held."""
     sums = jnp.sum(score_rows, axis=2)  # wide consumers' keys apart
@@ -443,17 +443,17 @@ def _bias_from_rows(problem: Problem, score_rows: jax.Array, delta: jax.Array,
     B, N, Tp = rows.shape
     Bb, Nb, Tb, _ = bias.shape
     rows = rows.reshape(Bb, B // Bb, Nb, N // Nb, Tp)
-    # [Bb, Tb, Nb, the entries each dbias entry sums] for `_fixed_sums`
+    # [Bb, Tb, Nb, the entries each dbias entry sums] for `fixed_sums`
     rows = (rows.transpose(0, 4, 2, 1, 3).reshape(Bb, Tp, Nb, -1) if Tb > 1
             else rows.transpose(0, 2, 1, 3, 4).reshape(Bb, 1, Nb, -1))
-    return _fixed_sums(problem, rows)[..., None].astype(bias.dtype)
+    return fixed_sums(problem.interpret, rows)[..., None].astype(bias.dtype)
 
 
-def _fixed_sums(problem: Problem, x: jax.Array, y: jax.Array | None = None) -> jax.Array:
+def fixed_sums(interpret: bool, x: jax.Array, y: jax.Array | None = None) -> jax.Array:
     """[B, H, L] float32: x [B, L, H, D]'s row sums over D of x * y (x alone without y).
     On a GPU a kernel of its own sums them in one order (`triton.rows`); XLA:CPU, which
     runs the interpreters, always sums in one order."""
-    if not problem.interpret:
+    if not interpret:
         return triton_rows.row_sums(x, y)
     x = x.astype(jnp.float32)
     return jnp.sum(x if y is None else x * y.astype(jnp.float32), axis=-1).swapaxes(1, 2)
@@ -463,14 +463,14 @@ def _row_sums(problem: Problem, d_out: jax.Array, out: jax.Array, norms: bool
               ) -> tuple[jax.Array, jax.Array | None]:
     """(delta = rowsum(dO * O), |dO| per row or None) [B, N, T] float32, the backward's
     preprocessing."""
-    delta = _fixed_sums(problem, d_out, out)
-    return delta, jnp.sqrt(_fixed_sums(problem, d_out, d_out)) if norms else None
+    delta = fixed_sums(problem.interpret, d_out, out)
+    return delta, jnp.sqrt(fixed_sums(problem.interpret, d_out, d_out)) if norms else None
 
 
-def _total(problem: Problem, terms: jax.Array) -> jax.Array:
-    """[N]: terms [B, N, T] summed over B and T (`_fixed_sums`)."""
+def row_total(interpret: bool, terms: jax.Array) -> jax.Array:
+    """[N]: terms [B, N, T] summed over B and T (`fixed_sums`)."""
     B, N, T = terms.shape
-    return _fixed_sums(problem, terms.transpose(1, 0, 2).reshape(1, N, 1, B * T))[0, 0]
+    return fixed_sums(interpret, terms.transpose(1, 0, 2).reshape(1, N, 1, B * T))[0, 0]
 
 
 def _scales_ds(problem: Problem, bias_grad: bool) -> bool:
