@@ -889,9 +889,9 @@ def tile_gradient(problem: Problem, s: jax.Array, dp: jax.Array, bias: jax.Array
     if log2_units:
         dp = dp - rows_of(delta)
     ds = prob * dp
-    band = masked and band_may_hide(problem, kv_length, q_length) or unseen_rows
-    hides = band or segments is not None or mask is not None
-    if (hidden_ds == "p" and hides) or (hidden_ds == "mask" and band):
+    band = masked and band_may_hide(problem, kv_length, q_length)
+    hides = band or unseen_rows or segments is not None or mask is not None
+    if (hidden_ds == "p" and hides) or (hidden_ds == "mask" and (band or unseen_rows)):
         ds = jnp.where(prob == 0.0, 0.0, ds)  # a hidden key: exact zeros, NaN dP too
     terms = []
     if row_terms:

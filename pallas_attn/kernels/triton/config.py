@@ -112,11 +112,8 @@ def shared_memory(role: str, tiles: Tiles, head_dim: int, value_head_dim: int, d
     if role == "forward":
         return block_q * hd * size + stages * block_k * (hd + hv) * size + score_inputs
     if role == "dkdv":
-        # Q and dO with the rows past the query length zeroed are staged apart in the
-        # tiles that length crosses, and Triton pipelines them otherwise: on an H200 the
-        # requests grew by 32768-114688 bytes, and at 32 x 64 with 3 stages came 90880
-        # over the estimate without them. Counted once per stage, which covers every
-        # request measured (test_dispatch.py).
+        # Q and dO zeroed past the query length are staged apart and pipelined otherwise:
+        # counted once per stage, which covers every H200 request measured (decisions.md).
         cleaned_rows = stages * block_q * (hd + hv) * size if cleaned else 0
         return (block_k * (hd + hv) * size + stages * block_q * (hd + hv) * size
                 + 2 * block_q * block_k * size + score_inputs + cleaned_rows)
