@@ -26,12 +26,14 @@ def main(argv: list[str] | None = None) -> int:
                            "forward+backward). On a machine without an NVIDIA GPU it runs "
                            "the kernels in the interpreter against the reference instead.")
     bench.add_argument("--quick", action="store_true", help="head dim 128 only")
-    bench.add_argument("--set", choices=["standard", "features", "all", "wide", "decode"],
+    bench.add_argument("--set", choices=["standard", "features", "all", "wide", "long",
+                                         "decode"],
                        default="standard",
                        help="standard shapes (head dims 64/128/256), feature costs, both, "
-                            "wide (head dims 32-256, lengths 512-32768, T != S, GQA), or "
-                            "decode (a few query tokens against a KV cache: forward ms and "
-                            "K/V read bandwidth)")
+                            "wide (head dims 32-256, lengths 512-32768, T != S, GQA), long "
+                            "(one sequence of 16k-128k tokens, with the fwd+bwd program's "
+                            "memory), or decode (a few query tokens against a KV cache: "
+                            "forward ms and K/V read bandwidth)")
     bench.add_argument("--match", help="only shapes whose label matches this regex (re.search)")
     bench.add_argument("--impl", nargs="+", metavar="NAME",
                        help="only these implementations: pallas_attn, cudnn, xla, mgpu "
@@ -169,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.json:
             bench_lib.write_json(args.json, rows)
         return 0
-    rows = bench_lib.benchmark(shapes, only=only)
+    rows = bench_lib.benchmark(shapes, only=only, memory=args.set == "long")
     print(_bench_header(args, bench_lib))
     print(bench_lib.format_table(rows))
     if args.json:
@@ -190,6 +192,8 @@ def _bench_shapes(args: argparse.Namespace, parser: argparse.ArgumentParser,
         shapes = bench_lib.decode_shapes()
     elif args.set == "wide":
         shapes = bench_lib.wide_shapes()
+    elif args.set == "long":
+        shapes = bench_lib.long_shapes()
     else:
         shapes = [] if args.set == "features" else bench_lib.standard_shapes(args.quick)
         if args.set != "standard":

@@ -147,7 +147,16 @@ def _loss_and_grad(fn: Callable[..., jax.Array], args: dict[str, Any]):
 
     argnums = (0, 1, 2, 3) if has_bias else (0, 1, 2)
     step = jax.jit(jax.grad(loss, argnums=argnums))
-    return lambda q, k, v, bias, ct: step(q, k, v, bias, ct, arrays)
+    return functools.partial(step, arrays=arrays)
+
+
+def _memory_gib(step: functools.partial, *args: Any) -> tuple[float, float]:
+    """(all, scratch) GiB of the compiled step: its arguments, outputs and temporaries,
+    and the temporaries alone (what it allocates beyond what goes in and comes out)."""
+    memory = step.func.lower(*args, **step.keywords).compile().memory_analysis()
+    scratch = memory.temp_size_in_bytes
+    return ((memory.argument_size_in_bytes + memory.output_size_in_bytes + scratch) / 2**30,
+            scratch / 2**30)
 
 
 IMPLEMENTATIONS = ("pallas_attn", "jax.nn cudnn", "jax.nn xla", "jax mgpu")
@@ -187,9 +196,10 @@ def implementations(interpret: bool) -> dict[str, Callable[..., jax.Array]]:
 
 
 def benchmark(shapes: Sequence[Shape], *, interpret: bool = False,
-              log: Callable[[str], None] = print,
-              only: Sequence[str] | None = None) -> list[dict[str, Any]]:
-    """Rows of timings per shape and implementation (only: names of IMPLEMENTATIONS)."""
+              log: Callable[[str], None] = print, only: Sequence[str] | None = None,
+              memory: bool = False) -> list[dict[str, Any]]:
+    """Rows of timings per shape and implementation (only: names of IMPLEMENTATIONS);
+    memory: with the fwd+bwd program's memory (`_memory_gib`)."""
     rows = []
     for shape in shapes:
         args = make_inputs(shape)
@@ -208,10 +218,12 @@ def benchmark(shapes: Sequence[Shape], *, interpret: bool = False,
                 row["fwd_ms"] = t_fwd * 1e3
                 row["fwd_tflops"] = shape.forward_flops() / t_fwd / 1e12
                 grad = _loss_and_grad(fn, args)
-                t_both = autotune.time_call(functools.partial(
-                    grad, q, k, v, kwargs.get("bias"), args["cotangent"]))
+                grad_args = (q, k, v, kwargs.get("bias"), args["cotangent"])
+                t_both = autotune.time_call(functools.partial(grad, *grad_args))
                 row["fwdbwd_ms"] = t_both * 1e3
                 row["fwdbwd_tflops"] = 3.5 * shape.forward_flops() / t_both / 1e12
+                if memory:
+                    row["fwdbwd_gib"], row["fwdbwd_scratch_gib"] = _memory_gib(grad, *grad_args)
             except Exception as e:  # noqa: BLE001 - peers may not support a shape
                 row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
             rows.append(row)
@@ -220,19 +232,27 @@ def benchmark(shapes: Sequence[Shape], *, interpret: bool = False,
 
 
 def format_table(rows: list[dict[str, Any]]) -> str:
-    lines = ["| shape | implementation | fwd ms | fwd TFLOP/s | fwd+bwd ms | fwd+bwd TFLOP/s |",
-             "|---|---|---|---|---|---|"]
+    """A markdown table of `benchmark`'s rows; with their memory where they measured it
+    (the fwd+bwd program's GiB in all, and of scratch)."""
+    memory = any("fwdbwd_gib" in row for row in rows)
+    lines = ["| shape | implementation | fwd ms | fwd TFLOP/s | fwd+bwd ms | fwd+bwd TFLOP/s |"
+             + (" fwd+bwd GiB | of it scratch GiB |" if memory else ""),
+             "|---|---|---|---|---|---|" + ("---|---|" if memory else "")]
+    blank = " | |" if memory else ""
     for row in rows:
         if "error" in row and "fwd_ms" in row:  # the forward ran, its gradient failed
             lines.append(f"| {row['shape']} | {row['impl']} | {row['fwd_ms']:.3f} | "
-                         f"{row['fwd_tflops']:.0f} | fails: {row['error']} | |")
+                         f"{row['fwd_tflops']:.0f} | fails: {row['error']} | |{blank}")
             continue
         if "error" in row:
-            lines.append(f"| {row['shape']} | {row['impl']} | fails: {row['error']} | | | |")
+            lines.append(f"| {row['shape']} | {row['impl']} | fails: {row['error']} | | | |"
+                         + blank)
             continue
+        sizes = (f" {row['fwdbwd_gib']:.2f} | {row['fwdbwd_scratch_gib']:.3f} |"
+                 if memory else "")
         lines.append(
             f"| {row['shape']} | {row['impl']} | {row['fwd_ms']:.3f} | {row['fwd_tflops']:.0f} | "
-            f"{row['fwdbwd_ms']:.3f} | {row['fwdbwd_tflops']:.0f} |")
+            f"{row['fwdbwd_ms']:.3f} | {row['fwdbwd_tflops']:.0f} |{sizes}")
     return "\n".join(lines)
 
 
@@ -524,6 +544,14 @@ def wide_shapes() -> list[Shape]:
                Shape(2, 4096, 4096, 32, 8, 128), Shape(2, 4096, 4096, 32, 8, 128, True),
                Shape(4, 4096, 4096, 32, 4, 64), Shape(4, 4096, 4096, 16, 2, 256)]
     return shapes
+
+
+def long_shapes() -> list[Shape]:
+    """One sequence of 16k to 128k tokens, N16 d128, causal (131072 dense too): time and
+    the fwd+bwd program's memory, which grows with T alone (no T x S buffer)."""
+    shapes = [Shape(1, length, length, 16, 16, 128, True) for length in (16384, 32768, 65536,
+                                                                        131072)]
+    return [*shapes, Shape(1, 131072, 131072, 16, 16, 128)]
 
 
 def decode_shapes() -> list[Shape]:

@@ -246,3 +246,21 @@ def test_random_check_shapes_are_valid_calls_and_repeat_with_their_seed():
         jax.eval_shape(lambda q, k, v, kw=args["kwargs"]: pallas_attn.dot_product_attention(
             q, k, v, implementation="pallas", interpret=True, **kw),
             args["query"], args["key"], args["value"])
+
+
+def test_bench_reports_the_fwd_bwd_programs_memory():
+    """`bench --set long`'s memory columns: the compiled fwd+bwd program's GiB hold at
+    least its inputs (q, k, v, dO) and gradients, and its scratch is part of them."""
+    from pallas_attn import bench
+
+    shape = bench.Shape(1, 32, 32, 2, 2, 16, True)
+    [row] = bench.benchmark([shape], interpret=True, memory=True, log=lambda _: None)
+    assert "error" not in row, row
+    tensors = 7 * 32 * 2 * 16 * 2 / 2**30  # q, k, v, dO in; dq, dk, dv out (bfloat16)
+    assert row["fwdbwd_gib"] >= tensors and 0 <= row["fwdbwd_scratch_gib"] <= row["fwdbwd_gib"]
+    table = bench.format_table([row, {"shape": shape.label, "impl": "other", "error": "x"}])
+    assert "| fwd+bwd GiB | of it scratch GiB |" in table
+    assert all(line.count("|") == 9 for line in table.splitlines())
+    assert bench.format_table([{k: v for k, v in row.items() if "gib" not in k}]).count(
+        "GiB") == 0
+    assert [s.label for s in bench.long_shapes()][-1] == "B1 T131072 S131072 N16 H128"
