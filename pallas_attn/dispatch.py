@@ -53,6 +53,11 @@ DECODE_MIN_TILES_PER_SPLIT = 2
 # time on an H100, so below this many query rows per kv head the Triton kernels (which
 # zero in their tiles) run instead (docs/decisions.md, "Sequence lengths in the Mosaic").
 MOSAIC_LENGTHS_MIN_ROWS = 2048
+# Causal at head dim 128 without a bias, mask or segment ids: below this many query rows
+# per kv head the Mosaic backward's units and items hold a few steps each, and the
+# Triton dQ and dK/dV run the step 17% faster at T = 512 (H200; the same at 1024 and at
+# head dim 64; docs/decisions.md, "Short causal problems on the Triton backward").
+MOSAIC_CAUSAL_BACKWARD_MIN_ROWS = 1024
 
 
 @dataclasses.dataclass(frozen=True)
@@ -320,6 +325,12 @@ def _mosaic_route(role: str, call: Call, device: DeviceInfo, overrides: BlockSiz
                 f"positions past the lengths, which costs more than they save below "
                 f"{MOSAIC_LENGTHS_MIN_ROWS} query rows per kv head (T x group = {rows}; "
                 f"docs/decisions.md)")
+    if (automatic and role in ("dq", "dkdv") and spec.is_causal and dims == (128, 128)
+            and rows < MOSAIC_CAUSAL_BACKWARD_MIN_ROWS
+            and not (spec.has_bias or spec.has_mask or spec.has_segments)):
+        return (f"causal with {rows} query rows per kv head (under "
+                f"{MOSAIC_CAUSAL_BACKWARD_MIN_ROWS}): the Triton backward measured faster "
+                f"on such short units (docs/decisions.md)")
     # NOTE: with segment ids one Mosaic backward kernel measured faster next to the other
     # role's Triton one: dQ under causal masking, dK/dV without (docs/decisions.md); but
     # dQ stays Mosaic with a bias broadcast along keys, whose gradient its row sums give.

@@ -682,7 +682,7 @@ def _arrays(T=256, H=128, dtype=jnp.bfloat16):
 
 
 def test_explain_takes_arrays_or_shapes_and_a_device():
-    q, k, v = _arrays()
+    q, k, v = _arrays(T=1024)
     shapes = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v)]
     slopes = jax.ShapeDtypeStruct((4,), jnp.float32)
     a = pallas_attn.explain(q, k, v, is_causal=True, alibi_slopes=jnp.ones(4), device=H100)
@@ -693,10 +693,31 @@ def test_explain_takes_arrays_or_shapes_and_a_device():
                             alibi_slopes=slopes, device=H100)
     assert c == a
     lines = str(a).splitlines()
-    assert lines[0] == "problem: B=2 T=256 S=256 N=4 H=128 bfloat16, causal, alibi_slopes"
+    assert lines[0] == "problem: B=2 T=1024 S=1024 N=4 H=128 bfloat16, causal, alibi_slopes"
     assert lines[1].startswith("implementation: pallas")
     assert [line.split()[:2] for line in lines[2:]] == [
         ["forward", "mosaic"], ["dQ", "mosaic"], ["dK/dV", "mosaic"]]
+
+
+def test_short_causal_problems_run_the_triton_backward():
+    """Causal at head dim 128 below 1024 query rows per kv head: the Triton dQ and dK/dV
+    (measured faster there); not from 1024 rows, with GQA groups that reach them, at head
+    dim 64, with a bias, or where block_sizes names the Mosaic kernels."""
+    def plan(T=512, N=4, K=4, H=128, **kw):
+        q = jax.ShapeDtypeStruct((2, T, N, H), jnp.bfloat16)
+        kv = jax.ShapeDtypeStruct((2, T, K, H), jnp.bfloat16)
+        return pallas_attn.explain(q, kv, kv, is_causal=kw.pop("is_causal", True),
+                                   device=H100, **kw)
+
+    short = plan()
+    assert (short.forward.backend, short.dq.backend, short.dkdv.backend) == (
+        "mosaic", "triton", "triton")
+    assert "causal with 512 query rows per kv head (under 1024)" in str(short)
+    for other in (plan(T=1024), plan(N=8, K=4), plan(H=64), plan(is_causal=False),
+                  plan(bias=jax.ShapeDtypeStruct((1, 4, 512, 512), jnp.bfloat16)),
+                  plan(block_sizes=pallas_attn.BlockSizes(dq_backend="mosaic",
+                                                          dkv_backend="mosaic"))):
+        assert (other.dq.backend, other.dkdv.backend) == ("mosaic", "mosaic"), other
 
 
 def test_explain_names_every_role_and_the_reasons():
@@ -713,7 +734,7 @@ def test_the_repair_of_marked_rows_is_a_route_of_the_plan():
     """Where keys can be hidden, the Mosaic forward and dQ carry the Triton kernel that
     recomputes the rows they mark, and with a mask or ids the Mosaic dK/dV too; the plan
     (and so `explain`) says so, nowhere else."""
-    q, k, v = _arrays()
+    q, k, v = _arrays(T=1024)
     plain = pallas_attn.explain(q, k, v, device=H100)
     assert plain.forward.backend == "mosaic" and plain.forward.repair is None
     assert "recomputed" not in str(plain)
