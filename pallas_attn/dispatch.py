@@ -617,6 +617,8 @@ _MATRIX_ROWS: tuple[tuple[str, dict[str, Any]], ...] = (
     ("head dims 129-256 (padded to a multiple of 32)", dict(head_dim=160)),
     ("causal (either alignment), window, soft cap, ALiBi",
      dict(is_causal=True, logits_soft_cap=30.0, has_alibi=True)),
+    ("causal, head dim 128, T = S = 512 (under 1024 query rows per kv head)",
+     dict(is_causal=True, length=512)),
     ("bias [1, N, T, S] or [B, N, T, S], 16-bit", dict(bias_shape=(1, 16, 4096, 4096))),
     ("bias [1, 1, T, S] (shared by heads)", dict(bias_shape=(1, 1, 4096, 4096))),
     ("bias [B, N, 1, S] (per key)", dict(bias_shape=(4, 16, 1, 4096))),
@@ -634,7 +636,7 @@ _MATRIX_ROWS: tuple[tuple[str, dict[str, Any]], ...] = (
 
 
 def _matrix_call(head_dim: int = 128, dtype: str = "bfloat16", present: tuple = (),
-                 bias_dtype: str | None = None, has_alibi: bool = False,
+                 bias_dtype: str | None = None, has_alibi: bool = False, length: int = 4096,
                  **spec_fields: Any) -> Call:
     spec = AttentionSpec(scale=head_dim ** -0.5, has_alibi=has_alibi, **spec_fields)
     names = set(present)
@@ -648,7 +650,7 @@ def _matrix_call(head_dim: int = 128, dtype: str = "bfloat16", present: tuple = 
         spec = dataclasses.replace(spec, has_segments=True)
     if "query_seq_lengths" in names:
         spec = dataclasses.replace(spec, has_q_lengths=True, has_kv_lengths=True)
-    return Call(spec, 4, 4096, 4096, 16, 16, head_dim, head_dim, dtype, bias_dtype,
+    return Call(spec, 4, length, length, 16, 16, head_dim, head_dim, dtype, bias_dtype,
                 tuple(name for name in OPTIONAL_INPUTS if name in names))
 
 
