@@ -702,10 +702,11 @@ def test_explain_takes_arrays_or_shapes_and_a_device():
 def test_short_causal_problems_run_the_triton_backward():
     """Causal at head dim 128 below 1024 query rows per kv head: the Triton dQ and dK/dV
     (measured faster there); not from 1024 rows, with GQA groups that reach them, at head
-    dim 64, with a bias, or where block_sizes names the Mosaic kernels."""
-    def plan(T=512, N=4, K=4, H=128, **kw):
+    dim 64, bottom-right with S > T (rows see the earlier keys), with a bias, or where
+    block_sizes names the Mosaic kernels."""
+    def plan(T=512, N=4, K=4, H=128, S=None, **kw):
         q = jax.ShapeDtypeStruct((2, T, N, H), jnp.bfloat16)
-        kv = jax.ShapeDtypeStruct((2, T, K, H), jnp.bfloat16)
+        kv = jax.ShapeDtypeStruct((2, S or T, K, H), jnp.bfloat16)
         return pallas_attn.explain(q, kv, kv, is_causal=kw.pop("is_causal", True),
                                    device=H100, **kw)
 
@@ -713,7 +714,10 @@ def test_short_causal_problems_run_the_triton_backward():
     assert (short.forward.backend, short.dq.backend, short.dkdv.backend) == (
         "mosaic", "triton", "triton")
     assert "causal with 512 query rows per kv head (under 1024)" in str(short)
+    # Top-left with more keys: no row sees past key 512, as above.
+    assert plan(S=4096).dkdv.backend == "triton"
     for other in (plan(T=1024), plan(N=8, K=4), plan(H=64), plan(is_causal=False),
+                  plan(S=4096, causal_alignment="bottom_right"),
                   plan(bias=jax.ShapeDtypeStruct((1, 4, 512, 512), jnp.bfloat16)),
                   plan(block_sizes=pallas_attn.BlockSizes(dq_backend="mosaic",
                                                           dkv_backend="mosaic"))):
