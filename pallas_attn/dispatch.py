@@ -326,10 +326,11 @@ def _mosaic_route(role: str, call: Call, device: DeviceInfo, overrides: BlockSiz
                 f"{MOSAIC_LENGTHS_MIN_ROWS} query rows per kv head (T x group = {rows}; "
                 f"docs/decisions.md)")
     # (Where no row sees a key past T: bottom-right alignment with S > T lets every row
-    # see the earlier keys, long units the Mosaic kernels keep.)
+    # see the earlier keys, long units the Mosaic kernels keep; so do ring attention's
+    # blocks, most of them whole.)
     if (automatic and role in ("dq", "dkdv") and spec.is_causal and dims == (128, 128)
             and rows < MOSAIC_CAUSAL_BACKWARD_MIN_ROWS
-            and spec.offset(call.q_len, call.kv_len) <= 0
+            and spec.offset(call.q_len, call.kv_len) <= 0 and "origin" not in call.present
             and not (spec.has_bias or spec.has_mask or spec.has_segments)):
         return (f"causal with {rows} query rows per kv head (under "
                 f"{MOSAIC_CAUSAL_BACKWARD_MIN_ROWS}): the Triton backward measured faster "

@@ -710,6 +710,10 @@ def test_short_causal_problems_run_the_triton_backward():
         return pallas_attn.explain(q, kv, kv, is_causal=kw.pop("is_causal", True),
                                    device=H100, **kw)
 
+    # A ring attention block (its origin given): most blocks are whole.
+    ring_block = dispatch.plan(dispatch.Call(AttentionSpec(scale=0.1, is_causal=True), 2, 512,
+                                             512, 4, 4, 128, 128, "bfloat16", None,
+                                             ("origin",)), device=H100)
     short = plan()
     assert (short.forward.backend, short.dq.backend, short.dkdv.backend) == (
         "mosaic", "triton", "triton")
@@ -718,6 +722,7 @@ def test_short_causal_problems_run_the_triton_backward():
     assert plan(S=4096).dkdv.backend == "triton"
     for other in (plan(T=1024), plan(N=8, K=4), plan(H=64), plan(is_causal=False),
                   plan(S=4096, causal_alignment="bottom_right"),
+                  ring_block,
                   plan(bias=jax.ShapeDtypeStruct((1, 4, 512, 512), jnp.bfloat16)),
                   plan(block_sizes=pallas_attn.BlockSizes(dq_backend="mosaic",
                                                           dkv_backend="mosaic"))):
