@@ -49,19 +49,26 @@ class Shape:
     @property
     def label(self) -> str:
         # Rows of documents, pages and shown keys name their count / size: several per set.
-        counted = ("packed", "paged", "mask_documents", "mask_prefix")
+        counted = ("packed", "paged", "mask_documents", "mask_prefix", "value_dim")
         extra = "".join(f" {k}{v}" if k in counted else f" {k}" for k, v in self.features)
         gqa = f"/{self.kv_heads}" if self.kv_heads != self.heads else ""
         return (f"B{self.batch} T{self.q_len} S{self.kv_len} N{self.heads}{gqa} "
                 f"H{self.head_dim}{' causal' if self.causal else ''}{extra}")
 
+    @property
+    def value_head_dim(self) -> int:
+        """The values' head dim: the feature value_dim, else head_dim."""
+        return int(dict(self.features).get("value_dim", self.head_dim))
+
     def forward_flops(self) -> float:
-        """4*B*N*T*S*H, halved for causal; a window counts only the keys in its band."""
+        """2*B*N*T*S*(H + Hv) (4*B*N*T*S*H where they agree), halved for causal; a window
+        counts only the keys in its band."""
+        dims = self.head_dim + self.value_head_dim
         window = dict(self.features).get("window")
         if window is not None:
             keys = min(self.kv_len, window + 1 + (0 if self.causal else window))
-            return 4.0 * self.batch * self.heads * self.q_len * keys * self.head_dim
-        flops = 4.0 * self.batch * self.heads * self.q_len * self.kv_len * self.head_dim
+            return 2.0 * self.batch * self.heads * self.q_len * keys * dims
+        flops = 2.0 * self.batch * self.heads * self.q_len * self.kv_len * dims
         return flops / 2 if self.causal else flops
 
 
@@ -70,11 +77,12 @@ def make_inputs(shape: Shape, seed: int = 0) -> dict[str, Any]:
     dtype = jnp.dtype(shape.dtype)
     B, T, S, N, K, H = (shape.batch, shape.q_len, shape.kv_len, shape.heads, shape.kv_heads,
                         shape.head_dim)
+    Hv = shape.value_head_dim
     args = dict(
         query=jax.random.normal(keys[0], (B, T, N, H), dtype),
         key=jax.random.normal(keys[1], (B, S, K, H), dtype),
-        value=jax.random.normal(keys[2], (B, S, K, H), dtype),
-        cotangent=jax.random.normal(keys[3], (B, T, N, H), dtype),
+        value=jax.random.normal(keys[2], (B, S, K, Hv), dtype),
+        cotangent=jax.random.normal(keys[3], (B, T, N, Hv), dtype),
         kwargs=dict(is_causal=shape.causal),
     )
     for name, value in shape.features:
@@ -119,7 +127,7 @@ def make_inputs(shape: Shape, seed: int = 0) -> dict[str, Any]:
                                                       (B, 1, T, S))
         elif name == "sinks":
             args["kwargs"]["sinks"] = jnp.linspace(-1.0, 2.0, N, dtype=jnp.float32)
-        elif name == "paged":  # decode_benchmark reads K/V from pages of this size
+        elif name in ("paged", "value_dim"):  # read by decode_benchmark; by the shapes above
             pass
         elif name == "causal_bottom_right":
             args["kwargs"]["is_causal"] = True
@@ -530,8 +538,9 @@ def feature_shapes() -> list[Shape]:
 
 def wide_shapes() -> list[Shape]:
     """Issue targets beyond the standard set: head dims 16 and the multiples of 8 from 32 to
-    256 (T = S = 4096, 16k tokens), lengths 512 to 32768 at d128 (32k tokens), T != S,
-    and GQA; causal and not where jax.nn's cuDNN takes it (top-left alignment)."""
+    256 (T = S = 4096, 16k tokens), values of 128 next to queries and keys of 192, lengths
+    512 to 32768 at d128 (32k tokens), T != S, and GQA; causal and not where jax.nn's
+    cuDNN takes it (top-left alignment)."""
     shapes = []
     for head_dim in (16, 32, 48, 80, 96, 112, 160, 192, 224):
         heads = 16 if head_dim <= 128 else 8
@@ -540,6 +549,9 @@ def wide_shapes() -> list[Shape]:
     for length in (512, 1024, 2048, 8192, 16384, 32768):
         shapes += [Shape(32768 // length, length, length, 16, 16, 128, causal)
                    for causal in (False, True)]
+    # Queries and keys of 192 with values of 128 (multi-head latent attention's heads).
+    shapes += [Shape(4, 4096, 4096, 16, 16, 192, causal, (("value_dim", 128),))
+               for causal in (False, True)]
     shapes += [Shape(4, 1024, 8192, 16, 16, 128), Shape(4, 8192, 1024, 16, 16, 128),
                Shape(2, 4096, 4096, 32, 8, 128), Shape(2, 4096, 4096, 32, 8, 128, True),
                Shape(4, 4096, 4096, 32, 4, 64), Shape(4, 4096, 4096, 16, 2, 256)]
@@ -637,7 +649,8 @@ def decode_benchmark(shapes: Sequence[Shape], *, log: Callable[[str], None] = pr
         keys = shape.batch * shape.kv_len if lengths is None else int(jnp.sum(lengths))
         if "mask_prefix" in features:  # the keys the mask shows
             keys = shape.batch * int(features["mask_prefix"])
-        kv_bytes = keys * shape.kv_heads * 2 * shape.head_dim * jnp.dtype(shape.dtype).itemsize
+        kv_bytes = (keys * shape.kv_heads * (shape.head_dim + shape.value_head_dim)
+                    * jnp.dtype(shape.dtype).itemsize)
         page_size = features.get("paged")
         if page_size is not None:
             fn, operands = _paged(args, page_size)

@@ -264,3 +264,22 @@ def test_bench_reports_the_fwd_bwd_programs_memory():
     assert bench.format_table([{k: v for k, v in row.items() if "gib" not in k}]).count(
         "GiB") == 0
     assert [s.label for s in bench.long_shapes()][-1] == "B1 T131072 S131072 N16 H128"
+
+
+def test_bench_shapes_take_a_value_head_dim():
+    """The feature value_dim gives the values (and the cotangent) their own head dim; the
+    label names it and the forward's FLOPs count both products at their own dims; `check`
+    runs it against the reference."""
+    from pallas_attn import bench
+
+    shape = bench.Shape(1, 24, 40, 2, 1, 32, True, (("value_dim", 16),))
+    args = bench.make_inputs(shape)
+    assert args["value"].shape == (1, 40, 1, 16) and args["cotangent"].shape == (1, 24, 2, 16)
+    assert args["key"].shape == (1, 40, 1, 32)
+    assert shape.label == "B1 T24 S40 N2/1 H32 causal value_dim16"
+    assert shape.forward_flops() == 2.0 * 2 * 24 * 40 * (32 + 16) / 2
+    plain = bench.Shape(1, 24, 40, 2, 1, 32)
+    assert plain.value_head_dim == 32 and plain.forward_flops() == 4.0 * 2 * 24 * 40 * 32
+    [row] = bench.check([shape], interpret=True, log=lambda _: None)
+    assert row["ok"], row
+    assert "B4 T4096 S4096 N16 H192 causal value_dim128" in [s.label for s in bench.wide_shapes()]
