@@ -41,7 +41,7 @@ if given:
 else:
     shapes = {"standard": bench.standard_shapes, "features": bench.feature_shapes,
               "all": lambda: bench.standard_shapes() + bench.feature_shapes(),
-              "wide": bench.wide_shapes}[which]()
+              "wide": bench.wide_shapes, "long": bench.long_shapes}[which]()
 shapes = [dataclasses.replace(s, dtype=dtype or s.dtype) for s in shapes
           if re.search(pattern, s.label)]
 implementations = bench.implementations
@@ -133,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("trees", nargs="+",
                         help="source trees (directories holding pallas_attn/), each "
                              "optionally TREE:field=value,... (BlockSizes fields)")
-    parser.add_argument("--set", choices=["standard", "features", "all", "wide"],
+    parser.add_argument("--set", choices=["standard", "features", "all", "wide", "long"],
                         default="standard")
     parser.add_argument("--shape", action="append", type=parse_shape, default=[],
                         help="B,T,S,N,K,H[,causal][,feature[=value]]...: time these "

@@ -55,8 +55,8 @@ DECODE_MIN_TILES_PER_SPLIT = 2
 MOSAIC_LENGTHS_MIN_ROWS = 2048
 # Causal at head dim 128 without a bias, mask or segment ids: below this many query rows
 # per kv head the Mosaic backward's units and items hold a few steps each, and the
-# Triton dQ and dK/dV run the step 17% faster at T = 512 (H200; the same at 1024 and at
-# head dim 64; docs/decisions.md, "Short causal problems on the Triton backward").
+# Triton dQ and dK/dV run the step 17% faster at T = 512 (H200; no gain at 1024 rows or
+# at head dim 64; docs/decisions.md, "Short causal problems on the Triton backward").
 MOSAIC_CAUSAL_BACKWARD_MIN_ROWS = 1024
 
 

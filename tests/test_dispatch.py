@@ -718,15 +718,21 @@ def test_short_causal_problems_run_the_triton_backward():
     assert (short.forward.backend, short.dq.backend, short.dkdv.backend) == (
         "mosaic", "triton", "triton")
     assert "causal with 512 query rows per kv head (under 1024)" in str(short)
-    # Top-left with more keys: no row sees past key 512, as above.
-    assert plan(S=4096).dkdv.backend == "triton"
+    # Top-left with more keys: no row sees past key 512, as above; so bottom-right with
+    # fewer keys; head dims padded to 128 too.
+    for same in (plan(S=4096), plan(S=256, causal_alignment="bottom_right"), plan(H=112)):
+        assert (same.dq.backend, same.dkdv.backend) == ("triton", "triton"), same
     for other in (plan(T=1024), plan(N=8, K=4), plan(H=64), plan(is_causal=False),
                   plan(S=4096, causal_alignment="bottom_right"),
                   ring_block,
                   plan(bias=jax.ShapeDtypeStruct((1, 4, 512, 512), jnp.bfloat16)),
+                  plan(mask=jax.ShapeDtypeStruct((2, 1, 512, 512), jnp.bool_)),
+                  plan(q_segment_ids=jax.ShapeDtypeStruct((2, 512), jnp.int32),
+                       kv_segment_ids=jax.ShapeDtypeStruct((2, 512), jnp.int32)),
                   plan(block_sizes=pallas_attn.BlockSizes(dq_backend="mosaic",
                                                           dkv_backend="mosaic"))):
-        assert (other.dq.backend, other.dkdv.backend) == ("mosaic", "mosaic"), other
+        # (Causal segment ids keep their own rule: the Triton dK/dV beside the Mosaic dQ.)
+        assert other.dq.backend == "mosaic" and "under 1024" not in str(other), other
 
 
 def test_explain_names_every_role_and_the_reasons():
