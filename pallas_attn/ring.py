@@ -219,12 +219,13 @@ class _Ring:
         if self.implementation == "xla_chunked":
             delta = jnp.einsum("btnh,btnh->bnt", d_out.astype(jnp.float32),
                                out.astype(jnp.float32))
-            return scores.sink_gradient(sinks, lse, delta - d_lse)
-        from pallas_attn.kernels import vjp
+            total = None
+        else:
+            from pallas_attn.kernels import vjp
 
-        delta = vjp.fixed_sums(self.interpret, d_out, out) - d_lse
-        return scores.sink_gradient(sinks, lse, delta,
-                                    total=functools.partial(vjp.row_total, self.interpret))
+            delta = vjp.fixed_sums(self.interpret, d_out, out)
+            total = functools.partial(vjp.row_total, self.interpret)
+        return scores.sink_gradient(sinks, lse, delta - d_lse, total=total)
 
     def operands(self, q, k, v, constants: dict, origin) -> Operands:
         return Operands(q, k, v, origin=jnp.stack(origin).astype(jnp.int32), **constants)
