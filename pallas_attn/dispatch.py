@@ -355,7 +355,8 @@ def _mosaic_route(role: str, call: Call, device: DeviceInfo, overrides: BlockSiz
                 f"num_stages >= 2")
         stages = stages or mosaic.FORWARD_STAGES
         budget = device.max_shared_memory_per_block
-        options = (block_k,) if block_k else mosaic.forward_block_k_options(hp, hvp)
+        options = (block_k,) if block_k else mosaic.forward_block_k_options(
+            hp, hvp, key_operands=spec.has_bias or spec.has_mask or spec.has_segments)
         for block_k in options:  # the first that fits, else the last (refused below)
             consumers = mosaic.forward_consumers(hp, hvp, block_k, stages, call.dtype,
                                                  bias_dtype=bias_dtype, budget=budget,

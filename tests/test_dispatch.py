@@ -92,7 +92,7 @@ TABLE = {
     "d256_causal_bias": (call(256, is_causal=True, bias_shape=(1, 16, 4096, 4096)), "sm90",
                          ("mosaic", "mosaic", "mosaic", "mosaic-fused")),
     "d256_bias_float32": (call(256, bias_shape=(1, 16, 4096, 4096), bias_dtype="float32"),
-                          "sm90", ("triton", "triton", "mosaic", "triton")),
+                          "sm90", ("mosaic", "triton", "mosaic", "triton")),
     "d32": (call(32), "sm90", ("mosaic", "mosaic", "mosaic", None)),
     "float32": (call(dtype="float32"), "sm90", ("triton", "triton", "triton", None)),
     "short": (call(q_len=100), "sm90", ("triton", "triton", "triton", None)),
@@ -262,7 +262,6 @@ def test_reasons_name_what_refuses():
                  .dbias.declined)
     assert "no dropout" in dbias["mosaic"]
     assert "fewer query rows (100)" in reasons["short"]
-    assert "232448" in reasons["d256_bias_float32"]  # not even with 64-key tiles
     f32 = dispatch.plan(TABLE["bias_float32"][0], device=H100)
     assert f32.forward.block_k == 64  # 128-key slots would not fit
     assert f32.dkdv.num_stages == 1  # two slots would not fit
@@ -449,7 +448,8 @@ def test_mosaic_scratch_sizes():
     assert mosaic.forward_scratch(128, 128, 64, 2, "float16", "float32").bytes <= budget
     assert mosaic.forward_scratch(128, 128, 128, 3, "bfloat16").bytes > budget
     # d256: 64-key tiles; the output has no room of its own and is staged in Q's buffer,
-    # which leaves room for a 16-bit bias tile per consumer, not a float32 one.
+    # which leaves room for a bias tile per consumer, a float32 one included (P comes
+    # from registers: no buffer of its own on the GPU).
     for bias_dtype in (None, "bfloat16", "float32"):
         assert mosaic.forward_output_staging(256, 256, 64, 2, "bfloat16", bias_dtype,
                                              budget) == "q"
@@ -458,7 +458,9 @@ def test_mosaic_scratch_sizes():
     assert mosaic.forward_scratch(256, 256, 64, 2, "bfloat16", "bfloat16",
                                   staging="q").bytes <= budget
     assert mosaic.forward_scratch(256, 256, 64, 2, "bfloat16", "float32",
-                                  staging="q").bytes > budget
+                                  staging="q").bytes <= budget
+    assert mosaic.forward_scratch(256, 256, 64, 2, "bfloat16", "float32", staging="q",
+                                  p_buffer=True).bytes > budget
     # Dropout's hash tables, 512 bytes per consumer, where they fit beside the buffers:
     # with the d128 dK/dV kernel's two slots, not with the d256 one's, whose buffers
     # each start at a multiple of 1024 bytes as Pallas allocates them.
@@ -484,12 +486,37 @@ def test_three_forward_consumers_where_their_registers_suffice(hp, hvp, block_k,
     budget = H100.max_shared_memory_per_block
     assert mosaic.forward_consumers(hp, hvp, block_k, 2, "bfloat16", bias_dtype=bias_dtype,
                                     budget=budget) == consumers
-    # Their buffers: a third consumer's Q, output and P rows (one more Q barrier, not
-    # the two turns' barriers of the interpreter's turns).
+    # Their buffers: a third consumer's Q rows and output rows (in a buffer of their own
+    # or in P's; one more Q barrier, not the two turns' barriers of the interpreter's
+    # turns).
     if consumers == 3:
         two, three = (mosaic.forward_scratch(hp, hvp, block_k, 2, "bfloat16", consumers=c)
                       for c in (2, 3))
-        assert three.bytes - two.bytes == 64 * (hp + hvp * (hvp != block_k) + block_k) * 2 - 8
+        assert three.bytes - two.bytes == 64 * (hp + hvp) * 2 - 8
+
+
+@pytest.mark.parametrize("head_dim,value_head_dim,features,block_k", [
+    (160, 160, {}, 128), (192, 192, {}, 96), (192, 128, {"is_causal": True}, 96),
+    (224, 224, {}, 96), (256, 256, {}, 64), (128, 128, {}, 128),
+    (192, 192, {"bias_shape": (1, 16, 4096, 1)}, 64),
+    (192, 192, {"mask_shape": (4, 1, 4096, 4096)}, 64),
+    (192, 192, {"has_segments": True, "present": ("q_segment_ids", "kv_segment_ids")}, 64),
+    (160, 128, {}, 128)])
+def test_the_forward_takes_the_widest_key_tiles_that_fit(head_dim, value_head_dim, features,
+                                                        block_k):
+    """Above head dim 128 the forward's key tiles are the widest of 128, 96 and 64 whose
+    buffers fit (P's buffer only where it stages the output: on the GPU P V takes P from
+    registers); 96 not with operands read per key tile (a bias, mask or segment ids),
+    and the keys pad to the power-of-two tiles, which a 96-key tile may run past."""
+    c = call(head_dim, value_head_dim=value_head_dim, **features)
+    plan = dispatch.plan(c, device=H100)
+    assert plan.forward.backend == "mosaic" and plan.forward.block_k == block_k
+    assert _need(plan, c, "forward") <= H100.max_shared_memory_per_block
+    hp, hvp = plan.head_dims
+    interpreted = mosaic.forward_scratch(hp, hvp, block_k, 2, "bfloat16", p_buffer=True)
+    assert dict(interpreted.buffers)["p"] is not None
+    if block_k == 96:
+        assert {b.swizzle for _, b in interpreted.buffers if b is not None} == {64}
 
 
 def test_the_plan_shows_the_forward_consumers():

@@ -133,6 +133,14 @@ CASES = {
         bias=jnp.ones((1, 4, 200, 300), jnp.bfloat16),
         block_sizes=pallas_attn.BlockSizes(forward_backend="mosaic", dq_backend="mosaic",
                                            dkv_backend="mosaic")),
+    # Head dim 192 with values of 128 on every Mosaic role: the forward's 96-key tiles
+    # (64-byte swizzled rows: P V contracts over 96 keys), the last past the padding
+    # (320), causal, with dropout's hashes over 96 keys.
+    "mosaic_all_h192_hv128_96_key_tiles": dict(
+        H=192, Hv=128, T=200, S=300, K=2, is_causal=True, dropout_rate=0.1,
+        dropout_rng=jax.random.key(0),
+        block_sizes=pallas_attn.BlockSizes(forward_backend="mosaic", dq_backend="mosaic",
+                                           dkv_backend="mosaic")),
     # Head dims 80 / 96 on every Mosaic role: 32-byte swizzled tiles (16 columns); a
     # batch-shared bias's gradient summed in no fixed order.
     "mosaic_all_h80_hv96": dict(

@@ -146,6 +146,13 @@ CASES = [
           bias=((1, 2, 260, 260), None), logits_soft_cap=5.0,
           q_segment_ids=np.repeat(np.arange(4), 65)[None],
           mask=random_mask(7, (1, 1, 260, 260))), dict(block_k=128)),
+    # Head dim 192 with values of 128: 96-key tiles (the routing table's where every
+    # role is a Mosaic kernel, swizzled in rows of 32 columns), the last one past the
+    # keys' padding (256), whose keys only the scores' bound hides.
+    ("H192_Hv128_96_key_tiles_past_the_padding", dict(B=2, T=140, S=256, N=2, H=192,
+                                                      Hv=128), {},
+     dict(block_k=None, block_q_dkv=None, block_k_dkv=None, block_q_dq=None,
+          block_k_dq=None, dq_backend="mosaic", dkv_backend="mosaic")),
 ]
 
 
@@ -208,6 +215,13 @@ def test_head_dim_64_cases_run_three_consumers():
         plan = pallas_attn.explain(inputs["q"], inputs["k"], inputs["v"], interpret=True,
                                    block_sizes=dataclasses.replace(MOSAIC, **blocks))
         assert plan.forward.consumers == 3, (shapes, plan.forward)
+
+
+def test_the_head_dim_192_case_runs_96_key_tiles_past_the_padding():
+    name, shapes, kwargs, blocks = next(c for c in CASES if c[0].startswith("H192_Hv128"))
+    problem, *_ = _padded_call(shapes, kwargs, dataclasses.replace(MOSAIC, **blocks))
+    assert problem.plan.head_dims == (192, 128)
+    assert problem.plan.forward.block_k == 96 and problem.kv_pad == 256
 
 
 def _padded_call(shapes: dict, kwargs: dict, blocks: pallas_attn.BlockSizes):

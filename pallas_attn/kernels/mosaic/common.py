@@ -783,7 +783,9 @@ def tile_scores(problem: Problem, s: jax.Array, row0, k0, masked: bool, *,
         visible = scores.visibility(
             rows, cols, problem.spec, offset, kv_length=kv_length, q_length=q_length,
             q_bound=problem.q_len if problem.q_pad != problem.q_len else None,
-            kv_bound=problem.kv_len if problem.kv_pad != problem.kv_len else None)
+            # A 96-key tile may also end past the padding (vjp.prepare).
+            kv_bound=(problem.kv_len if problem.kv_pad != problem.kv_len
+                      or problem.kv_len % s.shape[key_dim] else None))
         if visible is not None:
             s = jnp.where(visible, s, -jnp.inf)
     if segments is not None:

@@ -23,9 +23,11 @@ ROWS_PER_CONSUMER = 64
 # The forward's and dbias kernel's work items: 128 query rows, two consumers.
 ITEM_ROWS = 128
 CONSUMERS = ITEM_ROWS // ROWS_PER_CONSUMER
+# The forward's key tiles a caller may ask for (`BlockSizes.block_k`); the routing
+# table also takes 96 (`forward_block_k_options`).
 FORWARD_BLOCK_K = (64, 128)
-# Padded head dims above this take 64-key tiles (two slots of 128 keys would not fit) and
-# the backward's wide kernels (`is_wide`).
+# Padded head dims above this take the forward's widest key tiles that fit (128, 96 or
+# 64: `forward_block_k_options`) and the backward's wide kernels (`is_wide`).
 WIDE_HEAD_DIM = 128
 # The dK/dV kernel: steps of 64 query rows, units of 128 keys (64 per consumer); at
 # head dim 256 units of 64 keys that both consumers share (`is_wide`).
@@ -121,6 +123,11 @@ def operand_swizzle(hp: int, hvp: int) -> int:
     if is_wide(hp, hvp):
         return 64 if hp % 64 == 0 and hvp % 64 == 0 else 32
     return forward_swizzle(hp, hvp)
+
+
+def _swizzle_of(columns: int) -> int:
+    """The widest swizzle (bytes) whose rows of 16-bit entries tile `columns` whole."""
+    return next(s for s in (128, 64, 32) if columns % (s // 2) == 0)
 
 
 def forward_swizzle(hp: int, hvp: int) -> int:
@@ -312,10 +319,17 @@ def with_hash_tables(scratch: Callable[[bool], Scratch], dropout: bool,
     return scratch(False)
 
 
-def forward_block_k_options(hp: int, hvp: int) -> tuple[int, ...]:
-    """The forward's key tiles, first choice first: 64 above head dim 128; else 128, or
-    64 where 128-key slots do not fit (a float32 bias tile per consumer)."""
-    return (64,) if max(hp, hvp) > WIDE_HEAD_DIM else (128, 64)
+def forward_block_k_options(hp: int, hvp: int, key_operands: bool) -> tuple[int, ...]:
+    """The forward's key tiles, first choice first (the routing table takes the first
+    whose buffers fit): 128, then 64 (a float32 bias tile per consumer may not fit
+    beside 128-key slots); above head dim 128 also 96 between them, except with
+    key_operands (a bias, mask or segment ids: read per key tile from arrays padded to
+    the power-of-two tiles, which a 96-key tile would run past). H200, forward ms
+    against 64-key tiles: d160 (128 keys) 0.670 -> 0.574, d192 (96) 0.745 -> 0.710,
+    d192 with values of 128 (96) 0.686 -> 0.596, d224 (96) 0.867 -> 0.831 (docs/decisions.md)."""
+    if max(hp, hvp) <= WIDE_HEAD_DIM or key_operands:
+        return (128, 64)
+    return (128, 96, 64)
 
 
 def forward_output_staging(hp: int, hvp: int, block_k: int, stages: int, dtype: Any,
@@ -334,23 +348,27 @@ def forward_output_staging(hp: int, hvp: int, block_k: int, stages: int, dtype: 
 def forward_scratch(hp: int, hvp: int, block_k: int, stages: int, dtype: Any,
                     bias_dtype: Any = None, *, staging: str | None = None,
                     consumers: int = CONSUMERS, has_mask: bool = False,
-                    dropout: bool = False) -> Scratch:
+                    dropout: bool = False, p_buffer: bool = False) -> Scratch:
     """The forward: per consumer its Q rows, output (with staging "o"; else staged in
     P's or Q's buffer, `forward_output_staging`; None: in P's where the shapes agree)
-    and P; the K/V ring, with a mask each consumer's mask rows (int8) per slot; with a
+    and P where it stages the output or p_buffer asks for it (the interpreter's wgmma
+    reads P from there; on the GPU it comes from registers, so the routing table counts
+    no such buffer); the K/V ring, with a mask each consumer's mask rows (int8) per slot; with a
     bias each consumer's bias tile; with dropout each consumer's hash table. Barriers: Q
     per consumer, loaded (K: and the mask rows) and consumed per slot for K and V, two
     consumers' turns, the bias buffers'."""
     rows, c = ROWS_PER_CONSUMER, consumers
     dtype = _name(dtype)
     staging = staging or ("p" if hvp == block_k else "o")
-    swizzle = forward_swizzle(hp, hvp)
+    # P V contracts over the key tile: a 96-key tile needs rows of 32 columns.
+    swizzle = min(forward_swizzle(hp, hvp), _swizzle_of(block_k))
     return Scratch(
         buffers=(("q", Buffer((c, rows, hp), dtype, swizzle)),
                  ("o", Buffer((c, rows, hvp), dtype, swizzle) if staging == "o" else None),
                  ("k", Buffer((stages, block_k, hp), dtype, swizzle)),
                  ("v", Buffer((stages, block_k, hvp), dtype, swizzle)),
-                 ("p", Buffer((c, rows, block_k), dtype, swizzle)),
+                 ("p", Buffer((c, rows, block_k), dtype, swizzle)
+                  if p_buffer or staging == "p" else None),
                  ("bias", None if bias_dtype is None
                   else Buffer((c, rows, block_k), _name(bias_dtype))),
                  ("mask", Buffer((stages, c, rows, block_k), MASK_DTYPE, swizzle=block_k)

@@ -62,9 +62,11 @@ slopes, sinks, segment ids, sequence lengths, dropout keys and an origin (positi
 the lengths are zeroed before the call, vjp.prepare; ring attention's blocks count every
 position from their origin: `core.TileRanges`, `common.Dropout`); causal, local windows in
 both alignments, soft cap, ALiBi (each consumer reads its item's slope), GQA and ragged
-lengths are covered. With 128-key tiles a float32 bias does not fit next to two K/V
-slots (config.forward_scratch), so the routing table gives it the Triton forward;
-block_k 64 runs it here.
+lengths are covered. Key tiles hold 128 keys, or 64 where 128-key slots do not fit (a
+float32 bias tile at head dim 128, config.forward_scratch); above head dim 128 the
+widest of 128, 96 and 64 that fits (`config.forward_block_k_options`). A 96-key tile
+may end past the keys' padding (a multiple of the power-of-two tiles): its bulk copies
+fill zeros there and the scores' bound hides those keys (`common.tile_scores`).
 
 Key tiles outside an item's band are never loaded. A consumer whose own band is
 narrower than the item's (causal: warpgroup 0 can end a key tile earlier) still
@@ -158,7 +160,8 @@ def _kernel(q_ref, k_ref, v_ref, bias_ref, mask_ref, slopes_ref, sinks_ref, leng
     @pl.when(wg < consumers)
     def _consumer():
         plgpu.set_max_registers(consumer_registers(consumers), action="increase")
-        q_mine, o_mine, p_mine = q_smem.at[wg], o_smem.at[wg], p_smem.at[wg]
+        q_mine, o_mine = q_smem.at[wg], o_smem.at[wg]
+        p_mine = None if p_smem is None else p_smem.at[wg]
 
         def rows_of(item: Item):
             return item.q0 + wg * rows_n
@@ -353,7 +356,8 @@ def forward(problem: Problem, q: jax.Array, k: jax.Array, v: jax.Array,
     scratch = with_hash_tables(
         lambda tables: forward_scratch(hp, hvp, route.block_k, route.num_stages, dtype,
                                        bias_dtype, staging=staging, consumers=consumers,
-                                       has_mask=has_mask, dropout=tables),
+                                       has_mask=has_mask, dropout=tables,
+                                       p_buffer=problem.interpret),
         keys is not None, problem.plan.device.max_shared_memory_per_block)
 
     def entry(q_ref, k_ref, v_ref, *refs):
