@@ -713,6 +713,12 @@ def check_shapes(on_device: bool) -> list[Shape]:
         Shape(2, 1024, 1024, 4, 4, 64, True, dtype="float32"),
         Shape(2, 1000, 1500, 8, 2, 80, True, dtype="bfloat16"),
         Shape(1, 777, 333, 4, 1, 192, False, dtype="bfloat16"),
+        # The forward's 96-key tiles (head dims 192 and 224, no bias, mask or ids), the
+        # last one past the keys' padding (1024): values of 128 with dropout's hashes over
+        # 96 keys, causal, GQA; 224 plain in float16.
+        Shape(2, 1000, 1000, 8, 2, 192, True, (("value_dim", 128), ("dropout", 0.1)),
+              dtype="bfloat16"),
+        Shape(1, 900, 1000, 4, 4, 224, False, dtype="float16"),
         # Where every role is a Mosaic kernel head dims pad to whole wgmma tiles (the
         # Triton repairs, causal, on a copy padded to a power of two): 160 and 224 as
         # they are (the wide backward's halves in 16-column tiles), 160 with a bias's
