@@ -39,8 +39,7 @@ if [ ! -f "$stamp" ]; then
   python=$(find_python)
   rm -rf .venv
   "$python" -m venv .venv
-  # No byte-compiling of every installed module (a third of the install's time): Python
-  # compiles the ones the tests import when they first import them.
+  # --no-compile: a third of the install's time; imports compile what the tests use.
   .venv/bin/python -m pip install -q --disable-pip-version-check --no-compile -r requirements-test.txt
   .venv/bin/python -m pip install -q --disable-pip-version-check --no-compile --no-deps -e .
   touch "$stamp"

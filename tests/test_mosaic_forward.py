@@ -148,9 +148,11 @@ CASES = [
           mask=random_mask(7, (1, 1, 260, 260))), dict(block_k=128)),
     # Head dim 192 with values of 128: 96-key tiles (the routing table's where every
     # role is a Mosaic kernel, swizzled in rows of 32 columns), the last one past the
-    # keys' padding (256), whose keys only the scores' bound hides.
-    ("H192_Hv128_96_key_tiles_past_the_padding", dict(B=2, T=140, S=256, N=2, H=192,
-                                                      Hv=128), {},
+    # keys' padding (256), whose keys only the scores' bound hides (no causal mask);
+    # dropout's hashes over 96 keys, GQA.
+    ("H192_Hv128_96_key_tiles_past_the_padding", dict(B=2, T=140, S=256, N=4, K=2, H=192,
+                                                      Hv=128),
+     dict(dropout_rate=0.2, dropout_rng=jax.random.key(8)),
      dict(block_k=None, block_q_dkv=None, block_k_dkv=None, block_q_dq=None,
           block_k_dq=None, dq_backend="mosaic", dkv_backend="mosaic")),
 ]

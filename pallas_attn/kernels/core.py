@@ -65,7 +65,8 @@ class Problem:
     """Static description of one padded call (hashable, a custom_vjp nondiff arg).
 
     q_len / kv_len are the caller's lengths; the arrays are padded to
-    q_pad / kv_pad (multiples of every tile) and head dims to powers of two. plan:
+    q_pad / kv_pad (multiples of every power-of-two tile; the Mosaic forward's 96-key
+    tiles may end past kv_pad) and head dims to powers of two. plan:
     each role's backend and tiles (dispatch.py).
     """
 

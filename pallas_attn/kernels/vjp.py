@@ -114,9 +114,7 @@ def prepare(spec: AttentionSpec, ops: Operands, plan: Plan):
     routes = [*(() if plan.forward.backend == "decode" else (plan.forward,)), plan.dkdv,
               plan.dq, *(() if plan.dbias is None else (plan.dbias,))]
     q_tile = max(route.block_q for route in routes)
-    # Keys pad to the power-of-two tiles only: the forward's 96-key tiles (wide head dims)
-    # may end past that padding, where their bulk copies fill zeros and their scores
-    # hide the keys.
+    # Power-of-two tiles only: a 96-key forward tile past the padding reads zeros it hides.
     kv_tile = max(route.block_k for route in routes if route.block_k & (route.block_k - 1) == 0)
     q_pad = -(-T // q_tile) * q_tile
     kv_pad = -(-S // kv_tile) * kv_tile

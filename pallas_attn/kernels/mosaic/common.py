@@ -1009,7 +1009,8 @@ def launch(entry, out_type: Any, programs: int, interpret: bool,
     "wg") on `programs` programs (named "program"), as a function of its operands.
     Every kernel reduces only along the rows of wgmma's layout, within a warp: no shared
     memory is set aside for reductions across warps, so a kernel holds exactly the
-    buffers config describes (the routing table's budget).
+    buffers config describes (the routing table's budget; in the interpreter also the
+    forward's P, `config.forward_scratch`).
 
     The interpreter poisons every buffer it allocates (outputs included) with NaN and
     runs its happens-before race detector (the Mosaic tests check its verdict).

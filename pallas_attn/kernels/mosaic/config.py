@@ -322,11 +322,11 @@ def with_hash_tables(scratch: Callable[[bool], Scratch], dropout: bool,
 def forward_block_k_options(hp: int, hvp: int, key_operands: bool) -> tuple[int, ...]:
     """The forward's key tiles, first choice first (the routing table takes the first
     whose buffers fit): 128, then 64 (a float32 bias tile per consumer may not fit
-    beside 128-key slots); above head dim 128 also 96 between them, except with
-    key_operands (a bias, mask or segment ids: read per key tile from arrays padded to
-    the power-of-two tiles, which a 96-key tile would run past). H200, forward ms
-    against 64-key tiles: d160 (128 keys) 0.670 -> 0.574, d192 (96) 0.745 -> 0.710,
-    d192 with values of 128 (96) 0.686 -> 0.596, d224 (96) 0.867 -> 0.831 (docs/decisions.md)."""
+    beside 128-key slots); above head dim 128 also 96 between them (4-13% faster
+    forwards, docs/decisions.md "Wide head dims: the widest forward key tiles that
+    fit"), except with key_operands: a bias, mask or segment ids, whose per-key rows
+    and ids are read from arrays padded to the power-of-two tiles, which a 96-key tile
+    would run past (the full tiles' copies would not: left out with them, unmeasured)."""
     if max(hp, hvp) <= WIDE_HEAD_DIM or key_operands:
         return (128, 64)
     return (128, 96, 64)
@@ -353,10 +353,10 @@ def forward_scratch(hp: int, hvp: int, block_k: int, stages: int, dtype: Any,
     P's or Q's buffer, `forward_output_staging`; None: in P's where the shapes agree)
     and P where it stages the output or p_buffer asks for it (the interpreter's wgmma
     reads P from there; on the GPU it comes from registers, so the routing table counts
-    no such buffer); the K/V ring, with a mask each consumer's mask rows (int8) per slot; with a
-    bias each consumer's bias tile; with dropout each consumer's hash table. Barriers: Q
-    per consumer, loaded (K: and the mask rows) and consumed per slot for K and V, two
-    consumers' turns, the bias buffers'."""
+    no such buffer); the K/V ring, with a mask each consumer's mask rows (int8) per
+    slot; with a bias each consumer's bias tile; with dropout each consumer's hash
+    table. Barriers: Q per consumer, loaded (K: and the mask rows) and consumed per slot
+    for K and V, two consumers' turns, the bias buffers'."""
     rows, c = ROWS_PER_CONSUMER, consumers
     dtype = _name(dtype)
     staging = staging or ("p" if hvp == block_k else "o")

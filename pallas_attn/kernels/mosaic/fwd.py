@@ -3,7 +3,8 @@
 The work is items of 64 query rows per consumer warpgroup of one (batch entry,
 head): two consumers (items of 128 rows), or three (192 rows) where each one's
 accumulator and scores fit a third of the registers and there is no bias
-(`config.forward_consumers`: head dims up to 64, or 128 and 160 with 64-key tiles). One
+(`config.forward_consumers`: head dims up to 64, or up to 160 with values up to 64 or
+with 64-key tiles). One
 program per multiprocessor loops over items (`common.Walk`: query tiles fastest,
 causal tiles in mirror pairs so that every program does the same work; items
 end at the padded length, so with three consumers a head's first item may start
@@ -27,9 +28,10 @@ slots) with a producer warpgroup and the consumers:
   compute exponentials, the third's products keep the tensor cores busy). The next
   item's Q is loaded as soon as the last Q K^T of an item is done, and the output
   leaves through a bulk copy (staged in P's buffer when shapes agree) that overlaps
-  the next item; the row residuals are stored from registers. At head dim 256
-  (64-key tiles) the output has no room of its own: it is staged in Q's buffer and
-  the next Q loads once it has left.
+  the next item; the row residuals are stored from registers. Where the output has no
+  room of its own (head dim 256; 160 on 128-key tiles, 192 and 224 on 96-key ones,
+  `config.forward_output_staging`) it is staged in Q's buffer and the next Q loads
+  once it has left.
 * With segment ids (or a mask), each item's and each consumer's band narrows to the
   keys its rows see (`common.Segments`: chunk limits from core.segment_ranges or
   core.mask_ranges); the tiles inside what every row of a consumer sees whole (sorted
@@ -64,7 +66,8 @@ position from their origin: `core.TileRanges`, `common.Dropout`); causal, local 
 both alignments, soft cap, ALiBi (each consumer reads its item's slope), GQA and ragged
 lengths are covered. Key tiles hold 128 keys, or 64 where 128-key slots do not fit (a
 float32 bias tile at head dim 128, config.forward_scratch); above head dim 128 the
-widest of 128, 96 and 64 that fits (`config.forward_block_k_options`). A 96-key tile
+widest of 128, 96 and 64 that fits (`config.forward_block_k_options`; 96 not with a
+bias, mask or segment ids). A 96-key tile
 may end past the keys' padding (a multiple of the power-of-two tiles): its bulk copies
 fill zeros there and the scores' bound hides those keys (`common.tile_scores`).
 
@@ -353,12 +356,16 @@ def forward(problem: Problem, q: jax.Array, k: jax.Array, v: jax.Array,
     staging = forward_output_staging(hp, hvp, route.block_k, route.num_stages, dtype,
                                      bias_dtype, problem.plan.device.max_shared_memory_per_block,
                                      consumers, has_mask)
-    scratch = with_hash_tables(
-        lambda tables: forward_scratch(hp, hvp, route.block_k, route.num_stages, dtype,
-                                       bias_dtype, staging=staging, consumers=consumers,
-                                       has_mask=has_mask, dropout=tables,
-                                       p_buffer=problem.interpret),
-        keys is not None, problem.plan.device.max_shared_memory_per_block)
+    def scratch_of(tables: bool, p_buffer: bool = False):
+        return forward_scratch(hp, hvp, route.block_k, route.num_stages, dtype, bias_dtype,
+                               staging=staging, consumers=consumers, has_mask=has_mask,
+                               dropout=tables, p_buffer=p_buffer)
+
+    # Hash tables where the GPU's buffers leave room: the interpreter's P adds none.
+    scratch = with_hash_tables(scratch_of, keys is not None,
+                               problem.plan.device.max_shared_memory_per_block)
+    if problem.interpret:
+        scratch = scratch_of(dict(scratch.buffers)["hashes"] is not None, p_buffer=True)
 
     def entry(q_ref, k_ref, v_ref, *refs):
         bias_ref, mask_ref, slopes_ref, sinks_ref, keys_ref, origin_ref, *length_refs = (
