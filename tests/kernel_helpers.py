@@ -539,8 +539,10 @@ def kernel_backward(dtype: str, shapes: dict, bias_shape: tuple | None, kwargs: 
         problems.append(problem)
         operands = {**optional, **differentiable}
         forward = problem.plan.forward
+        # The Triton forward takes power-of-two tiles (the Mosaic forward's 96 gives 32).
+        block_k = forward.block_k & -forward.block_k
         triton_problem = dataclasses.replace(problem, plan=dataclasses.replace(
-            problem.plan, forward=Route("triton", forward.block_q, forward.block_k, 4, 2)))
+            problem.plan, forward=Route("triton", forward.block_q, block_k, 4, 2)))
         out, row_stats = triton_fwd.forward(triton_problem, q, k, v, operands)
         do = jax.random.normal(jax.random.key(11), out.shape, out.dtype)
         delta = jnp.einsum("btnh,btnh->bnt", do.astype(jnp.float32), out.astype(jnp.float32))
