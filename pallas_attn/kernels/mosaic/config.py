@@ -125,16 +125,12 @@ def operand_swizzle(hp: int, hvp: int) -> int:
     return forward_swizzle(hp, hvp)
 
 
-def _swizzle_of(columns: int) -> int:
-    """The widest swizzle (bytes) whose rows of 16-bit entries tile `columns` whole."""
-    return next(s for s in (128, 64, 32) if columns % (s // 2) == 0)
-
-
-def forward_swizzle(hp: int, hvp: int) -> int:
+def forward_swizzle(*columns: int) -> int:
     """The swizzle (bytes) of the forward's wgmma tiles: rows of 64 16-bit columns, or of
-    32 or 16 where the head dims are not multiples of 64 (32, 96; 16, 80): the widest that
-    makes them whole tiles (both operands of a wgmma share it)."""
-    return next(s for s in (128, 64, 32) if hp % (s // 2) == 0 and hvp % (s // 2) == 0)
+    32 or 16 where the head dims (and the key tile, over which P V contracts) are not
+    multiples of 64 (32, 96; 16, 80): the widest that makes them all whole tiles (both
+    operands of a wgmma share it)."""
+    return next(s for s in (128, 64, 32) if all(n % (s // 2) == 0 for n in columns))
 
 
 def dkv_tiles(hp: int, hvp: int) -> tuple[int, int]:
@@ -360,8 +356,7 @@ def forward_scratch(hp: int, hvp: int, block_k: int, stages: int, dtype: Any,
     rows, c = ROWS_PER_CONSUMER, consumers
     dtype = _name(dtype)
     staging = staging or ("p" if hvp == block_k else "o")
-    # P V contracts over the key tile: a 96-key tile needs rows of 32 columns.
-    swizzle = min(forward_swizzle(hp, hvp), _swizzle_of(block_k))
+    swizzle = forward_swizzle(hp, hvp, block_k)
     return Scratch(
         buffers=(("q", Buffer((c, rows, hp), dtype, swizzle)),
                  ("o", Buffer((c, rows, hvp), dtype, swizzle) if staging == "o" else None),
