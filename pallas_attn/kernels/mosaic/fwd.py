@@ -67,9 +67,9 @@ both alignments, soft cap, ALiBi (each consumer reads its item's slope), GQA and
 lengths are covered. Key tiles hold 128 keys, or 64 where 128-key slots do not fit (a
 float32 bias tile at head dim 128, config.forward_scratch); above head dim 128 the
 widest of 128, 96 and 64 that fits (`config.forward_block_k_options`; 96 not with a
-bias, mask or segment ids). A 96-key tile
-may end past the keys' padding (a multiple of the power-of-two tiles): its bulk copies
-fill zeros there and the scores' bound hides those keys (`common.tile_scores`).
+bias, mask or segment ids). A 96-key tile may end past the keys' padding (a multiple of
+the power-of-two tiles): its bulk copies fill zeros there and the scores' bound hides
+those keys (`common.tile_scores`).
 
 Key tiles outside an item's band are never loaded. A consumer whose own band is
 narrower than the item's (causal: warpgroup 0 can end a key tile earlier) still
