@@ -197,8 +197,8 @@ def _routes(call: Call, device: DeviceInfo, overrides: BlockSizes, interpret: bo
 def _every_role_mosaic(routes: dict[str, Route], dbias: Route | None) -> bool:
     """Whether the kernels may run at whole-tile head dims (`mosaic_head_dim`: 48, 80,
     160): the forward, dQ and dK/dV are Mosaic kernels and dbias is none or the dK/dV
-    kernel's (a Triton repair pads its own copy, kernels/vjp.py); the Triton kernels and
-    the dbias kernels need powers of two."""
+    kernel's (the Triton repairs read such heads in place, `triton.context.head_tile`);
+    the other Triton kernels and the dbias kernels need powers of two."""
     return (all(route.backend == "mosaic" for route in routes.values())
             and (dbias is None or dbias.fused or dbias.in_dq))
 

@@ -15,14 +15,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 from jax.custom_derivatives import SymbolicZero
 
-from pallas_attn.kernels import pad_axis, padded_head_dim
+from pallas_attn.kernels import pad_axis
 from pallas_attn.kernels.core import (
     KERNEL_INPUTS,
     LOG2E,
@@ -57,45 +56,6 @@ from pallas_attn.primals import first_order_only, is_perturbed, primal_values
 from pallas_attn.semantics import reference, scores
 from pallas_attn.sharding import per_shard
 from pallas_attn.spec import OPTIONAL_INPUTS, AttentionSpec, Operands
-
-
-def _power_of_two_heads(x: jax.Array) -> jax.Array:
-    return pad_axis(x, 3, padded_head_dim(x.shape[3]))
-
-
-def _repaired_forward(problem: Problem, q, k, v, operands: dict, out: jax.Array,
-                      row_stats: tuple[jax.Array, jax.Array]):
-    """The Mosaic forward's results with its marked rows recomputed by the Triton repair;
-    at head dims that are no power of two, on a padded copy made only when a row is marked
-    (a NaN log2 row sum)."""
-    if all(x.shape[3] == padded_head_dim(x.shape[3]) for x in (q, v)):
-        return triton_fwd.repair(problem, q, k, v, operands, out, row_stats)
-
-    def repair():
-        fixed, stats = triton_fwd.repair(problem, *map(_power_of_two_heads, (q, k, v)),
-                                         operands, _power_of_two_heads(out), row_stats)
-        return fixed[..., :out.shape[3]], stats
-
-    return jax.lax.cond(jnp.isnan(row_stats[1]).any(), repair, lambda: (out, row_stats))
-
-
-def _repaired_backward(repair: Callable[..., Any], problem: Problem, names: tuple[str, ...],
-                       inputs: list, results: tuple[jax.Array, ...], marks: jax.Array
-                       ) -> tuple[jax.Array, ...]:
-    """A Mosaic backward kernel's results with its marked rows recomputed by a Triton
-    repair (repair(problem, names, inputs, *results, marks) -> results), as
-    `_repaired_forward` does."""
-    if all(x.shape[3] == padded_head_dim(x.shape[3]) for x in inputs[:3]):
-        return repair(problem, names, inputs, *results, marks)
-    heads = ("q", "k", "v", "do")
-
-    def padded_repair():
-        padded = [_power_of_two_heads(x) if name in heads else x
-                  for name, x in zip(names, inputs, strict=True)]
-        fixed = repair(problem, names, padded, *map(_power_of_two_heads, results), marks)
-        return tuple(x[..., :r.shape[3]] for x, r in zip(fixed, results, strict=True))
-
-    return jax.lax.cond(jnp.isnan(marks).any(), padded_repair, lambda: tuple(results))
 
 
 def prepare(spec: AttentionSpec, ops: Operands, plan: Plan):
@@ -249,7 +209,9 @@ def _run_forward(problem: Problem, q, k, v, operands: dict):
         problem.plan.forward.backend, triton_fwd)
     out, row_stats = backend.forward(problem, q, k, v, operands)
     if problem.plan.forward.repair is not None:  # rows a hidden NaN key reached
-        out, row_stats = _repaired_forward(problem, q, k, v, operands, out, row_stats)
+        # In place at any head dim (`triton.context.head_tile`): a lax.cond on the marks
+        # would stop the host on every call to read them (docs/decisions.md).
+        out, row_stats = triton_fwd.repair(problem, q, k, v, operands, out, row_stats)
     return out, row_stats
 
 
@@ -400,8 +362,7 @@ def _run_backward(static: tuple[Problem, bool], q, k, v, operands: dict, row_sta
             dq, marks = mosaic_dq.dq(problem, q, k, v, do, dq_stats, bias, slopes,
                                      dq_segments, lengths, dropout_keys, mask, origin)
         if plan.dq.repair is not None:  # rows a hidden non-finite key or value reached
-            (dq,) = _repaired_backward(lambda *a: (triton_dq.repair(*a),), problem, names,
-                                       inputs, (dq,), marks)
+            dq = triton_dq.repair(problem, names, inputs, dq, marks)
     else:
         dq = triton_dq.dq(problem, names, inputs)
     if plan.dkdv.backend == "mosaic":
@@ -409,8 +370,7 @@ def _run_backward(static: tuple[Problem, bool], q, k, v, operands: dict, row_sta
                                                slopes, dbias_first, dkv_segments, lengths,
                                                dropout_keys, mask, origin, key_scales)
         if marks is not None:  # keys a NaN row or a hidden non-finite value reached
-            dk, dv = _repaired_backward(triton_dkdv.repair, problem, names, inputs,
-                                        (dk, dv), marks)
+            dk, dv = triton_dkdv.repair(problem, names, inputs, dk, dv, marks)
     else:
         dk, dv, dbias = triton_dkdv.dkdv(problem, names, inputs, bias if fused else None)
     if in_dq:

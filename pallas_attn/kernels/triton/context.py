@@ -1,5 +1,5 @@
 """What the Triton kernels share: named refs, the grid's query-tile schedule, a
-program's score tiles, and the launch.
+program's score tiles, head-dim tiles of any width, and the launch.
 
 `TileContext` holds what a kernel program reads once (ALiBi slope, sequence
 lengths, dropout key) and computes a [block_q, block_k] tile of scores and score
@@ -20,7 +20,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_attn.kernels import int32_indices, varying_like
+from pallas_attn.kernels import int32_indices, padded_head_dim, varying_like
 from pallas_attn.kernels.core import (
     KERNEL_INPUTS,
     Problem,
@@ -30,6 +30,32 @@ from pallas_attn.kernels.core import (
 )
 from pallas_attn.semantics import dropout as dropout_lib
 from pallas_attn.semantics import scores
+
+
+def head_tile(ref: Any, b: Any, rows: Any, head: Any) -> jax.Array:
+    """ref[b, rows, head, :] (rows a pl.ds) at a power-of-two width, Triton's tiles: where
+    the array's head dim is none (a Mosaic kernel's whole wgmma tiles, 48 or 160, which
+    the repairs read in place) the columns past it come as zeros."""
+    width = padded_head_dim(ref.shape[-1])
+    if width == ref.shape[-1]:
+        return ref[b, rows, head, :]
+    return plgpu.load(ref.at[b, rows, head, pl.ds(0, width)],
+                      mask=_head_columns(rows.size, width, ref.shape[-1]), other=0)
+
+
+def store_head_tile(ref: Any, b: Any, rows: Any, head: Any, value: jax.Array) -> None:
+    """ref[b, rows, head, :] = value, a `head_tile` of ref's rows: its zero columns past
+    the array's head dim left out."""
+    width = value.shape[-1]
+    if width == ref.shape[-1]:
+        ref[b, rows, head, :] = value.astype(ref.dtype)
+        return
+    plgpu.store(ref.at[b, rows, head, pl.ds(0, width)], value.astype(ref.dtype),
+                mask=_head_columns(rows.size, width, ref.shape[-1]))
+
+
+def _head_columns(rows: int, width: int, head_dim: int) -> jax.Array:
+    return lax.broadcasted_iota(jnp.int32, (rows, width), 1) < head_dim
 
 
 def name_refs(names: Sequence[str], refs: Sequence[Any]) -> dict[str, Any]:

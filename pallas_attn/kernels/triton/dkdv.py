@@ -26,10 +26,12 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_attn.kernels.core import Problem, run_tile_loops
 from pallas_attn.kernels.triton.context import (
     TileContext,
+    head_tile,
     launch,
     launch_repair,
     name_refs,
     repair_marked_tiles,
+    store_head_tile,
 )
 
 
@@ -59,8 +61,8 @@ def _dkdv_tile(problem: Problem, r: dict, j, b, kh, fused_dbias: bool) -> None:
     block_q, block_k = route.block_q, route.block_k
     k0 = j * block_k
     cols = pl.ds(k0, block_k)
-    k = r["k"][b, cols, kh, :]
-    v = r["v"][b, cols, kh, :]
+    k = head_tile(r["k"], b, cols, kh)
+    v = head_tile(r["v"], b, cols, kh)
     bias_shape = problem.spec.bias_shape
     rows_broadcast = fused_dbias and bias_shape[2] == 1
 
@@ -84,8 +86,8 @@ def _dkdv_tile(problem: Problem, r: dict, j, b, kh, fused_dbias: bool) -> None:
         def body(t, carry, masked):
             dk, dv, *column_sum = carry  # column_sum: only for a per-key fused dbias
             q0 = t * block_q
-            q = r["q"][b, pl.ds(q0, block_q), n, :]
-            do = r["do"][b, pl.ds(q0, block_q), n, :]
+            q = head_tile(r["q"], b, pl.ds(q0, block_q), n)
+            do = head_tile(r["do"], b, pl.ds(q0, block_q), n)
             if masked:  # the tile the query length crosses: its hidden rows stay out
                 q, do = ctx.hide_queries(q, q0), ctx.hide_queries(do, q0)
             residuals = ctx.row_residuals(q0, block_q)
@@ -121,8 +123,8 @@ def _dkdv_tile(problem: Problem, r: dict, j, b, kh, fused_dbias: bool) -> None:
     if scaled:
         dk = dk * r["key_scales"][b, kh, 1, unit]
     keep_scale = problem.dropout_scale  # score_gradient leaves it out
-    r["dk"][b, cols, kh, :] = (dk * (problem.spec.scale * keep_scale)).astype(r["dk"].dtype)
-    r["dv"][b, cols, kh, :] = (dv * keep_scale).astype(r["dv"].dtype)
+    store_head_tile(r["dk"], b, cols, kh, dk * (problem.spec.scale * keep_scale))
+    store_head_tile(r["dv"], b, cols, kh, dv * keep_scale)
 
 
 def repair_kernel(*refs, problem: Problem, names: tuple[str, ...], chunk: int):

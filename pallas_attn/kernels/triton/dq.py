@@ -16,10 +16,12 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_attn.kernels.core import Problem, finite, run_tile_loops
 from pallas_attn.kernels.triton.context import (
     TileContext,
+    head_tile,
     launch,
     launch_repair,
     name_refs,
     repair_marked_tiles,
+    store_head_tile,
 )
 
 
@@ -37,8 +39,8 @@ def _dq_tile(problem: Problem, r: dict, i, b, n) -> None:
     q0 = i * block_q
     ctx = TileContext(problem, r, b, n, folds_segments=True)
     # Rows past the query length are zeroed: hidden, they meet no product.
-    q = ctx.hide_queries(r["q"][b, pl.ds(q0, block_q), n, :], q0)
-    do = ctx.hide_queries(r["do"][b, pl.ds(q0, block_q), n, :], q0)
+    q = ctx.hide_queries(head_tile(r["q"], b, pl.ds(q0, block_q), n), q0)
+    do = ctx.hide_queries(head_tile(r["do"], b, pl.ds(q0, block_q), n), q0)
     residuals = ctx.row_residuals(q0, block_q)
     if "row_scales" in r:  # float16: e joins the log2 row sums, P and dS come out times 2^-e
         row_max, log2_sum, delta = residuals
@@ -46,8 +48,8 @@ def _dq_tile(problem: Problem, r: dict, i, b, n) -> None:
 
     def body(t, dq, masked):
         k0 = t * block_k
-        k = r["k"][b, pl.ds(k0, block_k), kh, :]
-        v = r["v"][b, pl.ds(k0, block_k), kh, :]
+        k = head_tile(r["k"], b, pl.ds(k0, block_k), kh)
+        v = head_tile(r["v"], b, pl.ds(k0, block_k), kh)
         if ctx.hides_in_tile(masked):  # hidden keys stay out of dS K (and dP: score_gradient)
             k, v = finite(ctx.hide_keys(k, k0)), ctx.hide_keys(v, k0)
         _, ds = ctx.score_gradient(q, k, v, do, residuals, q0, k0, masked)
@@ -60,7 +62,7 @@ def _dq_tile(problem: Problem, r: dict, i, b, n) -> None:
         dq = dq * r["row_scales"][b, n, 1, pl.ds(q0, block_q)][:, None]
     dq = dq * (problem.spec.scale * problem.dropout_scale)  # score_gradient leaves it out
     dq = ctx.hide_queries(dq, q0)  # rows past the length: 0, whatever a hidden key held
-    r["dq"][b, pl.ds(q0, block_q), n, :] = dq.astype(r["dq"].dtype)
+    store_head_tile(r["dq"], b, pl.ds(q0, block_q), n, dq)
 
 
 def repair_kernel(*refs, problem: Problem, names: tuple[str, ...], chunk: int):

@@ -23,6 +23,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_attn.kernels import padded_head_dim
 from pallas_attn.kernels.core import (
     KERNEL_INPUTS,
     MAX_FLOOR,
@@ -35,12 +36,14 @@ from pallas_attn.kernels.core import (
 )
 from pallas_attn.kernels.triton.context import (
     TileContext,
+    head_tile,
     launch,
     launch_repair,
     name_refs,
     repair_marked_tiles,
     schedule_query_tiles,
     scheduled_grid_size,
+    store_head_tile,
 )
 
 # Every optional operand but the ranges of the queries that see each key, which only
@@ -67,15 +70,15 @@ def _forward_tile(problem: Problem, r: dict, ctx: TileContext, i) -> None:
     b, n = ctx.b, ctx.n
     kh = lax.div(n, problem.group)
     q0 = i * block_q
-    q = r["q"][b, pl.ds(q0, block_q), n, :]
+    q = head_tile(r["q"], b, pl.ds(q0, block_q), n)
 
     def body(t, carry, masked):
         acc, m_prev, l_prev = carry
         k0 = t * block_k
-        k = r["k"][b, pl.ds(k0, block_k), kh, :]
+        k = head_tile(r["k"], b, pl.ds(k0, block_k), kh)
         v = poison = None
         if ctx.hides_in_tile(masked):  # hidden keys' values stay out
-            v = r["v"][b, pl.ds(k0, block_k), kh, :]
+            v = head_tile(r["v"], b, pl.ds(k0, block_k), kh)
             poison = nonfinite_rows(k) + nonfinite_rows(v)
             v = finite(ctx.hide_keys(v, k0))
         s, _, _ = ctx.scores(q, k, q0, k0, masked, poison)
@@ -84,12 +87,12 @@ def _forward_tile(problem: Problem, r: dict, ctx: TileContext, i) -> None:
         if spec.has_dropout:
             prob = jnp.where(ctx.keep(q0, k0, block_q, block_k), prob, 0.0)
         if v is None:
-            v = r["v"][b, pl.ds(k0, block_k), kh, :]
+            v = head_tile(r["v"], b, pl.ds(k0, block_k), kh)
         acc = acc + plgpu.dot(prob.astype(v.dtype), v, precision=problem.precision)
         return acc, m_next, l_next
 
     init = (
-        jnp.zeros((block_q, r["v"].shape[-1]), jnp.float32),
+        jnp.zeros((block_q, padded_head_dim(r["v"].shape[-1])), jnp.float32),
         jnp.full((block_q,), MAX_FLOOR, jnp.float32),
         jnp.zeros((block_q,), jnp.float32),
     )
@@ -105,7 +108,7 @@ def _forward_tile(problem: Problem, r: dict, ctx: TileContext, i) -> None:
         valid = valid & (rows < ctx.q_length)
     scale = problem.dropout_scale
     out = jnp.where(valid[:, None], acc * (scale / jnp.where(valid, l_sum, 1.0))[:, None], 0.0)
-    r["out"][b, pl.ds(q0, block_q), n, :] = out.astype(r["out"].dtype)
+    store_head_tile(r["out"], b, pl.ds(q0, block_q), n, out)
     r["row_max"][b, n, pl.ds(q0, block_q)] = jnp.where(valid, m, jnp.inf)
     r["log2_sum"][b, n, pl.ds(q0, block_q)] = jnp.log2(jnp.where(valid, l_sum, 1.0))
 
