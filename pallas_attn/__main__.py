@@ -40,6 +40,9 @@ def main(argv: list[str] | None = None) -> int:
                             "(JAX's own Mosaic GPU kernel: float16, causal masking only)")
     bench.add_argument("--dtype", choices=["bfloat16", "float16"],
                        help="run every shape in this dtype instead of its own")
+    bench.add_argument("--rounds", type=int, default=1,
+                       help="time every row this many times, the implementations taking "
+                            "turns, and keep each row's best")
     bench.add_argument("--json", help="write the rows to this file")
     bench.add_argument("--plot", help="write a TFLOP/s bar chart (PNG) to this file")
     check = sub.add_parser("check", help="kernel numerics vs the reference",
@@ -117,6 +120,8 @@ def main(argv: list[str] | None = None) -> int:
     from pallas_attn import bench as bench_lib
 
     if args.command == "bench":
+        if args.rounds < 1:
+            parser.error(f"--rounds must be at least 1, got {args.rounds}")
         shapes = _bench_shapes(args, parser, bench_lib)
         only = _bench_implementations(args, parser, bench_lib)
     gpu = bench_lib.on_gpu()
@@ -124,6 +129,7 @@ def main(argv: list[str] | None = None) -> int:
         given = [flag for flag, on in (("--plot", args.plot), ("--quick", args.quick),
                                        ("--impl", args.impl), ("--match", args.match),
                                        ("--dtype", args.dtype),
+                                       ("--rounds", args.rounds != 1),
                                        ("--set", args.set != "standard")) if on]
         if given:
             parser.error(f"{' '.join(given)} time shapes on an NVIDIA GPU; this machine has "
@@ -165,13 +171,14 @@ def main(argv: list[str] | None = None) -> int:
             bench_lib.write_json(args.json, results)
         return 0 if ok else 1
     if args.set == "decode":
-        rows = bench_lib.decode_benchmark(shapes, only=only)
+        rows = bench_lib.decode_benchmark(shapes, only=only, rounds=args.rounds)
         print(_bench_header(args, bench_lib))
         print(bench_lib.format_decode_table(rows, bench_lib.copy_bandwidth() / 1e12))
         if args.json:
             bench_lib.write_json(args.json, rows)
         return 0
-    rows = bench_lib.benchmark(shapes, only=only, memory=args.set == "long")
+    rows = bench_lib.benchmark(shapes, only=only, memory=args.set == "long",
+                               rounds=args.rounds)
     print(_bench_header(args, bench_lib))
     print(bench_lib.format_table(rows))
     if args.json:

@@ -212,41 +212,68 @@ def implementations(interpret: bool) -> dict[str, Callable[..., jax.Array]]:
 
 def benchmark(shapes: Sequence[Shape], *, interpret: bool = False,
               log: Callable[[str], None] = print, only: Sequence[str] | None = None,
-              memory: bool = False) -> list[dict[str, Any]]:
+              memory: bool = False, rounds: int = 1) -> list[dict[str, Any]]:
     """Rows of timings per shape and implementation (only: names of IMPLEMENTATIONS);
-    memory: with the fwd+bwd program's memory (`_memory_gib`)."""
+    memory: with the fwd+bwd program's memory (`_memory_gib`). rounds: each time is the
+    best of that many, the implementations taking turns within every round of a shape
+    (a time read right after another implementation's on a hot card can read a few
+    percent slow: one round is what the tables ran before)."""
+    _check_rounds(rounds)
     rows = []
     for shape in shapes:
         args = make_inputs(shape)
         q, k, v = args["query"], args["key"], args["value"]
+        kwargs = args["kwargs"]
+        arrays = {x: y for x, y in kwargs.items() if isinstance(y, jax.Array)}
+        static = {x: y for x, y in kwargs.items() if x not in arrays}
+        grad_args = (q, k, v, kwargs.get("bias"), args["cotangent"])
+        runs = []
         for name, fn in implementations(interpret).items():
-            if only is not None and name not in only:
-                continue
-            row: dict[str, Any] = {"shape": shape.label, "impl": name}
-            kwargs = args["kwargs"]
-            try:
-                arrays = {x: y for x, y in kwargs.items() if isinstance(y, jax.Array)}
-                static = {x: y for x, y in kwargs.items() if x not in arrays}
+            if only is None or name in only:
                 fwd = jax.jit(lambda q, k, v, arrays, fn=fn, static=static: fn(
                     q, k, v, **arrays, **static))
-                t_fwd = autotune.time_call(functools.partial(fwd, q, k, v, arrays))
-                row["fwd_ms"] = t_fwd * 1e3
-                row["fwd_tflops"] = shape.forward_flops() / t_fwd / 1e12
-                grad = _loss_and_grad(fn, args)
-                grad_args = (q, k, v, kwargs.get("bias"), args["cotangent"])
-                t_both = autotune.time_call(functools.partial(grad, *grad_args))
-                row["fwdbwd_ms"] = t_both * 1e3
-                row["fwdbwd_tflops"] = shape.fwdbwd_flops() / t_both / 1e12
-            except Exception as e:  # noqa: BLE001 - peers may not support a shape
-                row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
+                runs.append(({"shape": shape.label, "impl": name}, fn, fwd, {}))
+        for _ in range(rounds):
+            for row, fn, fwd, grad in runs:
+                if "error" in row:
+                    continue
+                try:
+                    _keep_best(row, "fwd_ms", autotune.time_call(
+                        functools.partial(fwd, q, k, v, arrays)))
+                    grad.setdefault("step", _loss_and_grad(fn, args))
+                    _keep_best(row, "fwdbwd_ms", autotune.time_call(
+                        functools.partial(grad["step"], *grad_args)))
+                except Exception as e:  # noqa: BLE001 - peers may not support a shape
+                    row["error"] = _error_text(e)
+        for row, _, _, grad in runs:
+            if "fwd_ms" in row:
+                row["fwd_tflops"] = shape.forward_flops() / row["fwd_ms"] / 1e9
+            if "fwdbwd_ms" in row:
+                row["fwdbwd_tflops"] = shape.fwdbwd_flops() / row["fwdbwd_ms"] / 1e9
             if memory and "fwdbwd_ms" in row:
                 try:
-                    row["fwdbwd_gib"], row["fwdbwd_scratch_gib"] = _memory_gib(grad, *grad_args)
+                    row["fwdbwd_gib"], row["fwdbwd_scratch_gib"] = _memory_gib(grad["step"],
+                                                                               *grad_args)
                 except Exception as e:  # noqa: BLE001 - the timing stands without it
-                    row["memory_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
+                    row["memory_error"] = _error_text(e)
             rows.append(row)
             log(json.dumps(row))
     return rows
+
+
+def _error_text(e: Exception) -> str:
+    """A failed row's note: the exception's type and the first line of its message."""
+    return f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:120]}"
+
+
+def _check_rounds(rounds: int) -> None:
+    if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
+        raise ValueError(f"rounds must be an int >= 1, got {rounds!r}")
+
+
+def _keep_best(row: dict[str, Any], key: str, seconds: float) -> None:
+    """row[key] (milliseconds): the least of its rounds so far."""
+    row[key] = min(row.get(key, float("inf")), seconds * 1e3)
 
 
 def format_table(rows: list[dict[str, Any]]) -> str:
@@ -646,10 +673,12 @@ def time_per_step(fn: Callable[..., jax.Array], q: jax.Array, *rest: Any) -> flo
 
 
 def decode_benchmark(shapes: Sequence[Shape], *, log: Callable[[str], None] = print,
-                     only: Sequence[str] | None = None) -> list[dict[str, Any]]:
+                     only: Sequence[str] | None = None, rounds: int = 1
+                     ) -> list[dict[str, Any]]:
     """Forward-only rows with the effective K/V read bandwidth: the bytes of the keys
     and values every sequence's length covers, over the time per step of a decoding
-    loop (`time_per_step`)."""
+    loop (`time_per_step`); each the best of `rounds`, as in `benchmark`."""
+    _check_rounds(rounds)
     rows = []
     for shape in shapes:
         args = make_inputs(shape)
@@ -662,26 +691,29 @@ def decode_benchmark(shapes: Sequence[Shape], *, log: Callable[[str], None] = pr
         kv_bytes = (keys * shape.kv_heads * (shape.head_dim + shape.value_head_dim)
                     * jnp.dtype(shape.dtype).itemsize)
         page_size = features.get("paged")
+        runs = []
         if page_size is not None:
             fn, operands = _paged(args, page_size)
-            t = time_per_step(fn, *operands)
-            row = {"shape": shape.label, "impl": "pallas_attn paged", "fwd_ms": t * 1e3,
-                   "kv_tbps": kv_bytes / t / 1e12}
-            rows.append(row)
-            log(json.dumps(row))
-            continue
-        for name, fn in implementations(False).items():
-            if only is not None and name not in only:
-                continue
-            row: dict[str, Any] = {"shape": shape.label, "impl": name}
-            try:
-                arrays = {x: y for x, y in kwargs.items() if isinstance(y, jax.Array)}
-                static = {x: y for x, y in kwargs.items() if x not in arrays}
-                t = time_per_step(lambda q, k, v, arrays, fn=fn, static=static: fn(
-                    q, k, v, **arrays, **static), q, k, v, arrays)
-                row.update(fwd_ms=t * 1e3, kv_tbps=kv_bytes / t / 1e12)
-            except Exception as e:  # noqa: BLE001 - peers may not support a shape
-                row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
+            runs.append(({"shape": shape.label, "impl": "pallas_attn paged"}, fn, operands))
+        else:
+            arrays = {x: y for x, y in kwargs.items() if isinstance(y, jax.Array)}
+            static = {x: y for x, y in kwargs.items() if x not in arrays}
+            for name, fn in implementations(False).items():
+                if only is None or name in only:
+                    runs.append(({"shape": shape.label, "impl": name},
+                                 lambda q, k, v, arrays, fn=fn, static=static: fn(
+                                     q, k, v, **arrays, **static), (q, k, v, arrays)))
+        for _ in range(rounds):
+            for row, fn, operands in runs:
+                if "error" in row:
+                    continue
+                try:
+                    _keep_best(row, "fwd_ms", time_per_step(fn, *operands))
+                except Exception as e:  # noqa: BLE001 - peers may not support a shape
+                    row["error"] = _error_text(e)
+        for row, _, _ in runs:
+            if "fwd_ms" in row:
+                row["kv_tbps"] = kv_bytes / row["fwd_ms"] / 1e9
             rows.append(row)
             log(json.dumps(row))
     return rows

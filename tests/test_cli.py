@@ -176,7 +176,8 @@ def test_tune_needs_a_gpu(capsys):
                                   ["check", "--shard", "x"], ["bench", "--set", "wide"],
                                   ["bench", "--set", "long"],
                                   ["bench", "--set", "wide", "--match", "H999"],
-                                  ["bench", "--dtype", "float16"], ["bench", "--dtype", "f8"]])
+                                  ["bench", "--dtype", "float16"], ["bench", "--dtype", "f8"],
+                                  ["bench", "--rounds", "0"], ["bench", "--rounds", "2"]])
 def test_bad_arguments_exit_with_usage(argv, capsys):
     with pytest.raises(SystemExit) as e:
         main(argv)
@@ -209,6 +210,41 @@ def test_decode_rows_time_a_loop_of_chained_steps(monkeypatch):
     seconds = bench.time_per_step(lambda q, k: q * k, jnp.ones((2, 4)), jnp.full((2, 4), 2.0))
     assert seconds == pytest.approx(0.2) and len(timed) == 1
     np.testing.assert_allclose(timed[0](), np.full((2, 4), 1.002 ** 3), rtol=1e-6)
+
+
+def test_bench_rounds_keep_each_rows_best_with_the_implementations_taking_turns(monkeypatch):
+    """`bench --rounds 2`: every implementation's forward and fwd+bwd are timed once per
+    round, the implementations in turn within each round, and each row keeps its least
+    time (the TFLOP/s from it); a failing peer fails its row once."""
+    from pallas_attn import bench
+    from pallas_attn.tuning import autotune
+
+    def broken(q, k, v, **kw):
+        raise NotImplementedError("no such shape")
+
+    monkeypatch.setattr(bench, "implementations", lambda interpret: {
+        "a": lambda q, k, v, **kw: q, "b": lambda q, k, v, **kw: q * 2, "c": broken})
+    seconds = iter([3e-3, 8e-3, 2e-3, 9e-3, 1e-3, 7e-3, 4e-3, 5e-3])
+    timed = []
+
+    def time_call(fn):
+        timed.append(fn.func)
+        fn()
+        return next(seconds)
+
+    monkeypatch.setattr(autotune, "time_call", time_call)
+    shape = bench.Shape(1, 16, 16, 1, 1, 16)
+    rows = bench.benchmark([shape], rounds=2, log=lambda _: None)
+    a, b, c = rows
+    assert (a["fwd_ms"], a["fwdbwd_ms"]) == pytest.approx((1.0, 7.0))
+    assert (b["fwd_ms"], b["fwdbwd_ms"]) == pytest.approx((2.0, 5.0))
+    assert a["fwd_tflops"] == pytest.approx(shape.forward_flops() / 1e-3 / 1e12)
+    assert "error" in c and "fwd_ms" not in c
+    # a's and b's steps compiled once each: the same jitted functions in both rounds.
+    assert len(timed) == 9 and timed[0] is timed[5] and timed[1] is timed[6]
+    assert timed[3] is timed[8] and timed[0] is not timed[2]
+    with pytest.raises(ValueError, match="rounds must be an int >= 1"):
+        bench.benchmark([shape], rounds=0)
 
 
 def test_the_wide_set_spans_the_issue_grid():
