@@ -126,7 +126,7 @@ CASES = {
         block_sizes=pallas_attn.BlockSizes(dq_backend="mosaic", dkv_backend="mosaic")),
     # Every role on a Mosaic kernel at head dims 160 / 136: padded to 160 (not 256), the
     # forward's 64-byte tiles five wide, the wide backward's halves 80 columns in 32-byte
-    # tiles; the Triton repairs on a copy padded to 256; a batch-shared bias's gradient,
+    # tiles; the Triton repairs read 160 columns as tiles of 256; a batch-shared bias's gradient,
     # causal, summed in turn (the default).
     "mosaic_all_h160": dict(
         H=160, Hv=136, T=200, S=300, K=2, is_causal=True,

@@ -66,7 +66,7 @@ class Problem:
 
     q_len / kv_len are the caller's lengths; the arrays are padded to
     q_pad / kv_pad (multiples of every power-of-two tile; the Mosaic forward's 96-key
-    tiles may end past kv_pad) and head dims to powers of two. plan:
+    tiles may end past kv_pad) and head dims to the plan's (`Plan.head_dims`). plan:
     each role's backend and tiles (dispatch.py).
     """
 

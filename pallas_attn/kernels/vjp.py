@@ -1,9 +1,10 @@
 """The Pallas implementation: padding, and the jax.custom_vjp that runs a plan.
 
-Sequence lengths are padded up to a multiple of every tile and head dims to a
-power of two (Triton tiles are powers of two); the kernels mask the padded keys
-and the padded rows are sliced off, so callers never pad. Padding copies q, k, v
-only when a length is ragged or a head dim is not a power of two: O(T) memory.
+Sequence lengths are padded up to a multiple of every tile and head dims to the
+plan's (`Plan.head_dims`: powers of two, or whole wgmma tiles where only Mosaic
+kernels run); the kernels mask the padded keys and the padded rows are sliced off,
+so callers never pad. Padding copies q, k, v only when a length is ragged or a head
+dim is not the plan's: O(T) memory.
 
 Residuals: the (padded) inputs, the output and the forward's per-row statistics
 (row maximum and log2 of the row sum, kernels/core.py), not just the logsumexp.
