@@ -53,7 +53,7 @@ DECODE_MIN_TILES_PER_SPLIT = 2
 # time on an H100, so below this many query rows per kv head the Triton kernels (which
 # zero in their tiles) run instead (docs/decisions.md, "Sequence lengths in the Mosaic").
 MOSAIC_LENGTHS_MIN_ROWS = 2048
-# Causal at head dim 128 without a bias, mask or segment ids: below this many query rows
+# Causal at head dims 97-128 without a bias, mask or segment ids: below this many query rows
 # per kv head the Mosaic backward's units and items hold a few steps each, and the
 # Triton dQ and dK/dV run the step 17% faster at T = 512 (H200; no gain at 1024 rows or
 # at head dim 64; docs/decisions.md, "Short causal problems on the Triton backward").
@@ -328,7 +328,7 @@ def _mosaic_route(role: str, call: Call, device: DeviceInfo, overrides: BlockSiz
     # (Where no row sees a key past T: bottom-right alignment with S > T lets every row
     # see the earlier keys, long units the Mosaic kernels keep; so do ring attention's
     # blocks, most of them whole.)
-    if (automatic and role in ("dq", "dkdv") and spec.is_causal and dims == (128, 128)
+    if (automatic and role in ("dq", "dkdv") and spec.is_causal and 96 < max(dims) <= 128
             and rows < MOSAIC_CAUSAL_BACKWARD_MIN_ROWS
             and spec.offset(call.q_len, call.kv_len) <= 0 and "origin" not in call.present
             and not (spec.has_bias or spec.has_mask or spec.has_segments)):

@@ -7,6 +7,7 @@
   forward and hand-derived backward, used as the high-precision reference.
 * `TOLERANCES` and the comparison helpers (one table keyed by dtype, plus
   FlashAttention's "at most twice the error of the same-dtype reference" rule).
+* `host_primitives`: a jaxpr's primitives outside the kernels.
 """
 
 from __future__ import annotations
@@ -572,3 +573,20 @@ def check_kernel_gradients(dtype: Any, shapes: dict, bias_shape: tuple | None, k
     assert_fa_rule(kernel, reference, exact, dtype)
     assert_results_close(kernel, reference, dtype, label="vs reference: ")
     return kernel, exact
+
+
+# How the kernels appear in a jaxpr: Triton's pallas_call, the Mosaic GPU kernels' map.
+KERNEL_PRIMITIVES = ("pallas_call", "mpmd_map", "core_map")
+
+
+def host_primitives(jaxpr, found: set[str] | None = None) -> set[str]:
+    """The primitives of a jaxpr and its sub-jaxprs outside the Pallas kernels (a `cond`
+    among them makes a GPU wait for its predicate on the host)."""
+    found = set() if found is None else found
+    for eqn in jaxpr.eqns:
+        found.add(eqn.primitive.name)
+        if eqn.primitive.name in KERNEL_PRIMITIVES:
+            continue
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            host_primitives(sub, found)
+    return found

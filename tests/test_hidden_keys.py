@@ -18,7 +18,7 @@ import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from kernel_helpers import SMALL_BLOCKS, no_mosaic_races  # noqa: F401
+from kernel_helpers import SMALL_BLOCKS, host_primitives, no_mosaic_races  # noqa: F401
 
 import pallas_attn
 
@@ -263,21 +263,6 @@ def test_queries_past_their_length_change_no_result(dtype, blocks, bias_shape):
     assert not np.swapaxes(dbias, 1, 2)[hidden[-1:] if seen else hidden].any()
 
 
-# How the kernels appear in a jaxpr: Triton's pallas_call, the Mosaic GPU kernels' map.
-KERNEL_PRIMITIVES = ("pallas_call", "mpmd_map", "core_map")
-
-
-def _host_primitives(jaxpr, found: set[str]) -> set[str]:
-    """The primitives of a jaxpr and its sub-jaxprs outside the Pallas kernels."""
-    for eqn in jaxpr.eqns:
-        found.add(eqn.primitive.name)
-        if eqn.primitive.name in KERNEL_PRIMITIVES:
-            continue
-        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
-            _host_primitives(sub, found)
-    return found
-
-
 @pytest.mark.parametrize("head_dim", [48, 176])
 def test_repairs_take_no_cond_outside_the_kernels(head_dim):
     """A causal fwd+bwd on the Mosaic kernels of an H100 at head dims padded to no power
@@ -298,5 +283,5 @@ def test_repairs_take_no_cond_outside_the_kernels(head_dim):
     hp = plan.head_dims[0]
     assert hp & (hp - 1) and plan.forward.repair is not None, plan
     assert all(getattr(plan, role).backend == "mosaic" for role in ("forward", "dq", "dkdv"))
-    found = _host_primitives(jaxpr.jaxpr, set())
+    found = host_primitives(jaxpr.jaxpr)
     assert {"pallas_call", "mpmd_map"} <= found and "cond" not in found, sorted(found)

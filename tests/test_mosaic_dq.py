@@ -210,6 +210,8 @@ MOSAIC_ALL = dataclasses.replace(MOSAIC_DQ_DKV, block_q=128, block_k=128,
      dict(is_causal=True, logits_soft_cap=8.0), MOSAIC_ALL_WIDE),
     (dict(B=2, T=100, S=150, N=2, K=1, H=8, Hv=24), (1, 2),
      dict(is_causal=True, logits_soft_cap=8.0), MOSAIC_ALL),
+    (dict(B=2, T=100, S=150, N=2, K=1, H=112, Hv=104), (1, 2),
+     dict(is_causal=True, logits_soft_cap=8.0), MOSAIC_ALL),
     # A bias and a mask per key (rows read per key tile; dbias from the Triton dK/dV
     # kernel), GQA, bottom-right causal T > S (rows that see no key).
     (dict(B=2, T=150, S=120, N=4, K=2, H=64), (2, 4, 1, 120),
@@ -235,7 +237,8 @@ MOSAIC_ALL = dataclasses.replace(MOSAIC_DQ_DKV, block_q=128, block_k=128,
 ], ids=["shared_bias_soft_cap_alibi_mqa_bottom_right_empty_rows_H80_Hv64",
         "with_mosaic_dkv_shared_bias_window_alibi",
         "wide_H256_with_mosaic_dkv_shared_bias", "all_mosaic_H160_Hv136_padded_to_160",
-        "all_mosaic_H8_Hv24_padded_to_16_32", "bias_and_mask_per_key_bottom_right_gqa",
+        "all_mosaic_H8_Hv24_padded_to_16_32", "all_mosaic_H112_Hv104_padded_to_112",
+        "bias_and_mask_per_key_bottom_right_gqa",
         "bias_one_entry_mask_per_row_sinks_gqa", "bias_per_row_soft_cap_gqa",
         "wide_H256_bias_per_row_window", "bias_per_row_segments"])
 def test_gradients_with_the_mosaic_dq_against_reference_and_float64(shapes, bias_shape,

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
+from kernel_helpers import host_primitives
 
 import pallas_attn
 
@@ -158,9 +159,11 @@ def test_ring_of_one_device_is_the_op():
     _check("contiguous", "xla_chunked", "causal_everything", devices=1)
 
 
-def test_causally_hidden_blocks_are_never_read():
+@pytest.mark.parametrize("implementation", ["xla_chunked", "pallas"])
+def test_causally_hidden_blocks_are_never_read(implementation):
     """NaN keys and values on the last device: every earlier query (which sees none of
-    them causally) stays exact, because their blocks are skipped, not masked."""
+    them causally) stays exact: xla_chunked skips their blocks, the kernels every tile
+    of them."""
     mesh = _mesh()
     q, k, v, _ = _inputs()
     T = q.shape[1]
@@ -169,9 +172,10 @@ def test_causally_hidden_blocks_are_never_read():
     v_bad = v.at[:, tail].set(jnp.nan)
     seq = P(None, "sp")
     run = jax.jit(jax.shard_map(
-        lambda q, k, v: pallas_attn.ring_attention(q, k, v, axis_name="sp", is_causal=True,
-                                                   implementation="xla_chunked"),
-        mesh=mesh, in_specs=(seq,) * 3, out_specs=seq))
+        lambda q, k, v: pallas_attn.ring_attention(
+            q, k, v, axis_name="sp", is_causal=True, implementation=implementation,
+            interpret=implementation == "pallas"),
+        mesh=mesh, in_specs=(seq,) * 3, out_specs=seq, check_vma=implementation != "pallas"))
     out = run(q, k_bad, v_bad)
     want = jax.jit(lambda q, k, v: pallas_attn.dot_product_attention(
         q, k, v, is_causal=True, implementation="xla"))(q, k, v)
@@ -338,8 +342,9 @@ def _mosaic_block(origin, features, H):
 def test_ring_blocks_on_the_mosaic_kernels_vary_over_the_ring_axis():
     """Planned for a Hopper GPU (traced here, not run), ring attention's blocks run the
     Mosaic kernels, whose results must be typed as varying over the ring's axis under
-    shard_map's checks (else the skipped blocks' zeros and the computed ones differ in
-    type)."""
+    shard_map's checks (else they do not merge with the ring's partial results). No
+    lax.cond around them: the kernels skip the tiles the band hides, and a cond's
+    predicate would be read on the host once per block and step."""
     from pallas_attn.device import DeviceInfo, lowering_for
 
     mesh = _mesh(2)
@@ -364,3 +369,5 @@ def test_ring_blocks_on_the_mosaic_kernels_vary_over_the_ring_axis():
         jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2)))(x, x, x)
     assert (plan.forward.backend, plan.dq.backend, plan.dkdv.backend) == ("mosaic",) * 3
     assert re.search(r"name=wg\b", str(jaxpr))  # the Mosaic kernels' warpgroups
+    found = host_primitives(jaxpr.jaxpr)
+    assert "mpmd_map" in found and "cond" not in found, sorted(found)
