@@ -24,12 +24,12 @@ def padded_head_dim(head_dim: int) -> int:
 
 def mosaic_head_dim(head_dim: int) -> int:
     """The padding where only Mosaic kernels run: whole wgmma tiles, multiples of 16 from
-    33 to 120 (48, 80, 112), 128 from 121 and multiples of 32 above (160, 192, 224);
+    33 to 112 (48, 80, 112), 128 from 113 and multiples of 32 above (160, 192, 224);
     powers of two up to 32. At 112 the columns padded to 128 cost the forward 13-31%
     (docs/decisions.md)."""
-    if head_dim <= 32 or 120 < head_dim <= 128:
+    if head_dim <= 32 or 112 < head_dim <= 128:
         return padded_head_dim(head_dim)
-    step = 16 if head_dim <= 120 else 32
+    step = 16 if head_dim <= 112 else 32
     return -(-head_dim // step) * step
 
 
