@@ -25,7 +25,7 @@ def padded_head_dim(head_dim: int) -> int:
 def mosaic_head_dim(head_dim: int) -> int:
     """The padding where only Mosaic kernels run: whole wgmma tiles, multiples of 16 from
     33 to 112 (48, 80, 112), 128 from 113 and multiples of 32 above (160, 192, 224);
-    powers of two up to 32. At 112 the columns padded to 128 cost the forward 13-31%
+    powers of two up to 32. At 112 the columns padded to 128 cost the forward 13-30%
     (docs/decisions.md)."""
     if head_dim <= 32 or 112 < head_dim <= 128:
         return padded_head_dim(head_dim)
