@@ -908,7 +908,8 @@ def random_check_shapes(count: int, seed: int, on_device: bool) -> list[Shape]:
         if not causal and rng.random() < 0.15:
             features.append(("causal_bottom_right", None))
         elif rng.random() < 0.25:
-            features.append(("window", rng.randrange(16, kv_len)))
+            # A window of at least 16 keys, under kv_len where there are more.
+            features.append(("window", rng.randrange(min(16, kv_len - 1), kv_len)))
         documents = rng.choice((2, 3, 4)) if mask == "mask_documents" else None
         packed = rng.choice((2, 3, 4)) if ids == "packed" else None
         features += [(name, value) for name, value in ((bias, None), (mask, documents),
