@@ -328,7 +328,8 @@ def _mosaic_route(role: str, call: Call, device: DeviceInfo, overrides: BlockSiz
     # (Where no row sees a key past T: bottom-right alignment with S > T lets every row
     # see the earlier keys, long units the Mosaic kernels keep; so do ring attention's
     # blocks, most of them whole.)
-    if (automatic and role in ("dq", "dkdv") and spec.is_causal and 96 < max(dims) <= 128
+    if (automatic and role in ("dq", "dkdv") and spec.is_causal
+            and all(96 < d <= 128 for d in dims)
             and rows < MOSAIC_CAUSAL_BACKWARD_MIN_ROWS
             and spec.offset(call.q_len, call.kv_len) <= 0 and "origin" not in call.present
             and not (spec.has_bias or spec.has_mask or spec.has_segments)):

@@ -727,14 +727,15 @@ def test_explain_takes_arrays_or_shapes_and_a_device():
 
 
 def test_short_causal_problems_run_the_triton_backward():
-    """Causal at head dim 128 below 1024 query rows per kv head: the Triton dQ and dK/dV
+    """Causal at head dims 97-128 below 1024 query rows per kv head: the Triton dQ and dK/dV
     (measured faster there); not from 1024 rows, with GQA groups that reach them, at head
     dim 64, bottom-right with S > T (rows see the earlier keys), with a bias, or where
     block_sizes names the Mosaic kernels."""
-    def plan(T=512, N=4, K=4, H=128, S=None, **kw):
+    def plan(T=512, N=4, K=4, H=128, S=None, Hv=None, **kw):
         q = jax.ShapeDtypeStruct((2, T, N, H), jnp.bfloat16)
-        kv = jax.ShapeDtypeStruct((2, S or T, K, H), jnp.bfloat16)
-        return pallas_attn.explain(q, kv, kv, is_causal=kw.pop("is_causal", True),
+        k = jax.ShapeDtypeStruct((2, S or T, K, H), jnp.bfloat16)
+        v = jax.ShapeDtypeStruct((2, S or T, K, Hv or H), jnp.bfloat16)
+        return pallas_attn.explain(q, k, v, is_causal=kw.pop("is_causal", True),
                                    device=H100, **kw)
 
     # A ring attention block (its origin given): most blocks are whole.
@@ -746,10 +747,12 @@ def test_short_causal_problems_run_the_triton_backward():
         "mosaic", "triton", "triton")
     assert "causal with 512 query rows per kv head (under 1024)" in str(short)
     # Top-left with more keys: no row sees past key 512, as above; so bottom-right with
-    # fewer keys; head dims padded to 128 too.
-    for same in (plan(S=4096), plan(S=256, causal_alignment="bottom_right"), plan(H=112)):
+    # fewer keys; head dims 97-128 too (112 would run the Mosaic kernels at 112 columns).
+    for same in (plan(S=4096), plan(S=256, causal_alignment="bottom_right"), plan(H=112),
+                 plan(H=104, Hv=128)):
         assert (same.dq.backend, same.dkdv.backend) == ("triton", "triton"), same
-    for other in (plan(T=1024), plan(N=8, K=4), plan(H=64), plan(is_causal=False),
+    for other in (plan(T=1024), plan(N=8, K=4), plan(H=64), plan(H=64, Hv=128),
+                  plan(is_causal=False),
                   plan(S=4096, causal_alignment="bottom_right"),
                   ring_block,
                   plan(bias=jax.ShapeDtypeStruct((1, 4, 512, 512), jnp.bfloat16)),
