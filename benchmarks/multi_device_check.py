@@ -14,13 +14,13 @@ On a CPU it runs small shapes through the interpreter (a smoke test).
 from __future__ import annotations
 
 import argparse
-import json
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
+from row_log import RowLog
 
 import pallas_attn
 from pallas_attn.device import on_nvidia_gpu
@@ -88,7 +88,9 @@ def main() -> None:
     B, T, N, K, H = (1, 8192 * P_, 16, 8, 128) if gpu else (1, 64 * P_, 4, 2, 32)
     dtype = jnp.bfloat16 if gpu else jnp.float32
     mesh = jax.make_mesh((P_,), ("sp",), axis_types=(AxisType.Auto,))
-    rows = []
+    print(f"{jax.devices()[0].device_kind}, jax {jax.__version__}, {P_} device(s)", flush=True)
+    emit = RowLog(args.json)
+
     for everything in (False, True):
         options, segments = _features(B, T, N, everything)
         if segments is None:
@@ -106,7 +108,7 @@ def main() -> None:
             a = [into(x) for x in (q, k, v, ct, segments)]
             (_, (o, lse)), g = ring(*a)
             t_ring = time_call(lambda ring=ring, a=a: ring(*a))
-            rows.append(dict(
+            emit(dict(
                 check="ring", layout=layout, features="all" if everything else "causal",
                 devices=P_, T=T, out=_max_diff(back(o), o_ref), lse=_max_diff(back(lse), l_ref),
                 dq=_max_diff(back(g[0]), g_ref[0]), dk=_max_diff(back(g[1]), g_ref[1]),
@@ -123,16 +125,9 @@ def main() -> None:
     sharded = op(sq, sk, sv, sct, ss)
     diff = max(_max_diff(a, b) for a, b in zip(jax.tree.leaves(sharded), jax.tree.leaves(plain),
                                                strict=True))
-    rows.append(dict(check="sharded", devices=P_, T=q.shape[1], max_diff=diff,
-                     plain_ms=time_call(lambda: op(q, k, v, ct, segments)) * 1e3,
-                     sharded_ms=time_call(lambda: op(sq, sk, sv, sct, ss)) * 1e3))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
-    print(f"{jax.devices()[0].device_kind}, jax {jax.__version__}, {P_} device(s)")
-    for row in rows:
-        print("  ".join(f"{key}={value:.4g}" if isinstance(value, float) else f"{key}={value}"
-                        for key, value in row.items()))
+    emit(dict(check="sharded", devices=P_, T=q.shape[1], max_diff=diff,
+              plain_ms=time_call(lambda: op(q, k, v, ct, segments)) * 1e3,
+              sharded_ms=time_call(lambda: op(sq, sk, sv, sct, ss)) * 1e3))
 
 
 if __name__ == "__main__":

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import json
 import re
 import sys
 from pathlib import Path
@@ -34,6 +33,7 @@ from flax import nnx
 from jax import lax
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
+from row_log import RowLog
 
 import pallas_attn
 from pallas_attn import dispatch
@@ -241,15 +241,7 @@ def main() -> None:
     lengths = args.lengths or ([131072, 524288] if gpu else [64 * len(devices)])
     print(f"{devices[0].device_kind}, jax {jax.__version__}, {len(devices)} device(s)",
           flush=True)
-    rows = []
-
-    def emit(row: dict) -> None:  # as each row comes, so a run cut short keeps its rows
-        rows.append(row)
-        print("  ".join(f"{key}={value:.4g}" if isinstance(value, float) else f"{key}={value}"
-                        for key, value in row.items()), flush=True)
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(rows, f, indent=1)
+    emit = RowLog(args.json)
 
     if "data" in args.only:
         emit(data_parallel(devices, gpu, args.batch))
