@@ -16,6 +16,7 @@ import dataclasses
 from typing import Any
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest

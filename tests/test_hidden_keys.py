@@ -14,11 +14,15 @@ some rows, those rows keep their clean values and the rows that see the key are 
 from __future__ import annotations
 
 import jax
-import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from kernel_helpers import SMALL_BLOCKS, host_primitives, no_mosaic_races  # noqa: F401
+from kernel_helpers import (  # noqa: F401
+    KERNEL_PRIMITIVES,
+    SMALL_BLOCKS,
+    host_primitives,
+    no_mosaic_races,
+)
 
 import pallas_attn
 
@@ -285,3 +289,41 @@ def test_repairs_take_no_cond_outside_the_kernels(head_dim):
     assert all(getattr(plan, role).backend == "mosaic" for role in ("forward", "dq", "dkdv"))
     found = host_primitives(jaxpr.jaxpr)
     assert {"pallas_call", "mpmd_map"} <= found and "cond" not in found, sorted(found)
+
+
+@pytest.mark.parametrize("capability", [(9, 0), (8, 0)], ids=["sm90", "sm80"])
+def test_no_host_conditional_outside_the_kernels_with_any_feature(capability):
+    """fwd+bwd with each feature at head dim 112 (the Mosaic kernels at 112 columns on an
+    H100, Triton's on an A100), a decode step and a paged one: no cond, while or scan
+    around the kernels, whose predicate or trip count a GPU would read on the host."""
+    B, T, N, K, H = 2, 512, 4, 2, 112
+    q, kv = jnp.zeros((B, T, N, H), jnp.bfloat16), jnp.zeros((B, T, K, H), jnp.bfloat16)
+    ids = jnp.repeat(jnp.arange(4), T // 4)[None].repeat(B, 0)
+    lengths = jnp.array([300, T])
+    features = {
+        "plain": {}, "causal": dict(is_causal=True), "window": dict(local_window_size=(100, 0)),
+        "mask": dict(mask=jnp.ones((B, 1, T, T), bool)),
+        "segments": dict(q_segment_ids=ids, kv_segment_ids=ids),
+        "lengths": dict(key_value_seq_lengths=lengths, query_seq_lengths=lengths),
+        "bias": dict(bias=jnp.zeros((1, N, T, T), jnp.bfloat16)),
+        "dropout": dict(dropout_rate=0.1, dropout_rng=jax.random.key(0)),
+        "softcap_alibi_sinks": dict(logits_soft_cap=20.0, alibi_slopes=jnp.ones((N,)),
+                                    sinks=jnp.zeros((N,))),
+    }
+    device = pallas_attn.DeviceInfo.for_capability(capability)
+    steps = {}
+    for name, kw in features.items():
+        def loss(q, k, v, kw=kw):
+            out = pallas_attn.dot_product_attention(q, k, v, implementation="pallas", **kw)
+            return jnp.sum(out.astype(jnp.float32))
+        steps[name] = (jax.grad(loss, argnums=(0, 1, 2)), q, kv, kv)
+    steps["decode"] = (lambda q, k: pallas_attn.dot_product_attention(
+        q, k, k, key_value_seq_lengths=lengths, implementation="pallas"), q[:, :1], kv)
+    cache, table = jnp.zeros((16, 64, K, H), jnp.bfloat16), jnp.arange(16).reshape(B, 8)
+    steps["paged"] = (lambda q, c: pallas_attn.paged_attention(
+        q, c, c, table, lengths, implementation="pallas"), q[:, :7], cache)
+    for name, (step, *args) in steps.items():
+        with pallas_attn.device.lowering_for(device):
+            found = host_primitives(jax.make_jaxpr(step)(*args).jaxpr)
+        assert found & set(KERNEL_PRIMITIVES), (name, sorted(found))
+        assert not found & {"cond", "while", "scan"}, (name, sorted(found))
