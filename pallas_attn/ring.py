@@ -265,6 +265,18 @@ def _ring_blocks(ring: _Ring, length: int, step: int):
             yield a, b, (q_start, k_start), ring.visible(q_start, k_start, chunk)
 
 
+def _hide_rows_past(ring: _Ring, x: jax.Array, lengths: jax.Array | None) -> jax.Array:
+    """x [B, T, ...] of this device's rows zeroed at the global positions past the query
+    lengths (`reference.hide_rows_past`: rows that see no key, whose output cotangents
+    reach no gradient)."""
+    if lengths is None:
+        return x
+    starts = ring.starts(lax.axis_index(ring.axis_name), x.shape[1])
+    parts = [reference.hide_past(part, lengths, start)
+             for part, start in zip(_split(x, ring.parts), starts, strict=True)]
+    return jnp.concatenate(parts, axis=1) if ring.parts > 1 else parts[0]
+
+
 def _shift(tree: Any, ring: _Ring) -> Any:
     """Every device sends to the next one around the ring."""
     perm = [(i, (i + 1) % ring.devices) for i in range(ring.devices)]
@@ -343,6 +355,7 @@ def _ring_bwd(ring: _Ring, residuals, cotangents):
     d_out, d_lse = cotangents
     if isinstance(d_out, SymbolicZero):
         d_out = jnp.zeros(out.shape, out.dtype)
+    d_out = _hide_rows_past(ring, d_out, constants.get("query_seq_lengths"))
     if isinstance(d_lse, SymbolicZero):
         d_lse = jnp.zeros(lse.shape, jnp.float32)
     T, parts = q.shape[1], ring.parts

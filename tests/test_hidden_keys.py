@@ -327,3 +327,32 @@ def test_no_host_conditional_outside_the_kernels_with_any_feature(capability):
             found = host_primitives(jax.make_jaxpr(step)(*args).jaxpr)
         assert found & set(KERNEL_PRIMITIVES), (name, sorted(found))
         assert not found & {"cond", "while", "scan"}, (name, sorted(found))
+
+
+@pytest.mark.parametrize("implementation", ["xla", "xla_chunked", "pallas"])
+def test_cotangents_past_the_query_lengths_change_no_gradient(implementation):
+    """Rows past a query length see no key: their output is 0 whatever the inputs, so the
+    queries and output cotangents there (NaN here) change no gradient, in every
+    implementation, sinks' included (their lse is the sink: its cotangent counts)."""
+    B, T, S, N, K, H = 2, 48, 40, 2, 1, 16
+    rng = np.random.default_rng(11)
+    q, k, v, ct = (jnp.asarray(rng.standard_normal(shape), jnp.float32) for shape in
+                   ((B, T, N, H), (B, S, K, H), (B, S, K, H), (B, T, N, H)))
+    ct_lse = jnp.asarray(rng.standard_normal((B, T, N)), jnp.float32)
+    lengths = jnp.array([29, 48], jnp.int32)
+    rows = (np.arange(T)[None, :] >= np.asarray(lengths)[:, None])[:, :, None, None]
+
+    @jax.jit
+    def gradients(q, ct):
+        def attention(q, k, v, sinks):
+            return pallas_attn.dot_product_attention(
+                q, k, v, is_causal=True, query_seq_lengths=lengths, sinks=sinks,
+                key_value_seq_lengths=jnp.array([40, 31], jnp.int32), return_residual=True,
+                implementation=implementation, interpret=implementation == "pallas")
+        _, vjp = jax.vjp(attention, q, k, v, jnp.array([0.5, -1.0]))
+        return vjp((ct, ct_lse))
+
+    clean = gradients(q, jnp.where(rows, 0.0, ct))
+    dirty = gradients(jnp.where(rows, jnp.nan, q), jnp.where(rows, jnp.nan, ct))
+    for got, want in zip(jax.tree.leaves(dirty), jax.tree.leaves(clean), strict=True):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-6)

@@ -371,3 +371,36 @@ def test_ring_blocks_on_the_mosaic_kernels_vary_over_the_ring_axis():
     assert re.search(r"name=wg\b", str(jaxpr))  # the Mosaic kernels' warpgroups
     found = host_primitives(jaxpr.jaxpr)
     assert "mpmd_map" in found and "cond" not in found, sorted(found)
+
+
+@pytest.mark.parametrize("layout,implementation", [("contiguous", "xla_chunked"),
+                                                   ("zigzag", "pallas")])
+def test_cotangents_past_the_query_lengths_change_no_gradient(layout, implementation):
+    """Output cotangents past the (global) query lengths hold NaN: every gradient, the
+    sinks' included, equals that of clean cotangents (those rows see no key)."""
+    mesh = _mesh(2)
+    q, k, v, ct = _inputs(B=2, T=64, N=2, K=1)
+    lengths = jnp.array([40, 64])
+    hidden = (jnp.arange(64)[None, :] >= lengths[:, None])[:, :, None, None]
+    into = ((lambda x: pallas_attn.zigzag(x, 2, 1)) if layout == "zigzag" else
+            (lambda x: x))
+    seq = P(None, "sp")
+
+    def attention(q, k, v, sinks):
+        return jax.shard_map(
+            lambda q, k, v: pallas_attn.ring_attention(
+                q, k, v, axis_name="sp", sequence_layout=layout, is_causal=True,
+                query_seq_lengths=lengths, sinks=sinks, implementation=implementation,
+                interpret=implementation == "pallas"),
+            mesh=mesh, in_specs=(seq,) * 3, out_specs=seq,
+            check_vma=implementation != "pallas")(q, k, v)
+
+    @jax.jit
+    def gradients(ct):
+        return jax.vjp(attention, into(q), into(k), into(v), jnp.array([0.5, -1.0]))[1](
+            into(ct))
+
+    clean = gradients(jnp.where(hidden, 0.0, ct))
+    dirty = gradients(jnp.where(hidden, jnp.nan, ct))
+    for got, want in zip(dirty, clean, strict=True):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-6)

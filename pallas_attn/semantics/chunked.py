@@ -183,9 +183,10 @@ def attention(spec: AttentionSpec, ops: Operands, *, block_q: int | None = None,
     plan = _plan(spec, ops, block_q, block_k, chunk)
     ops, constants = _hide(ops)
     # Through jit: shard_map outside jit takes no custom_vjp with symbolic zeros.
-    return jax.jit(_attention, static_argnums=0)(plan, ops.query, ops.key, ops.value,
-                                                 ops.bias, ops.alibi_slopes, ops.sinks,
-                                                 constants)
+    out, lse = jax.jit(_attention, static_argnums=0)(plan, ops.query, ops.key, ops.value,
+                                                     ops.bias, ops.alibi_slopes, ops.sinks,
+                                                     constants)
+    return reference.hide_rows_past(out, ops), lse
 
 
 def gradients(spec: AttentionSpec, ops: Operands, out: jax.Array, lse: jax.Array,

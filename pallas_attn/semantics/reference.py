@@ -43,6 +43,13 @@ def hide_past_lengths(ops: Operands) -> Operands:
                         value=hide_past(ops.value, ops.key_value_seq_lengths, k0))
 
 
+def hide_rows_past(x: jax.Array, ops: Operands) -> jax.Array:
+    """x [B, T, ...] (an output or its cotangent) zeroed at the rows past the query
+    lengths: those rows see no key, so their output is 0 whatever the inputs, and what
+    their cotangents hold (NaN included) reaches no gradient."""
+    return hide_past(x, ops.query_seq_lengths, 0 if ops.origin is None else ops.origin[0])
+
+
 def _by_group(x: jax.Array | None, num_kv_heads: int) -> jax.Array | None:
     """An operand [X, N or 1, ...] in the logits' layout: its query-head axis split into
     (query head of the group, kv head) with the group first, [N / K, X, K, ...], or
@@ -208,7 +215,7 @@ def attention(spec: AttentionSpec, ops: Operands) -> tuple[jax.Array, jax.Array]
     out = jax.vmap(lambda x: jnp.einsum("bkts,bskh->btkh", x, v.astype(jnp.float32),
                                         precision=jax.lax.Precision.HIGHEST),
                    out_axes=3)(p)
-    out = out.reshape(B, T, K * G, Hv).astype(ops.query.dtype)
+    out = hide_rows_past(out.reshape(B, T, K * G, Hv).astype(ops.query.dtype), ops)
     return out, jnp.moveaxis(lse[..., 0], 0, 2).reshape(B, K * G, T)
 
 
