@@ -176,9 +176,12 @@ class _Ring:
 
     def visible(self, q_start: Any, k_start: Any, length: int) -> Any:
         """Whether a query chunk at q_start can see any key of the chunk at k_start
-        through the causal/window band (None: always)."""
+        through the causal/window band; None: the block always runs (no band, or the
+        kernels, which skip the tiles it hides themselves: a lax.cond on a GPU reads its
+        predicate on the host, a wait per block and step)."""
         spec = self.spec
-        if not spec.is_causal and spec.local_window is None:
+        if (not spec.is_causal and spec.local_window is None) or (
+                self.implementation != "xla_chunked"):
             return None
         lo, hi = scores.key_range(q_start, q_start + length, spec, 0, k_start + length)
         return jnp.maximum(lo, k_start) < hi
@@ -283,11 +286,9 @@ def _shift(tree: Any, ring: _Ring) -> Any:
     return jax.tree.map(lambda x: lax.ppermute(x, ring.axis_name, perm), tree)
 
 
-def _when(ring: _Ring, visible: Any, compute, skipped, *operands):
-    """compute(*operands), or skipped(*operands) where the band hides the block. The
-    kernels always compute: they skip the hidden tiles themselves, and a lax.cond on a
-    GPU reads its predicate on the host, a wait per block and step."""
-    if visible is None or ring.implementation != "xla_chunked":
+def _when(visible: Any, compute, skipped, *operands):
+    """compute(*operands), or skipped(*operands) where the band hides the block."""
+    if visible is None:
         return compute(*operands)
     return lax.cond(visible, compute, skipped, *operands)
 
@@ -313,7 +314,7 @@ def _ring_forward(ring: _Ring, q, k, v, sinks, constants):
             def skipped(*_):
                 return ring.zeros((B, c, N, Hv)), ring.zeros((B, N, c), -jnp.inf)
 
-            out_b, lse_b = _when(ring, visible, ring.forward, skipped, q_parts[a], k_parts[b],
+            out_b, lse_b = _when(visible, ring.forward, skipped, q_parts[a], k_parts[b],
                                  v_parts[b], block_constants, origin)
             outs[a], lses[a] = _merge(outs[a], lses[a], out_b, lse_b)
         travel = nxt
@@ -379,7 +380,7 @@ def _ring_bwd(ring: _Ring, residuals, cotangents):
             def skipped(q_a, k_b, v_b, *_):
                 return tuple(ring.zeros(x.shape) for x in (q_a, k_b, v_b))
 
-            dq_b, dk_b, dv_b = _when(ring, visible, compute, skipped, q_parts[a], k_parts[b],
+            dq_b, dk_b, dv_b = _when(visible, compute, skipped, q_parts[a], k_parts[b],
                                      v_parts[b], block_constants, origin, out_parts[a],
                                      lse_parts[a], do_parts[a], dlse_parts[a])
             dq[a] = dq[a] + dq_b
