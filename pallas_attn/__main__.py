@@ -7,6 +7,7 @@
   tune     time Triton tile candidates on the GPU and cache the fastest
   explain  the plan for one problem: which kernel runs each role, with which tiles, and
            why a faster one was not taken (plans for an H100 on a machine without a GPU)
+  plot     a TFLOP/s bar chart of bench's results (--json), on any machine
 """
 
 from __future__ import annotations
@@ -109,7 +110,16 @@ def main(argv: list[str] | None = None) -> int:
     explain.add_argument("--capability", help="plan for this compute capability, e.g. 8.0 "
                          "(default: this machine's GPU, or an H100 without one)")
     explain.add_argument("--sms", type=int, help="multiprocessors of that device")
+    plot = sub.add_parser("plot", help="a TFLOP/s bar chart of bench's --json results",
+                          description="Draws the forward and forward+backward TFLOP/s of "
+                          "each shape and implementation in a file `bench --json` wrote "
+                          "(on the GPU machine), titled with the device it names; needs "
+                          "matplotlib, not a GPU.")
+    plot.add_argument("results", help="a JSON file written by `bench --json`")
+    plot.add_argument("out", help="the PNG file to write")
     args = parser.parse_args(argv)
+    if args.command == "plot":
+        return _plot(args, parser)
     if args.command == "check":
         _without_gpu_autotuning()
     if args.command == "tune":
@@ -184,7 +194,28 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         bench_lib.write_json(args.json, rows)
     if args.plot:
-        bench_lib.plot(rows, args.plot)
+        bench_lib.plot(rows, args.plot, bench_lib.describe_device())
+    return 0
+
+
+def _plot(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    """`plot`: bench's JSON rows (their device named in the file) as a bar chart."""
+    import json
+
+    try:
+        with open(args.results) as f:
+            results = json.load(f)
+    except (OSError, ValueError) as e:
+        parser.error(f"cannot read bench results from {args.results!r}: {e}")
+    rows = results.get("rows") if isinstance(results, dict) else None
+    if not rows or not all(isinstance(r, dict) and {"shape", "impl", "fwd_tflops"} <= set(r)
+                           for r in rows):
+        parser.error(f"{args.results!r} holds no TFLOP/s rows (bench --json of --set "
+                     f"standard, features, all, wide or long writes them)")
+    from pallas_attn import bench as bench_lib
+
+    bench_lib.plot(rows, args.out, str(results.get("device", "device not recorded")))
+    print(f"wrote {args.out}")
     return 0
 
 

@@ -939,8 +939,9 @@ def write_json(path: str, rows: list[dict[str, Any]]) -> None:
         json.dump({"device": describe_device(), "rows": rows}, f, indent=1, default=str)
 
 
-def plot(rows: list[dict[str, Any]], path: str) -> None:
-    """Grouped bar chart of forward and forward+backward TFLOP/s per shape."""
+def plot(rows: list[dict[str, Any]], path: str, device: str) -> None:
+    """Grouped bar chart of forward and forward+backward TFLOP/s per shape, titled with
+    the device that ran them (rows that failed count 0)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -952,13 +953,13 @@ def plot(rows: list[dict[str, Any]], path: str) -> None:
     width = 0.8 / max(1, len(impls))
     for ax, metric in zip(axes, ("fwd_tflops", "fwdbwd_tflops"), strict=True):
         for i, impl in enumerate(impls):
-            values = [next((r.get(metric, 0.0) for r in rows
+            values = [next((r.get(metric) or 0.0 for r in rows
                             if r["shape"] == s and r["impl"] == impl), 0.0) for s in shapes]
             ax.bar(np.arange(len(shapes)) + i * width, values, width, label=impl)
         ax.set_ylabel(metric.replace("_tflops", "").replace("fwdbwd", "fwd+bwd") + " TFLOP/s")
         ax.legend()
     axes[-1].set_xticks(np.arange(len(shapes)) + 0.4 - width / 2, shapes, rotation=30,
                         ha="right", fontsize=7)
-    fig.suptitle(describe_device())
+    fig.suptitle(device)
     fig.tight_layout()
     fig.savefig(path, dpi=120)

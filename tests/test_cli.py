@@ -331,3 +331,24 @@ def test_bench_shapes_take_a_value_head_dim():
     [row] = bench.check([shape], interpret=True, log=lambda _: None)
     assert row["ok"], row
     assert "B4 T4096 S4096 N16 H192 causal value_dim128" in [s.label for s in bench.wide_shapes()]
+
+
+def test_plot_draws_bench_results_with_their_device(tmp_path, capsys):
+    """`plot` reads what `bench --json` wrote on the GPU machine and titles the chart with
+    the device named there; a file without TFLOP/s rows is refused by name."""
+    rows = [{"shape": "B4 T4096 S4096 N16 H128", "impl": impl, "fwd_tflops": fwd,
+             "fwdbwd_tflops": both} for impl, fwd, both in (("pallas_attn", 569.0, 473.0),
+                                                             ("cudnn", 605.0, None))]
+    results = tmp_path / "rows.json"
+    results.write_text(json.dumps({"device": "device: NVIDIA H200, jax 0.11.2", "rows": rows}))
+    out = tmp_path / "chart.png"
+    assert main(["plot", str(results), str(out)]) == 0
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    decode = tmp_path / "decode.json"
+    decode.write_text(json.dumps({"device": "x", "rows": [{"shape": "B1", "impl": "cudnn",
+                                                           "us": 9.2}]}))
+    for bad in (decode, tmp_path / "missing.json"):
+        with pytest.raises(SystemExit) as e:
+            main(["plot", str(bad), str(out)])
+        assert e.value.code == 2
+        assert str(bad) in capsys.readouterr().err
