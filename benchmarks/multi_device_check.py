@@ -8,6 +8,7 @@
 3. Ring attention's time next to the op's (on one device: the ring's own overhead).
 
 Usage (repository root): python benchmarks/multi_device_check.py [--json out.json]
+    [--only causal all sharded] [--layouts contiguous zigzag]
 On a CPU it runs small shapes through the interpreter (a smoke test).
 """
 
@@ -80,6 +81,13 @@ def _max_diff(a, b) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", help="write the rows here")
+    parser.add_argument("--only", nargs="+", choices=("causal", "all", "sharded"),
+                        default=("causal", "all", "sharded"),
+                        help="ring attention with causal masking only, with every feature, "
+                             "and the op on sharded inputs (a time-limited run's next call "
+                             "can take the rows it missed)")
+    parser.add_argument("--layouts", nargs="+", choices=("contiguous", "zigzag"),
+                        default=("contiguous", "zigzag"), help="ring attention's layouts")
     args = parser.parse_args()
     gpu = on_nvidia_gpu()
     interpret = not gpu
@@ -91,7 +99,7 @@ def main() -> None:
     print(f"{jax.devices()[0].device_kind}, jax {jax.__version__}, {P_} device(s)", flush=True)
     emit = RowLog(args.json)
 
-    for everything in (False, True):
+    for everything in [x == "all" for x in ("causal", "all") if x in args.only]:
         options, segments = _features(B, T, N, everything)
         if segments is None:
             segments = jnp.zeros((B, T), jnp.int32)
@@ -99,7 +107,7 @@ def main() -> None:
         op = _op_fn(options, interpret)
         (_, (o_ref, l_ref)), g_ref = op(q, k, v, ct, segments)
         t_op = time_call(lambda op=op, q=q, k=k, v=v, ct=ct, s=segments: op(q, k, v, ct, s))
-        for layout in ("contiguous", "zigzag"):
+        for layout in args.layouts:
             ring = _ring_fn(mesh, layout, options, interpret)
             into = (lambda x: pallas_attn.zigzag(x, P_, 1)) if layout == "zigzag" else (
                 lambda x: x)
@@ -113,6 +121,8 @@ def main() -> None:
                 devices=P_, T=T, out=_max_diff(back(o), o_ref), lse=_max_diff(back(lse), l_ref),
                 dq=_max_diff(back(g[0]), g_ref[0]), dk=_max_diff(back(g[1]), g_ref[1]),
                 dv=_max_diff(back(g[2]), g_ref[2]), op_ms=t_op * 1e3, ring_ms=t_ring * 1e3))
+    if "sharded" not in args.only:
+        return
     # The op on batch- and head-sharded inputs (a (devices, 1) mesh over batch, heads).
     q, k, v, ct = _inputs(2 * P_, 4096 if gpu else 64, N, K, H, dtype, seed=1)
     segments = jnp.zeros(q.shape[:2], jnp.int32)
