@@ -352,3 +352,26 @@ def test_plot_draws_bench_results_with_their_device(tmp_path, capsys):
             main(["plot", str(bad), str(out)])
         assert e.value.code == 2
         assert str(bad) in capsys.readouterr().err
+
+
+def test_check_adds_the_kernels_rounding_of_delta_as_the_backward_does():
+    """check's account of a gradient that misses the 2x rule: the reference's gradients
+    with delta = rowsum(dO * O) taken from O rounded to bfloat16, against the attention
+    backward written out in float64 with that delta."""
+    import pallas_attn
+    from pallas_attn import bench
+
+    rng = np.random.default_rng(0)
+    q, k, v, ct = (rng.standard_normal((1, 6, 1, 8)) for _ in range(4))
+    ref = lambda *a, **kw: pallas_attn.dot_product_attention(*a, implementation="xla", **kw)
+    got = bench._grads_with_rounded_delta(ref, *(jnp.asarray(x, jnp.float32) for x in
+                                                 (q, k, v, ct)), {}, jnp.bfloat16)
+    Q, K, V, dO = (x[0, :, 0].astype(np.float64) for x in (q, k, v, ct))
+    scale = 8 ** -0.5
+    s = Q @ K.T * scale
+    p = np.exp(s - s.max(1, keepdims=True))
+    p /= p.sum(1, keepdims=True)
+    o = np.asarray(jnp.asarray(p @ V, jnp.float32).astype(jnp.bfloat16), np.float64)
+    ds = p * (dO @ V.T - np.sum(dO * o, 1, keepdims=True))
+    for x, want in zip(got, (ds @ K * scale, ds.T @ Q * scale, p.T @ dO), strict=True):
+        np.testing.assert_allclose(np.asarray(x)[0, :, 0], want, rtol=1e-4, atol=1e-5)
