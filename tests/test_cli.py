@@ -335,10 +335,12 @@ def test_bench_shapes_take_a_value_head_dim():
 
 def test_plot_draws_bench_results_with_their_device(tmp_path, capsys):
     """`plot` reads what `bench --json` wrote on the GPU machine and titles the chart with
-    the device named there; a file without TFLOP/s rows is refused by name."""
+    the device named there, leaving out rows of failed calls; a file without TFLOP/s rows
+    is refused by name."""
     rows = [{"shape": "B4 T4096 S4096 N16 H128", "impl": impl, "fwd_tflops": fwd,
              "fwdbwd_tflops": both} for impl, fwd, both in (("pallas_attn", 569.0, 473.0),
                                                              ("cudnn", 605.0, None))]
+    rows.append({"shape": "B4 T4096 S4096 N16 H128", "impl": "xla", "error": "out of memory"})
     results = tmp_path / "rows.json"
     results.write_text(json.dumps({"device": "device: NVIDIA H200, jax 0.11.2", "rows": rows}))
     out = tmp_path / "chart.png"
