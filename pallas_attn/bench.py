@@ -319,9 +319,10 @@ def _split(kwargs: dict[str, Any]) -> tuple[dict[str, jax.Array], tuple]:
 @functools.lru_cache(maxsize=4)
 def _program(fn: Callable[..., Any], static: tuple, grads: bool) -> Callable[..., Any]:
     """fn jitted with its arrays as arguments: [out, lse], with grads also the gradients of
-    sum(out * ct) for q, k, v (and the bias). One compile serves every call of a shape:
-    check's clean run, its second call and its run with hidden keys NaN."""
-    def outputs(q, k, v, ct, arrays):
+    sum(out * ct) for q, k, v (and the bias), less sum(lse_ct * lse) where an lse
+    cotangent is given. One compile serves every call of a shape: check's clean run, its
+    second call and its run with hidden keys NaN."""
+    def outputs(q, k, v, ct, arrays, lse_ct=None):
         rest = {x: y for x, y in arrays.items() if x != "bias"}
 
         def forward(q, k, v, bias):
@@ -329,7 +330,10 @@ def _program(fn: Callable[..., Any], static: tuple, grads: bool) -> Callable[...
 
         def loss(q, k, v, bias):
             out, lse = forward(q, k, v, bias)
-            return jnp.sum(out.astype(jnp.float32) * ct), (out, lse)
+            total = jnp.sum(out.astype(jnp.float32) * ct)
+            if lse_ct is not None:  # rows that see no key (lse -inf) take none
+                total -= jnp.sum(lse_ct * jnp.where(jnp.isfinite(lse), lse, 0.0))
+            return total, (out, lse)
 
         bias = arrays.get("bias")
         if not grads:
@@ -361,27 +365,12 @@ def _grads_with_rounded_delta(fn: Callable[..., Any], q, k, v, ct, kwargs: dict[
     dS = P (dP - delta) as -eps P, the gradient of an lse cotangent -eps, so that is how it
     is added (docs/decisions.md, "delta from the rounded output")."""
     arrays, static = _split(kwargs)
-    rest = {x: y for x, y in arrays.items() if x != "bias"}
-
-    def forward(q, k, v, bias):
-        return fn(q, k, v, bias=bias, return_residual=True, **rest, **dict(static))
-
-    def grads(q, k, v, ct, bias):
-        out, lse = forward(q, k, v, bias)
-        info = jnp.finfo(dtype)  # reduce_precision: a round trip through dtype XLA may elide
-        out = out.astype(jnp.float32)
-        rounded = jax.lax.reduce_precision(out, info.nexp, info.nmant) - out
-        eps = jax.lax.stop_gradient(jnp.where(jnp.isfinite(lse), jnp.sum(ct * rounded, -1), 0.0))
-
-        def loss(q, k, v, bias):
-            out, lse = forward(q, k, v, bias)
-            seen = jnp.where(jnp.isfinite(lse), lse, 0.0)
-            return jnp.sum(out.astype(jnp.float32) * ct) - jnp.sum(eps * seen)
-
-        return list(jax.grad(loss, argnums=(0, 1, 2, 3) if bias is not None else (0, 1, 2))(
-            q, k, v, bias))
-
-    return jax.jit(grads)(q, k, v, ct, arrays.get("bias"))
+    out, lse = _program(fn, static, False)(q, k, v, None, arrays)
+    info = jnp.finfo(dtype)  # reduce_precision: a round trip through dtype XLA may elide
+    out = out.astype(jnp.float32)
+    rounded = jax.lax.reduce_precision(out, info.nexp, info.nmant) - out
+    eps = jnp.where(jnp.isfinite(lse), jnp.sum(ct * rounded, -1), 0.0)
+    return _program(fn, static, True)(q, k, v, ct, arrays, eps)[2:]
 
 
 def _visibility(q, k, v, kwargs: dict[str, Any]) -> jax.Array | None:
