@@ -200,7 +200,9 @@ def main(argv: list[str] | None = None) -> int:
 
 def _plot(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     """`plot`: bench's JSON rows (their device named in the file) as a bar chart."""
+    import importlib.util
     import json
+    import os
 
     try:
         with open(args.results) as f:
@@ -213,6 +215,12 @@ def _plot(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if not rows:  # rows of failed calls have no times: they are left out
         parser.error(f"{args.results!r} holds no TFLOP/s rows (bench --json of --set "
                      f"standard, features, all, wide or long writes them)")
+    folder = os.path.dirname(args.out) or "."
+    if not os.path.isdir(folder):
+        parser.error(f"plot's out {args.out!r}: no folder {folder!r} to write it in")
+    if importlib.util.find_spec("matplotlib") is None:
+        parser.error("plot needs matplotlib (pip install matplotlib, or the project's "
+                     "'examples' extra)")
     from pallas_attn import bench as bench_lib
 
     bench_lib.plot(rows, args.out, str(results.get("device", "device not recorded")))

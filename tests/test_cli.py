@@ -354,6 +354,11 @@ def test_plot_draws_bench_results_with_their_device(tmp_path, capsys):
             main(["plot", str(bad), str(out)])
         assert e.value.code == 2
         assert str(bad) in capsys.readouterr().err
+    nowhere = tmp_path / "no" / "chart.png"
+    with pytest.raises(SystemExit) as e:
+        main(["plot", str(results), str(nowhere)])
+    assert e.value.code == 2
+    assert str(nowhere) in capsys.readouterr().err
 
 
 def test_check_adds_the_kernels_rounding_of_delta_as_the_backward_does():
