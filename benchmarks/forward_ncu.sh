@@ -7,7 +7,7 @@
 # Usage (repo root, on the GPU machine):
 #   bash benchmarks/forward_ncu.sh B T N K H [causal]     e.g. 4 4096 8 8 256 causal
 set -uo pipefail
-export PYTHONPATH=. PYTHONUNBUFFERED=1
+export PYTHONPATH=.:benchmarks PYTHONUNBUFFERED=1
 # ncu's replayed passes need device memory XLA's preallocation would hold.
 export XLA_PYTHON_CLIENT_PREALLOCATE=false
 OUT=${OUT:-out}; mkdir -p "$OUT"
@@ -23,8 +23,9 @@ case "${6:-}" in "") ;; causal) causal=1 ;; *)
 esac
 script=$(mktemp --suffix=.py)
 cat > "$script" <<'PY'
-import ctypes, glob, os, site, sys
+import sys
 import jax, jax.numpy as jnp
+from ncu_report import profile_one_call
 import pallas_attn
 impl, (B, T, N, K, H), causal = sys.argv[1], map(int, sys.argv[2:7]), sys.argv[7] == "1"
 keys = jax.random.split(jax.random.key(0), 3)
@@ -36,13 +37,7 @@ if impl == "cudnn":
 else:
     call = jax.jit(lambda q, k, v: pallas_attn.dot_product_attention(
         q, k, v, is_causal=causal, implementation="pallas"))
-jax.block_until_ready(call(q, k, v)); jax.block_until_ready(call(q, k, v))
-libs = [p for d in site.getsitepackages() + ["/usr/local/cuda/lib64"]
-        for p in glob.glob(os.path.join(d, "**", "libcudart.so*"), recursive=True)]
-runtime = ctypes.CDLL(sorted(libs)[0])
-runtime.cudaProfilerStart()
-jax.block_until_ready(call(q, k, v))
-runtime.cudaProfilerStop()
+profile_one_call(lambda: call(q, k, v))
 PY
 metrics="gpu__time_duration.sum,smsp__inst_executed.sum,smsp__inst_executed_pipe_xu.sum,lts__t_bytes.sum,lts__throughput.avg.pct_of_peak_sustained_elapsed,dram__bytes_read.sum,sm__throughput.avg.pct_of_peak_sustained_elapsed,l1tex__t_bytes_pipe_lsu_mem_local_op_ld.sum"
 metrics+=",regex:smsp__average_warps_issue_stalled_.*_per_issue_active\\.ratio"
@@ -54,26 +49,14 @@ for impl in pallas_attn cudnn; do
       echo "forward_ncu.sh: ncu failed for $impl, see ${csv_out%.csv}.stderr" >&2
       tail -5 "${csv_out%.csv}.stderr" >&2; continue; }
   python3 - "$csv_out" "$impl" <<'PY'
-import collections, csv, sys
-kernels, names = collections.defaultdict(dict), {}
-for r in csv.reader(open(sys.argv[1])):
-    if len(r) >= 15 and r[0].isdigit():
-        names[r[0]] = (r[4], r[7], r[8])  # name, block, grid
-        try:
-            kernels[r[0]][r[12]] = float(r[14].replace(",", ""))
-        except ValueError:  # a metric ncu could not read ("n/a")
-            pass
+import sys
+from ncu_report import read_kernels
 print(f"== {sys.argv[2]}")
-for kid, m in kernels.items():
-    us = m.get("gpu__time_duration.sum", float("nan")) / 1e3
-    name, block, grid = names[kid]
-    print(f"{us:9.1f} us  {name[:100]}  block {block} grid {grid}")
-    for k, v in m.items():
-        if k != "gpu__time_duration.sum" and "issue_stalled" not in k:
-            print(f"{'':14s}{v:11.4g}  {k}")
-    stalls = sorted(((v, k) for k, v in m.items()
-                     if "issue_stalled" in k and "not_issued" not in k), reverse=True)[:5]
+for kernel in read_kernels(sys.argv[1]):
+    print(f"{kernel.us:9.1f} us  {kernel.name[:100]}  block {kernel.block} grid {kernel.grid}")
+    for k, v in kernel.counts().items():
+        print(f"{'':14s}{v:11.4g}  {k}")
     print(f"{'':14s}stalls: " + ", ".join(
-        f"{k.split('stalled_')[1].split('_per')[0]} {v:.2f}" for v, k in stalls))
+        f"{k.split('stalled_')[1].split('_per')[0]} {v:.2f}" for v, k in kernel.stalls()))
 PY
 done

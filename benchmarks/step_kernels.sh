@@ -10,7 +10,7 @@
 #   CAUSAL=1: causal masking too; DQ: the dQ backend to force (mosaic or triton;
 #   default: the plan's). Every kernel of the step is listed, XLA's fusions included.
 set -uo pipefail
-export PYTHONPATH=. PYTHONUNBUFFERED=1
+export PYTHONPATH=.:benchmarks PYTHONUNBUFFERED=1
 # ncu's replayed passes (STALLS=1, COUNTS=1) need device memory XLA's preallocation would hold.
 export XLA_PYTHON_CLIENT_PREALLOCATE=false
 OUT=${OUT:-out}; mkdir -p "$OUT"
@@ -28,8 +28,8 @@ case "$dq" in ""|mosaic|triton) ;; *)
 esac
 script=$(mktemp --suffix=.py)
 cat > "$script" <<'PY'
-import ctypes, functools, glob, os, site, sys
-import jax
+import functools, sys
+from ncu_report import profile_one_call
 import pallas_attn
 from pallas_attn import bench
 
@@ -47,13 +47,7 @@ att = functools.partial(pallas_attn.dot_product_attention, implementation="palla
 step = bench._loss_and_grad(att, inputs)
 call = lambda: step(inputs["query"], inputs["key"], inputs["value"], kw.get("bias"),
                     inputs["cotangent"])
-jax.block_until_ready(call()); jax.block_until_ready(call())
-libs = [p for d in site.getsitepackages() + ["/usr/local/cuda/lib64"]
-        for p in glob.glob(os.path.join(d, "**", "libcudart.so*"), recursive=True)]
-runtime = ctypes.CDLL(sorted(libs)[0])
-runtime.cudaProfilerStart()
-jax.block_until_ready(call())
-runtime.cudaProfilerStop()
+profile_one_call(call)
 PY
 # STALLS=1: also each kernel's warp stall reasons, the five largest in warps stalled per
 # issued instruction (the section WarpStateStats shows only their sum).
@@ -69,27 +63,14 @@ ncu --clock-control none --cache-control none --profile-from-start off \
   2> "${csv_out%.csv}.stderr" || { echo "step_kernels.sh: ncu failed, see ${csv_out%.csv}.stderr" >&2
                                    tail -5 "${csv_out%.csv}.stderr" >&2; exit 1; }
 python3 - "$csv_out" <<'PY'
-import collections, csv, sys
-kernels = collections.defaultdict(dict)
-names = {}
-for r in csv.reader(open(sys.argv[1])):
-    if len(r) >= 15 and r[0].isdigit():
-        names[r[0]] = (r[4], r[8])
-        try:
-            kernels[r[0]][r[12]] = float(r[14].replace(",", ""))
-        except ValueError:  # a metric ncu could not read ("n/a")
-            pass
-total = 0.0
-for kid, metrics in kernels.items():
-    us = metrics.get("gpu__time_duration.sum", float("nan")) / 1e3
-    total += us
-    print(f"{us:9.1f} us  {names[kid][0][:40]:40s} grid {names[kid][1]}")
-    for k, v in metrics.items():  # COUNTS=1's
-        if k != "gpu__time_duration.sum" and "issue_stalled" not in k:
-            print(f"{'':14s}{v:11.4g}  {k}")
-    stalls = sorted(((v, k) for k, v in metrics.items()
-                     if "issue_stalled" in k and "not_issued" not in k), reverse=True)
-    for v, k in stalls[:5]:
+import sys
+from ncu_report import read_kernels
+kernels = read_kernels(sys.argv[1])
+for kernel in kernels:
+    print(f"{kernel.us:9.1f} us  {kernel.name[:40]:40s} grid {kernel.grid}")
+    for k, v in kernel.counts().items():  # COUNTS=1's
+        print(f"{'':14s}{v:11.4g}  {k}")
+    for v, k in kernel.stalls():
         print(f"{'':14s}{v:7.2f}  {k}")
-print(f"{total / 1e3:9.3f} ms in {len(kernels)} kernels")
+print(f"{sum(kernel.us for kernel in kernels) / 1e3:9.3f} ms in {len(kernels)} kernels")
 PY
